@@ -1,0 +1,59 @@
+"""fp8_linen: fp8 and integer quantization-aware training layers for Flax Linen.
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax
+  >>> import fp8_linen as fl
+  >>> model = fl.QDense(4)
+  >>> variables = model.init(jax.random.key(0), jnp.ones((8, 16)))
+  >>> state = fl.TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(1e-3))
+  >>> loss = lambda v: jnp.mean(model.apply(v, jnp.ones((8, 16))) ** 2)
+  >>> state = state.apply_gradients(grads=jax.grad(loss)(state.params))
+"""
+
+from fp8_linen import numerics, ops, recipes
+from fp8_linen.layers import OWG, ROLES, Fp8DotGeneral, QDense
+from fp8_linen.ops import RoleState, dequantize, fp8_dot_general, quantize
+from fp8_linen.recipes import (
+    FP8_DTYPES,
+    Fp8Recipe,
+    ScalingConfig,
+    current_scaling,
+    delayed_scaling,
+)
+from fp8_linen.train_state import (
+    TrainState,
+    accumulate_gradients,
+    finalize_accumulated,
+    merge_owg,
+    owg_max,
+    reduce_gradients,
+    split_owg,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "OWG",
+    "ROLES",
+    "FP8_DTYPES",
+    "Fp8Recipe",
+    "ScalingConfig",
+    "delayed_scaling",
+    "current_scaling",
+    "RoleState",
+    "quantize",
+    "dequantize",
+    "fp8_dot_general",
+    "Fp8DotGeneral",
+    "QDense",
+    "TrainState",
+    "split_owg",
+    "merge_owg",
+    "owg_max",
+    "accumulate_gradients",
+    "finalize_accumulated",
+    "reduce_gradients",
+    "numerics",
+    "ops",
+    "recipes",
+]

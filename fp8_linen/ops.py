@@ -1,0 +1,442 @@
+"""fp8 ops with custom gradients (every ``jax.custom_vjp`` of the library).
+
+Two families, both built by factories that close over static configuration
+(dtypes, recipe, dimension numbers) and cache the resulting closures:
+
+* :func:`quantize` / :func:`dequantize` -- the quantize/dequantize pair of the
+  card's mechanism. ``quantize(x, scale, history) -> (x_fp8, scale_out)`` and
+  ``dequantize(x_fp8, scale_out, grad_scale, grad_history) -> x``. In the
+  backward pass ``dequantize`` runs first: it picks the gradient's scale,
+  quantizes the gradient to e5m2 and returns that scale *as the cotangent of
+  its dummy* ``scale_out`` *input*. ``quantize``'s backward receives exactly that
+  scale and dequantizes the gradient with it.
+* :func:`fp8_dot_general` -- the direct fp8 GEMM: fp8 operands go straight into
+  ``lax.dot_general`` and the per-tensor scales multiply the output. Its
+  backward runs both gradient GEMMs in fp8 (e5m2 gradient x e4m3 operand).
+  Only the fp8 copies of the operands are kept for the backward pass.
+
+State updates leave the step as "gradients": each op returns, as the
+cotangent of its ``scale``/``amax_history`` inputs, the new values of those
+variables (the ``_overwrite_with_gradient`` convention).
+
+**Several uses of one state in a step.** Autodiff *sums* the cotangents of a
+variable used twice, which would double scales and add amaxes. Every op
+therefore also takes and returns a *chain* array: the uses of one state are
+linked through it (use ``k`` takes use ``k-1``'s ``chain_out``). In the
+backward pass each later use sends its observed amax back along the chain; only
+the first use (``chain=None``) returns the new state, built from the max of all
+observations, and the other uses return zeros for the state. The sum autodiff
+forms then has exactly one non-zero term. The layers in
+:mod:`fp8_linen.layers` do this linking for you.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from fp8_linen import ops, recipes
+  >>> cfg = recipes.ScalingConfig(history_length=4)
+  >>> x = jnp.array([1.0, -2.0, 3.0])
+  >>> xq, s, _ = ops.quantize(x, jnp.ones((1,)), jnp.zeros((4,)), cfg=cfg)
+  >>> xq.dtype
+  dtype(float8_e4m3fn)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.ad_checkpoint
+import jax.numpy as jnp
+from jax import lax
+
+from fp8_linen import numerics
+from fp8_linen.recipes import Fp8Recipe, ScalingConfig, resolve_gemm
+
+__all__ = [
+    "RoleState",
+    "quantize",
+    "dequantize",
+    "fp8_dot_general",
+    "chain_init",
+    "CHECKPOINT_NAME",
+]
+
+# Name given (jax.ad_checkpoint.checkpoint_name) to the fp8 copies saved for the
+# backward pass, so a remat policy can keep exactly those.
+CHECKPOINT_NAME = "fp8_linen.fp8_residual"
+
+
+class RoleState(NamedTuple):
+  """The fp8 state of one tensor role: ``scale`` (1,) and ``amax_history`` (L,)."""
+
+  scale: jnp.ndarray
+  amax_history: jnp.ndarray
+
+
+def chain_init(n: int) -> jnp.ndarray:
+  """The chain value a first use starts from (ignored by the ops)."""
+  return jnp.zeros((n,), jnp.float32)
+
+
+def _new_state(cfg: ScalingConfig, state: RoleState, observed_amax) -> RoleState:
+  """The state after a step that observed ``observed_amax`` (non-finite -> 0)."""
+  a = numerics.finite_or_zero(observed_amax)
+  scale = numerics.select_scale(cfg, state.scale, state.amax_history, a)
+  return RoleState(scale, numerics.roll_history(state.amax_history, a))
+
+
+def _state_cotangents(cfgs, states, observed, ct_chain, first):
+  """Cotangents for the state inputs and the chain input (see module doc).
+
+  Args:
+    cfgs: scaling config per role.
+    states: :class:`RoleState` per role (the values read at the start of the step).
+    observed: this use's amax per role (float32 scalars).
+    ct_chain: cotangent of ``chain_out``: the max amax of the later uses per role.
+    first: whether this use is the first (the one that returns the state).
+
+  Returns:
+    ``(state_cts, chain_ct)``.
+  """
+  combined = jnp.maximum(numerics.finite_or_zero(jnp.stack(observed)), ct_chain)
+  if first:
+    state_cts = tuple(_new_state(c, s, combined[i]) for i, (c, s) in enumerate(zip(cfgs, states)))
+    return state_cts, jnp.zeros_like(ct_chain)
+  zeros = tuple(RoleState(jnp.zeros_like(s.scale), jnp.zeros_like(s.amax_history)) for s in states)
+  return zeros, combined
+
+
+def _as_state(scale, amax_history) -> RoleState:
+  return RoleState(jnp.asarray(scale, jnp.float32), jnp.asarray(amax_history, jnp.float32))
+
+
+def _check_state(name: str, cfg: ScalingConfig, state: RoleState) -> None:
+  if state.scale.shape != (1,):
+    raise ValueError(f"{name}_scale must have shape (1,), got {state.scale.shape}")
+  if state.amax_history.ndim != 1 or state.amax_history.shape[0] < 1:
+    raise ValueError(
+        f"{name}_amax_history must have shape (history_length,), got {state.amax_history.shape}")
+  del cfg
+
+
+def _check_float(name: str, x) -> None:
+  if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+    raise TypeError(f"{name} must be a floating array, got dtype {jnp.result_type(x)}")
+
+
+# ----------------------------------------------------------------------------
+# quantize / dequantize: the card's pair, with the tangent scale smuggled back
+# through the cotangent of the dummy ``scale_out``.
+# ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _make_quantize(cfg: ScalingConfig, x_dtype, first: bool):
+  qdtype = cfg.jnp_dtype
+
+  def _fwd_values(x, scale, history):
+    a = numerics.amax(x)
+    s = numerics.select_scale(cfg, scale, history, a)
+    return numerics.quantize(x, qdtype, s), s, a
+
+  @jax.custom_vjp
+  def q(x, scale, history, chain):
+    xq, s, _ = _fwd_values(x, scale, history)
+    return xq, s, chain
+
+  def q_fwd(x, scale, history, chain):
+    xq, s, a = _fwd_values(x, scale, history)
+    return (xq, s, chain), (a, scale, history)
+
+  def q_bwd(res, cts):
+    a, scale, history = res
+    g_q, g_scale, ct_chain = cts
+    # g_q is the fp8 gradient made by dequantize's backward, g_scale the scale
+    # it was quantized with (delivered through the dummy ``scale_out``).
+    dx = numerics.dequantize(g_q, g_scale, x_dtype)
+    (st,), chain_ct = _state_cotangents((cfg,), (RoleState(scale, history),), (a,),
+                                        ct_chain, first)
+    return dx, st.scale, st.amax_history, chain_ct
+
+  q.defvjp(q_fwd, q_bwd)
+  return q
+
+
+@functools.lru_cache(maxsize=None)
+def _make_dequantize(grad_cfg: ScalingConfig, out_dtype, first: bool):
+  gdtype = grad_cfg.jnp_dtype
+
+  @jax.custom_vjp
+  def dq(xq, scale_out, grad_scale, grad_history, chain):
+    return numerics.dequantize(xq, scale_out, out_dtype), chain
+
+  def dq_fwd(xq, scale_out, grad_scale, grad_history, chain):
+    return dq(xq, scale_out, grad_scale, grad_history, chain), (grad_scale, grad_history)
+
+  def dq_bwd(res, cts):
+    grad_scale, grad_history = res
+    g, ct_chain = cts
+    a = numerics.amax(g)
+    s = numerics.select_scale(grad_cfg, grad_scale, grad_history, a)
+    g_q = numerics.quantize(g, gdtype, s)
+    (st,), chain_ct = _state_cotangents((grad_cfg,), (RoleState(grad_scale, grad_history),),
+                                        (a,), ct_chain, first)
+    # The cotangent of the dummy scale_out *is* the gradient's scale.
+    return g_q, s, st.scale, st.amax_history, chain_ct
+
+  dq.defvjp(dq_fwd, dq_bwd)
+  return dq
+
+
+def quantize(x, scale, amax_history, *, cfg: ScalingConfig | None = None, chain=None):
+  """Quantizes ``x`` to fp8 with a scale chosen by ``cfg``.
+
+  Forward: picks the scale (delayed: from ``amax_history``, or from ``x`` on the
+  first step; current: from ``x``) and returns the saturated fp8 value and the
+  scale used. Backward: dequantizes the incoming fp8 gradient with the scale
+  received through ``scale_out``'s cotangent, and returns the new ``(scale,
+  amax_history)`` as the cotangents of those inputs.
+
+  Args:
+    x: floating array to quantize.
+    scale: float32 ``(1,)``, the stored scale.
+    amax_history: float32 ``(L,)``, the stored amax history (index 0 newest).
+    cfg: the role's :class:`~fp8_linen.ScalingConfig` (default: e4m3, delayed).
+    chain: ``None`` for the first use of this state in a step, else the
+      ``chain_out`` of the previous use.
+
+  Returns:
+    ``(x_fp8, scale_out, chain_out)``; pass ``x_fp8`` and ``scale_out`` to
+    :func:`dequantize`, ``chain_out`` to the next use of the same state.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen import ops
+    >>> xq, s, _ = ops.quantize(jnp.array([2.0, 896.0]), jnp.ones((1,)), jnp.zeros((8,)))
+    >>> s.tolist()  # first step: scale from this amax, no clipping
+    [2.0]
+  """
+  cfg = cfg or ScalingConfig()
+  x = jnp.asarray(x)
+  _check_float("x", x)
+  state = _as_state(scale, amax_history)
+  _check_state("input", cfg, state)
+  first = chain is None
+  chain = chain_init(1) if first else chain
+  op = _make_quantize(cfg, jnp.dtype(x.dtype), first)
+  return op(x, state.scale, state.amax_history, chain)
+
+
+def dequantize(x_fp8, scale_out, grad_scale, grad_amax_history, *,
+               grad_cfg: ScalingConfig | None = None, dtype=jnp.float32, chain=None):
+  """Dequantizes ``x_fp8`` and quantizes the gradient flowing back through it.
+
+  Forward: ``x_fp8 * scale_out`` in ``dtype``. Backward: picks the gradient's
+  scale (from ``grad_amax_history``, or from the gradient itself on the first
+  step), quantizes the gradient to ``grad_cfg.dtype`` (e5m2 by default) and
+  returns it as the cotangent of ``x_fp8``, the scale as the cotangent of the
+  dummy ``scale_out``, and the new gradient state as the cotangents of
+  ``grad_scale``/``grad_amax_history``.
+
+  Args:
+    x_fp8: the fp8 value from :func:`quantize`.
+    scale_out: the scale output of :func:`quantize`.
+    grad_scale: float32 ``(1,)``, the stored gradient scale.
+    grad_amax_history: float32 ``(L,)``, the stored gradient amax history.
+    grad_cfg: the gradient role's config (default: e5m2, delayed).
+    dtype: the dtype to dequantize to.
+    chain: ``None`` for the first use of the gradient state, else the previous
+      use's ``chain_out``.
+
+  Returns:
+    ``(x, chain_out)``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from fp8_linen import ops
+    >>> def f(x):
+    ...   xq, s, _ = ops.quantize(x, jnp.ones((1,)), jnp.zeros((8,)))
+    ...   return ops.dequantize(xq, s, jnp.ones((1,)), jnp.zeros((8,)))[0]
+    >>> float(jax.grad(lambda x: 1000.0 * f(x))(5.0))
+    1000.0
+  """
+  grad_cfg = grad_cfg or ScalingConfig(dtype="float8_e5m2")
+  state = _as_state(grad_scale, grad_amax_history)
+  _check_state("output_grad", grad_cfg, state)
+  first = chain is None
+  chain = chain_init(1) if first else chain
+  op = _make_dequantize(grad_cfg, jnp.dtype(dtype), first)
+  return op(x_fp8, scale_out, state.scale, state.amax_history, chain)
+
+
+# ----------------------------------------------------------------------------
+# The direct fp8 dot_general.
+# ----------------------------------------------------------------------------
+
+DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]],
+                         tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def _canonical_dn(dimension_numbers, lhs_ndim: int, rhs_ndim: int) -> DimensionNumbers:
+  (lc, rc), (lb, rb) = dimension_numbers
+  norm = lambda dims, n: tuple(int(d) % n if n else int(d) for d in dims)
+  dn = ((norm(lc, lhs_ndim), norm(rc, rhs_ndim)), (norm(lb, lhs_ndim), norm(rb, rhs_ndim)))
+  if len(dn[0][0]) != len(dn[0][1]) or len(dn[1][0]) != len(dn[1][1]):
+    raise ValueError(f"dimension_numbers {dimension_numbers} pair unequal numbers of dimensions")
+  return dn
+
+
+def _free_dims(ndim: int, contract: Sequence[int], batch: Sequence[int]) -> list[int]:
+  return [d for d in range(ndim) if d not in contract and d not in batch]
+
+
+def _gemm(a, b, dn, gemm: str, out_dtype):
+  """``dot_general`` of two fp8 operands under one of the lowerings."""
+  if gemm == "fp8":
+    return lax.dot_general(a, b, dn, preferred_element_type=out_dtype)
+  up = jnp.bfloat16 if gemm == "bf16" else jnp.float32  # fp8 -> bf16 is exact
+  return lax.dot_general(a.astype(up), b.astype(up), dn, preferred_element_type=jnp.float32)
+
+
+def _scaled(y, scale, out_dtype):
+  """Applies a scalar scale to a GEMM output and casts it."""
+  return (y * jnp.reshape(scale, ()).astype(y.dtype)).astype(out_dtype)
+
+
+def _dlhs(g, rhs, dn, lhs_ndim: int, gemm: str, out_dtype, scale):
+  """Gradient of ``dot_general(lhs, rhs, dn)`` w.r.t. ``lhs``, given ``g``."""
+  (lc, rc), (lb, rb) = dn
+  l_free = _free_dims(lhs_ndim, lc, lb)
+  r_free = _free_dims(rhs.ndim, rc, rb)
+  nb = len(lb)
+  g_rfree = list(range(nb + len(l_free), g.ndim))
+  y = _gemm(g, rhs, ((g_rfree, r_free), (list(range(nb)), list(rb))), gemm, out_dtype)
+  y = _scaled(y, scale, out_dtype)
+  # y's dims: batch, lhs-free, then rhs contracting dims in increasing order.
+  src = list(lb) + l_free + [lc[list(rc).index(d)] for d in sorted(rc)]
+  return jnp.transpose(y, [src.index(i) for i in range(lhs_ndim)])
+
+
+def _drhs(g, lhs, dn, rhs_ndim: int, gemm: str, out_dtype, scale):
+  """Gradient of ``dot_general(lhs, rhs, dn)`` w.r.t. ``rhs``, given ``g``."""
+  (lc, rc), (lb, rb) = dn
+  l_free = _free_dims(lhs.ndim, lc, lb)
+  r_free = _free_dims(rhs_ndim, rc, rb)
+  nb = len(lb)
+  g_lfree = list(range(nb, nb + len(l_free)))
+  y = _gemm(lhs, g, ((l_free, g_lfree), (list(lb), list(range(nb)))), gemm, out_dtype)
+  y = _scaled(y, scale, out_dtype)
+  # y's dims: batch, lhs contracting dims in increasing order, then rhs-free.
+  src = list(rb) + [rc[list(lc).index(d)] for d in sorted(lc)] + r_free
+  return jnp.transpose(y, [src.index(i) for i in range(rhs_ndim)])
+
+
+@functools.lru_cache(maxsize=None)
+def _make_fp8_dot(dn: DimensionNumbers, recipe: Fp8Recipe, gemm: str, out_dtype,
+                  lhs_dtype, rhs_dtype, first: bool):
+  cfgs = (recipe.input, recipe.kernel, recipe.output_grad)
+  in_cfg, k_cfg, g_cfg = cfgs
+
+  def _forward(lhs, rhs, ls, lh, rs, rh):
+    a_l, a_r = numerics.amax(lhs), numerics.amax(rhs)
+    s_l = numerics.select_scale(in_cfg, ls, lh, a_l)
+    s_r = numerics.select_scale(k_cfg, rs, rh, a_r)
+    q_l = numerics.quantize(lhs, in_cfg.jnp_dtype, s_l)
+    q_r = numerics.quantize(rhs, k_cfg.jnp_dtype, s_r)
+    y = _scaled(_gemm(q_l, q_r, dn, gemm, out_dtype), s_l * s_r, out_dtype)
+    return y, (q_l, q_r, s_l, s_r, a_l, a_r)
+
+  @jax.custom_vjp
+  def op(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
+    return _forward(lhs, rhs, ls, lh, rs, rh)[0], chain
+
+  def op_fwd(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
+    y, (q_l, q_r, s_l, s_r, a_l, a_r) = _forward(lhs, rhs, ls, lh, rs, rh)
+    q_l = jax.ad_checkpoint.checkpoint_name(q_l, CHECKPOINT_NAME)
+    q_r = jax.ad_checkpoint.checkpoint_name(q_r, CHECKPOINT_NAME)
+    # Residuals: the fp8 operands, four scalars, and the state inputs (which are
+    # arguments of the step, alive anyway). No high-precision copy is kept.
+    return (y, chain), (q_l, q_r, s_l, s_r, a_l, a_r, ls, lh, rs, rh, gs, gh)
+
+  def op_bwd(res, cts):
+    q_l, q_r, s_l, s_r, a_l, a_r, ls, lh, rs, rh, gs, gh = res
+    g, ct_chain = cts
+    a_g = numerics.amax(g)
+    s_g = numerics.select_scale(g_cfg, gs, gh, a_g)
+    q_g = numerics.quantize(g, g_cfg.jnp_dtype, s_g)
+    d_lhs = _dlhs(q_g, q_r, dn, q_l.ndim, gemm, lhs_dtype, s_g * s_r)
+    d_rhs = _drhs(q_g, q_l, dn, q_r.ndim, gemm, rhs_dtype, s_g * s_l)
+    states = (RoleState(ls, lh), RoleState(rs, rh), RoleState(gs, gh))
+    (nl, nr, ng), chain_ct = _state_cotangents(cfgs, states, (a_l, a_r, a_g), ct_chain, first)
+    return (d_lhs, d_rhs, nl.scale, nl.amax_history, nr.scale, nr.amax_history,
+            ng.scale, ng.amax_history, chain_ct)
+
+  op.defvjp(op_fwd, op_bwd)
+  return op
+
+
+def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: RoleState,
+                    kernel_state: RoleState, output_grad_state: RoleState,
+                    recipe: Fp8Recipe | None = None, out_dtype=None, chain=None):
+  """``lax.dot_general`` with fp8 operands and fp8 gradient GEMMs.
+
+  Forward: ``lhs`` and ``rhs`` are quantized (``recipe.input`` /
+  ``recipe.kernel``, e4m3 by default) and multiplied directly in fp8; the
+  product of the two scalar scales multiplies the output. Backward: the output
+  gradient is quantized (``recipe.output_grad``, e5m2 by default) and both
+  gradient GEMMs run with fp8 operands. The new state of all three roles is
+  returned as the cotangent of the state inputs.
+
+  On GPU (``recipe.gemm='auto'``) the fp8 operands are fed to the GEMM directly,
+  the form XLA rewrites to a cuBLASLt fp8 matmul; on other backends they are
+  upcast exactly to bfloat16.
+
+  Args:
+    lhs: floating array (the activation).
+    rhs: floating array (the weight).
+    dimension_numbers: ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``
+      as for ``lax.dot_general``.
+    input_state: :class:`RoleState` of ``lhs``.
+    kernel_state: :class:`RoleState` of ``rhs``.
+    output_grad_state: :class:`RoleState` of the output gradient.
+    recipe: the :class:`~fp8_linen.Fp8Recipe` (default: delayed e4m3/e5m2).
+    out_dtype: output dtype (default: the result type of ``lhs`` and ``rhs``).
+    chain: ``None`` for the first use of these states in a step, else the
+      ``chain_out`` of the previous use.
+
+  Returns:
+    ``(out, chain_out)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen import ops
+    >>> st = lambda: ops.RoleState(jnp.ones((1,)), jnp.zeros((16,)))
+    >>> y, _ = ops.fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 4)), (((1,), (0,)), ((), ())),
+    ...                            input_state=st(), kernel_state=st(), output_grad_state=st())
+    >>> [round(v, 4) for v in y[0].tolist()]
+    [3.0, 3.0, 3.0, 3.0]
+  """
+  recipe = recipe or Fp8Recipe()
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  _check_float("lhs", lhs)
+  _check_float("rhs", rhs)
+  dn = _canonical_dn(dimension_numbers, lhs.ndim, rhs.ndim)
+  (lc, rc), (lb, rb) = dn
+  for ld, rd in zip(lc + lb, rc + rb):
+    if lhs.shape[ld] != rhs.shape[rd]:
+      raise ValueError(
+          f"fp8_dot_general: lhs dimension {ld} (size {lhs.shape[ld]}) does not match rhs "
+          f"dimension {rd} (size {rhs.shape[rd]}); lhs.shape={lhs.shape}, rhs.shape={rhs.shape}")
+  states = []
+  for name, st in (("input", input_state), ("kernel", kernel_state),
+                   ("output_grad", output_grad_state)):
+    st = _as_state(*st)
+    _check_state(name, recipe.role(name), st)
+    states.append(st)
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  first = chain is None
+  chain = chain_init(3) if first else chain
+  op = _make_fp8_dot(dn, recipe, resolve_gemm(recipe), out_dtype, jnp.dtype(lhs.dtype),
+                     jnp.dtype(rhs.dtype), first)
+  (ls, lh), (rs, rh), (gs, gh) = states
+  return op(lhs, rhs, ls, lh, rs, rh, gs, gh, chain)
