@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -31,7 +31,8 @@ from flax.linen import fp8_ops
 from fp8_linen import ops
 from fp8_linen.recipes import Fp8Recipe, ScalingConfig
 
-__all__ = ["OWG", "ROLES", "role_state", "chained", "Fp8DotGeneral", "QDense"]
+__all__ = ["OWG", "ROLES", "role_state", "chained", "register_dot_general",
+           "quantized_dot_general_on", "Fp8DotGeneral", "QDense"]
 
 OWG: str = fp8_ops.OVERWRITE_WITH_GRADIENT
 ROLES = ("input", "kernel", "output_grad")
@@ -112,6 +113,35 @@ def fp8_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe: F
       output_grad_state=states[2], recipe=recipe, out_dtype=out_dtype, chain=chain))
 
 
+# recipe type -> fn(module, lhs, rhs, dimension_numbers, recipe, out_dtype, key) -> out
+_DOT_GENERAL_IMPLS: dict[type, Callable] = {}
+
+
+def register_dot_general(recipe_type: type, impl: Callable) -> None:
+  """Registers how layers run a ``dot_general`` for recipes of ``recipe_type``.
+
+  ``impl(module, lhs, rhs, dimension_numbers, recipe, out_dtype, key)`` declares
+  whatever state it needs on ``module`` and returns the product. Every layer
+  (``QDense``, ``Fp8DotGeneral``, ...) goes through this table, so a new recipe
+  family works in all of them.
+  """
+  _DOT_GENERAL_IMPLS[recipe_type] = impl
+
+
+def quantized_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe,
+                             out_dtype=None, key: str = "dot"):
+  """Runs the quantized ``dot_general`` that ``recipe``'s type registered."""
+  for klass in type(recipe).__mro__:
+    if klass in _DOT_GENERAL_IMPLS:
+      return _DOT_GENERAL_IMPLS[klass](module, lhs, rhs, dimension_numbers, recipe,
+                                       out_dtype, key)
+  raise TypeError(f"{type(recipe).__name__} is not a recipe; known recipe types: "
+                  f"{sorted(t.__name__ for t in _DOT_GENERAL_IMPLS)}")
+
+
+register_dot_general(Fp8Recipe, fp8_dot_general_on)
+
+
 class Fp8DotGeneral(nn.Module):
   """A ``dot_general`` with fp8 state, for flax's injection points.
 
@@ -131,13 +161,13 @@ class Fp8DotGeneral(nn.Module):
     True
   """
 
-  recipe: Fp8Recipe = Fp8Recipe()
+  recipe: Any = Fp8Recipe()
 
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
     del precision  # fp8 GEMMs run at DEFAULT precision (fast accumulation).
-    return fp8_dot_general_on(self, lhs, rhs, dimension_numbers, self.recipe,
-                              out_dtype=preferred_element_type)
+    return quantized_dot_general_on(self, lhs, rhs, dimension_numbers, self.recipe,
+                                    out_dtype=preferred_element_type)
 
 
 class QDense(nn.Dense):
@@ -160,7 +190,7 @@ class QDense(nn.Dense):
     (2, 3)
   """
 
-  recipe: Fp8Recipe = Fp8Recipe()
+  recipe: Any = Fp8Recipe()
 
   @nn.compact
   def __call__(self, inputs: Any) -> Any:
@@ -179,8 +209,9 @@ class QDense(nn.Dense):
     bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
             if self.use_bias else None)
     inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-    y = fp8_dot_general_on(self, inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
-                           self.recipe, out_dtype=inputs.dtype)
+    y = quantized_dot_general_on(self, inputs, kernel,
+                                 (((inputs.ndim - 1,), (0,)), ((), ())), self.recipe,
+                                 out_dtype=inputs.dtype)
     if bias is not None:
       y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
     return y
