@@ -106,6 +106,37 @@ def _state_cotangents(cfgs, states, observed, ct_chain, first):
   return zeros, combined
 
 
+def _varying_axes(x) -> frozenset:
+  """Mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(getattr(mat, "varying", ()) or ())
+  return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def _match_varying(ct, like, reduce):
+  """Makes cotangent ``ct`` vary over exactly the mesh axes its primal ``like`` does.
+
+  Inside ``shard_map`` a replicated input's cotangent must be reduced over the
+  axes the cotangent varies on: gradients are summed (``lax.psum``, what JAX's
+  own autodiff does) and fp8 state is max-reduced (``lax.pmax``: the global
+  amax, never a sum or mean of the per-device ones).
+  """
+  want, have = _varying_axes(like), _varying_axes(ct)
+  extra = tuple(sorted(have - want))
+  if extra:
+    ct = reduce(ct, extra)
+  missing = tuple(sorted(want - have))
+  if missing:
+    ct = lax.pcast(ct, missing, to="varying")
+  return ct
+
+
+def _match_state(ct: RoleState, like: RoleState) -> RoleState:
+  return RoleState(*(_match_varying(c, l, lax.pmax) for c, l in zip(ct, like)))
+
+
 def _as_state(scale, amax_history) -> RoleState:
   return RoleState(jnp.asarray(scale, jnp.float32), jnp.asarray(amax_history, jnp.float32))
 
@@ -154,9 +185,10 @@ def _make_quantize(cfg: ScalingConfig, x_dtype, first: bool):
     # g_q is the fp8 gradient made by dequantize's backward, g_scale the scale
     # it was quantized with (delivered through the dummy ``scale_out``).
     dx = numerics.dequantize(g_q, g_scale, x_dtype)
-    (st,), chain_ct = _state_cotangents((cfg,), (RoleState(scale, history),), (a,),
-                                        ct_chain, first)
-    return dx, st.scale, st.amax_history, chain_ct
+    like = RoleState(scale, history)
+    (st,), chain_ct = _state_cotangents((cfg,), (like,), (a,), ct_chain, first)
+    st = _match_state(st, like)
+    return dx, st.scale, st.amax_history, _match_varying(chain_ct, ct_chain, lax.pmax)
 
   q.defvjp(q_fwd, q_bwd)
   return q
@@ -179,10 +211,11 @@ def _make_dequantize(grad_cfg: ScalingConfig, out_dtype, first: bool):
     a = numerics.amax(g)
     s = numerics.select_scale(grad_cfg, grad_scale, grad_history, a)
     g_q = numerics.quantize(g, gdtype, s)
-    (st,), chain_ct = _state_cotangents((grad_cfg,), (RoleState(grad_scale, grad_history),),
-                                        (a,), ct_chain, first)
+    like = RoleState(grad_scale, grad_history)
+    (st,), chain_ct = _state_cotangents((grad_cfg,), (like,), (a,), ct_chain, first)
+    st = _match_state(st, like)
     # The cotangent of the dummy scale_out *is* the gradient's scale.
-    return g_q, s, st.scale, st.amax_history, chain_ct
+    return g_q, s, st.scale, st.amax_history, _match_varying(chain_ct, ct_chain, lax.pmax)
 
   dq.defvjp(dq_fwd, dq_bwd)
   return dq
@@ -290,12 +323,30 @@ def _free_dims(ndim: int, contract: Sequence[int], batch: Sequence[int]) -> list
   return [d for d in range(ndim) if d not in contract and d not in batch]
 
 
+def _batch_first(x, contract, batch):
+  """Transposes ``x`` so its batch dims lead; returns it and the new contracting dims."""
+  perm = list(batch) + [d for d in range(x.ndim) if d not in batch]
+  if perm == list(range(x.ndim)):
+    return x, list(contract)
+  return jnp.transpose(x, perm), [perm.index(d) for d in contract]
+
+
 def _gemm(a, b, dn, gemm: str, out_dtype):
   """``dot_general`` of two fp8 operands under one of the lowerings."""
   if gemm == "fp8":
     return lax.dot_general(a, b, dn, preferred_element_type=out_dtype)
   up = jnp.bfloat16 if gemm == "bf16" else jnp.float32  # fp8 -> bf16 is exact
-  return lax.dot_general(a.astype(up), b.astype(up), dn, preferred_element_type=jnp.float32)
+  a, b = a.astype(up), b.astype(up)
+  (ac, bc), (ab, bb) = dn
+  if ab and up == jnp.bfloat16:
+    # XLA:CPU has no bf16 x bf16 -> f32 kernel for some layouts with non-leading
+    # batch dims; with the batch dims first it always does. The output layout
+    # of dot_general (batch, lhs free, rhs free) does not change.
+    a, ac = _batch_first(a, ac, ab)
+    b, bc = _batch_first(b, bc, bb)
+    nb = len(ab)
+    dn = ((ac, bc), (list(range(nb)), list(range(nb))))
+  return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
 
 
 def _scaled(y, scale, out_dtype):
@@ -367,9 +418,12 @@ def _make_fp8_dot(dn: DimensionNumbers, recipe: Fp8Recipe, gemm: str, out_dtype,
     d_lhs = _dlhs(q_g, q_r, dn, q_l.ndim, gemm, lhs_dtype, s_g * s_r)
     d_rhs = _drhs(q_g, q_l, dn, q_r.ndim, gemm, rhs_dtype, s_g * s_l)
     states = (RoleState(ls, lh), RoleState(rs, rh), RoleState(gs, gh))
-    (nl, nr, ng), chain_ct = _state_cotangents(cfgs, states, (a_l, a_r, a_g), ct_chain, first)
+    cts, chain_ct = _state_cotangents(cfgs, states, (a_l, a_r, a_g), ct_chain, first)
+    nl, nr, ng = (_match_state(c, l) for c, l in zip(cts, states))
+    d_lhs = _match_varying(d_lhs, q_l, lax.psum)
+    d_rhs = _match_varying(d_rhs, q_r, lax.psum)
     return (d_lhs, d_rhs, nl.scale, nl.amax_history, nr.scale, nr.amax_history,
-            ng.scale, ng.amax_history, chain_ct)
+            ng.scale, ng.amax_history, _match_varying(chain_ct, ct_chain, lax.pmax))
 
   op.defvjp(op_fwd, op_bwd)
   return op

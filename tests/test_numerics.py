@@ -1,0 +1,116 @@
+"""Tests for fp8_linen.numerics against ml_dtypes/numpy references."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fp8_linen import numerics
+from fp8_linen.recipes import ScalingConfig
+
+FORMATS = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_fp8_max_matches_ml_dtypes(name):
+  dt = getattr(ml_dtypes, name)
+  assert numerics.fp8_max(dt) == float(ml_dtypes.finfo(dt).max)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_quantize_saturates_and_rounds_like_numpy(name):
+  dt = getattr(ml_dtypes, name)
+  m = float(ml_dtypes.finfo(dt).max)
+  rng = np.random.default_rng(0)
+  x = np.concatenate([rng.normal(size=200) * m / 3, [m * 10, -m * 10, m * 1.0001, 0.0]])
+  scale = np.array([0.5], np.float32)
+  got = np.asarray(numerics.quantize(jnp.asarray(x, jnp.float32), dt, jnp.asarray(scale)))
+  ref = np.clip(x.astype(np.float32) / np.float32(0.5), -m, m).astype(dt)
+  np.testing.assert_array_equal(got.astype(np.float32), ref.astype(np.float32))
+  assert np.all(np.isfinite(got.astype(np.float32)))  # saturating: never inf/nan
+
+
+def test_quantize_keeps_shape_of_scalar_input():
+  q = numerics.quantize(jnp.float32(3.0), jnp.float8_e4m3fn, jnp.ones((1,)))
+  assert q.shape == ()
+
+
+def test_dequantize_and_qdq():
+  x = jnp.array([1.0, 2.5, -300.0, 1e6])
+  s = jnp.array([2.0])
+  y = numerics.qdq(x, jnp.float8_e4m3fn, s)
+  # -300/2 = -150 rounds to -144 (e4m3 step 16 there); 1e6 saturates at 448*2.
+  np.testing.assert_array_equal(np.asarray(y), [1.0, 2.5, -288.0, 896.0])
+
+
+def test_roll_history_newest_first_and_nan_is_nothing():
+  h = jnp.array([3.0, 2.0, 1.0])
+  np.testing.assert_array_equal(numerics.roll_history(h, 5.0), [5.0, 3.0, 2.0])
+  np.testing.assert_array_equal(numerics.roll_history(h, jnp.nan), [0.0, 3.0, 2.0])
+  np.testing.assert_array_equal(numerics.roll_history(h, jnp.inf), [0.0, 3.0, 2.0])
+
+
+def _cfg(**kw):
+  return ScalingConfig(history_length=4, **kw)
+
+
+def test_select_scale_delayed_max_and_most_recent():
+  h = jnp.array([1.0, 448.0 * 4, 2.0, 0.0])
+  prev = jnp.ones((1,))
+  s_max = numerics.select_scale(_cfg(), prev, h, jnp.float32(99.0))
+  s_recent = numerics.select_scale(_cfg(amax_compute_algo="most_recent"), prev, h,
+                                   jnp.float32(99.0))
+  np.testing.assert_allclose(s_max, [4.0])
+  np.testing.assert_allclose(s_recent, [1.0 / 448.0], rtol=1e-7)
+
+
+def test_select_scale_first_step_uses_current_amax():
+  # seed 002: empty history + a gradient of 1000 must not clip at the e5m2/e4m3 max.
+  cfg = _cfg(dtype="float8_e5m2")
+  s = numerics.select_scale(cfg, jnp.ones((1,)), jnp.zeros((4,)), jnp.float32(1000.0))
+  np.testing.assert_allclose(s, [1000.0 / 57344.0], rtol=1e-7)
+  q = numerics.quantize(jnp.float32(1000.0), cfg.jnp_dtype, s)
+  assert float(numerics.dequantize(q, s, jnp.float32)) == pytest.approx(1000.0, rel=1e-6)
+
+
+def test_select_scale_current_ignores_history():
+  s = numerics.select_scale(_cfg(scaling="current"), jnp.ones((1,)),
+                            jnp.array([1e6, 0, 0, 0.0]), jnp.float32(448.0))
+  np.testing.assert_allclose(s, [1.0])
+
+
+def test_margin_and_power_of_two():
+  a = jnp.float32(300.0)
+  s = numerics.scale_from_amax(a, jnp.ones((1,)), _cfg(margin=2))
+  np.testing.assert_allclose(s, [300.0 * 4 / 448.0], rtol=1e-6)
+  s2 = numerics.scale_from_amax(a, jnp.ones((1,)), _cfg(power_of_two=True))
+  np.testing.assert_allclose(s2, [1.0])  # 300/448 rounded *up* to a power of two
+  assert float(s2[0]) * 448.0 >= 300.0
+
+
+@pytest.mark.parametrize("a", [0.0, 1e-45, np.nan, np.inf, -1.0])
+def test_scale_never_inf_or_nan(a):
+  prev = jnp.array([0.25])
+  s = numerics.scale_from_amax(jnp.float32(a), prev, _cfg())
+  assert np.all(np.isfinite(np.asarray(s))) and float(s[0]) > 0
+  assert np.isfinite(1.0 / float(s[0]))
+  if not (np.isfinite(a) and a > 0):
+    assert float(s[0]) == 0.25  # previous scale stays
+
+
+def test_tiny_amax_is_floored():
+  s = numerics.scale_from_amax(jnp.float32(1e-44), jnp.ones((1,)), _cfg())
+  assert float(s[0]) >= numerics.SCALE_FLOOR
+
+
+def test_bad_previous_scale_is_replaced():
+  for prev in (jnp.array([jnp.nan]), jnp.array([0.0]), jnp.array([-1.0])):
+    s = numerics.scale_from_amax(jnp.float32(0.0), prev, _cfg())
+    assert float(s[0]) == 1.0
+
+
+def test_select_scale_under_jit_matches_eager():
+  h = jnp.array([0.0, 7.0, 0.0, 0.0])
+  f = lambda h, a: numerics.select_scale(_cfg(), jnp.ones((1,)), h, a)
+  np.testing.assert_array_equal(jax.jit(f)(h, 3.0), f(h, 3.0))

@@ -1,0 +1,238 @@
+"""Tests for fp8_linen.train_state: merging, accumulation, data parallel, checkpoints."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import fp8_linen as fl
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = jax.nn.relu(fl.QDense(16, name="l1")(x))
+    return fl.QDense(4, name="l2")(x)
+
+
+def rand(shape, seed, scale=1.0):
+  return jnp.asarray(np.random.default_rng(seed).normal(size=shape) * scale, jnp.float32)
+
+
+def setup(tx=None, x=None):
+  m = MLP()
+  x = rand((8, 6), 0) if x is None else x
+  v = m.init(jax.random.key(0), x)
+  return m, fl.TrainState.create(apply_fn=m.apply, params=v, tx=tx or optax.adam(1e-2))
+
+
+def loss_fn(v, apply_fn, x, y):
+  return jnp.mean((apply_fn(v, x) - y) ** 2)
+
+
+@jax.jit
+def train_step(state, x, y):
+  grads = jax.grad(loss_fn)(state.params, state.apply_fn, x, y)
+  return state.apply_gradients(grads=grads), grads
+
+
+def test_optimizer_sees_only_params_and_owg_is_overwritten():
+  tx = optax.adamw(1e-2, weight_decay=0.5)
+  m, state = setup(tx)
+  assert jax.tree.structure(state.opt_state) == jax.tree.structure(tx.init(state.params["params"]))
+  x, y = rand((8, 6), 1, 5.0), rand((8, 4), 2)
+  new, grads = train_step(state, x, y)
+  jax.tree.map(np.testing.assert_array_equal, new.params[fl.OWG], grads[fl.OWG])
+  assert float(new.params[fl.OWG]["l1"]["input_amax_history"][0]) == pytest.approx(
+      float(jnp.abs(x).max()))
+  changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), state.params["params"],
+                         new.params["params"])
+  assert all(jax.tree.leaves(changed))
+  assert int(new.step) == 1
+
+
+def test_training_loss_decreases_and_tracks_float32():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(64, 6)), jnp.float32)
+  y = jnp.asarray(np.sin(np.asarray(x) @ rng.normal(size=(6, 4))), jnp.float32)
+  m, state = setup(optax.adam(1e-2), x)
+  ref = nn.Sequential([nn.Dense(16), jax.nn.relu, nn.Dense(4)])
+  p_ref = {"params": {"layers_0": state.params["params"]["l1"],
+                      "layers_2": state.params["params"]["l2"]}}
+  s_ref = fl.TrainState.create(apply_fn=ref.apply, params=p_ref, tx=optax.adam(1e-2))
+  losses, ref_losses = [], []
+  for _ in range(60):
+    losses.append(float(loss_fn(state.params, state.apply_fn, x, y)))
+    ref_losses.append(float(loss_fn(s_ref.params, s_ref.apply_fn, x, y)))
+    state, _ = train_step(state, x, y)
+    s_ref, _ = train_step(s_ref, x, y)
+  assert losses[-1] < 0.4 * losses[0]
+  assert abs(losses[-1] - ref_losses[-1]) < 0.05 * ref_losses[0]
+
+
+def test_first_step_gradient_scale_comes_from_the_gradient_itself():
+  # With a fixed first-step scale of 1 a gradient of ~1e-9 underflows e5m2
+  # (smallest subnormal 2**-16) and a large one clips; with the scale taken from
+  # the gradient's own amax on step one it survives.
+  m, state = setup(optax.sgd(0.0))
+  x, y = rand((8, 6), 1), rand((8, 4), 2)
+  tiny = lambda v: 1e-9 * loss_fn(v, m.apply, x, y)
+  g = jax.jit(jax.grad(tiny))(state.params)
+  ref = nn.Sequential([nn.Dense(16), jax.nn.relu, nn.Dense(4)])
+  p_ref = {"params": {"layers_0": state.params["params"]["l1"],
+                      "layers_2": state.params["params"]["l2"]}}
+  g_ref = jax.grad(lambda p: 1e-9 * loss_fn(p, ref.apply, x, y))(p_ref)
+  got, want = g["params"]["l2"]["kernel"], g_ref["params"]["layers_2"]["kernel"]
+  assert float(jnp.abs(got).max()) > 0
+  assert float(jnp.abs(got - want).max()) < 0.2 * float(jnp.abs(want).max())
+  g_amax = float(g[fl.OWG]["l2"]["output_grad_amax_history"][0])
+  np.testing.assert_allclose(g[fl.OWG]["l2"]["output_grad_scale"], [g_amax / 57344.0], rtol=1e-6)
+
+
+def test_multisteps_advances_history_once_with_max_of_microbatches():
+  k = 3
+  tx = optax.MultiSteps(optax.sgd(1e-3), every_k_schedule=k)
+  m, state = setup(tx)
+  old = state.params[fl.OWG]
+  scales = [1.0, 7.0, 3.0]
+  for i, sc in enumerate(scales):
+    state, _ = train_step(state, rand((8, 6), 10 + i, sc), rand((8, 4), 20 + i))
+    if i < k - 1:  # state frozen during the window
+      jax.tree.map(np.testing.assert_array_equal, state.params[fl.OWG], old)
+  h = state.params[fl.OWG]["l1"]["input_amax_history"]
+  expect = max(float(jnp.abs(rand((8, 6), 10 + i, sc)).max()) for i, sc in enumerate(scales))
+  assert float(h[0]) == pytest.approx(expect)
+  assert float(jnp.sum(h[1:])) == 0.0  # advanced exactly once
+  # next window starts fresh (not max'ed with the previous window)
+  for i in range(k):
+    state, _ = train_step(state, rand((8, 6), 30 + i, 0.01), rand((8, 4), 40 + i))
+  h = state.params[fl.OWG]["l1"]["input_amax_history"]
+  assert float(h[0]) < 0.1 and float(h[1]) == pytest.approx(expect)
+
+
+def test_hand_written_accumulation_helpers():
+  m, state = setup(optax.sgd(0.1))
+  xs = [rand((8, 6), 50 + i, s) for i, s in enumerate((1.0, 9.0))]
+  ys = [rand((8, 4), 60 + i) for i in range(2)]
+  acc = None
+  for x, y in zip(xs, ys):
+    acc = fl.accumulate_gradients(acc, jax.grad(loss_fn)(state.params, state.apply_fn, x, y))
+  grads = fl.finalize_accumulated(acc, 2)
+  full = jax.grad(lambda v: 0.5 * (loss_fn(v, m.apply, xs[0], ys[0]) +
+                                   loss_fn(v, m.apply, xs[1], ys[1])))(state.params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+               grads["params"], full["params"])
+  assert float(grads[fl.OWG]["l1"]["input_amax_history"][0]) == pytest.approx(
+      float(jnp.abs(xs[1]).max()))
+  with pytest.raises(ValueError, match="num_microbatches"):
+    fl.finalize_accumulated(acc, 0)
+
+
+def test_data_parallel_jit_sharded_amax_is_global():
+  assert jax.device_count() == 8
+  m, state = setup(optax.sgd(0.1))
+  x = rand((16, 6), 3) * jnp.arange(1, 17)[:, None]  # the largest rows live on the last device
+  y = rand((16, 4), 4)
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+  ys = jax.device_put(y, NamedSharding(mesh, P("data")))
+  sharded, _ = train_step(state, xs, ys)
+  single, _ = train_step(state, x, y)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               sharded.params[fl.OWG], single.params[fl.OWG])
+  assert float(sharded.params[fl.OWG]["l1"]["input_amax_history"][0]) == pytest.approx(
+      float(jnp.abs(x).max()))
+
+
+def test_shard_map_reduce_gradients_takes_max_not_mean():
+  m, state = setup(optax.sgd(0.1))
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+  # Device 0 sees amax 3, device 1 sees amax 30: a pmean would record 16.5.
+  x = jnp.concatenate([jnp.full((4, 6), 3.0), jnp.full((4, 6), 30.0)])
+  y = rand((8, 4), 5)
+
+  def per_device(v, x, y):
+    g = jax.grad(loss_fn)(v, m.apply, x, y)
+    return fl.reduce_gradients(g, "data")
+
+  f = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(),
+                    check_vma=False)
+  g = jax.jit(f)(state.params, x, y)
+  assert float(g[fl.OWG]["l1"]["input_amax_history"][0]) == 30.0
+  full = jax.grad(lambda v: 0.5 * (loss_fn(v, m.apply, x[:4], y[:4]) +
+                                   loss_fn(v, m.apply, x[4:], y[4:])))(state.params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               g["params"], full["params"])
+  new = state.apply_gradients(grads=g)
+  assert float(new.params[fl.OWG]["l1"]["input_scale"][0]) == pytest.approx(30.0 / 448.0)
+
+
+def test_grad_works_directly_on_variables_and_merge_owg():
+  m, state = setup()
+  x, y = rand((8, 6), 1), rand((8, 4), 2)
+  grads = jax.grad(loss_fn)(state.params, m.apply, x, y)
+  merged = fl.merge_owg(state.params, grads)
+  assert merged["params"] is state.params["params"]
+  jax.tree.map(np.testing.assert_array_equal, merged[fl.OWG], grads[fl.OWG])
+  rest, owg = fl.split_owg(merged)
+  assert set(rest) == {"params"} and owg is merged[fl.OWG]
+  with pytest.raises(ValueError, match="does not match"):
+    fl.merge_owg(state.params, {fl.OWG: {"l1": {}}})
+
+
+def test_apply_gradients_rejects_params_only_grads():
+  m, state = setup()
+  with pytest.raises(ValueError, match="whole variables dict"):
+    state.apply_gradients(grads=state.params["params"])
+
+
+def test_nan_batch_leaves_state_finite_and_training_recovers():
+  m, state = setup(optax.sgd(0.01))
+  x, y = rand((8, 6), 1), rand((8, 4), 2)
+  state, _ = train_step(state, x, y)
+  bad = x.at[0, 0].set(jnp.nan)
+  after_nan, _ = train_step(state, bad, y)
+  for leaf in jax.tree.leaves(after_nan.params[fl.OWG]):
+    assert np.all(np.isfinite(np.asarray(leaf)))
+  jax.tree.map(np.testing.assert_array_equal,
+               jax.tree.map(lambda a: a, after_nan.params[fl.OWG]["l1"]["input_scale"]),
+               state.params[fl.OWG]["l1"]["input_scale"])
+  # the fp8 state of a NaN step can still be combined with a clean state
+  clean, _ = train_step(state.replace(params={**state.params, "params": state.params["params"]}),
+                        x, y)
+  assert np.isfinite(float(loss_fn(clean.params, m.apply, x, y)))
+
+
+def test_orbax_round_trip_is_exact(tmp_path):
+  m, state = setup(optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2))
+  for i in range(3):
+    state, _ = train_step(state, rand((8, 6), i, 3.0), rand((8, 4), 9 + i))
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "ckpt", state)
+  ckpt.wait_until_finished()
+  restored = ckpt.restore(tmp_path / "ckpt", state)
+  jax.tree.map(np.testing.assert_array_equal, restored, state)
+  a, _ = train_step(state, rand((8, 6), 7), rand((8, 4), 8))
+  b, _ = train_step(restored, rand((8, 6), 7), rand((8, 4), 8))
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_shard_map_with_vma_checks_reduces_state_by_max():
+  # With check_vma (shard_map's default) JAX sums the gradients of replicated
+  # inputs itself; the fp8 ops reduce their state cotangents with pmax instead.
+  m, state = setup(optax.sgd(0.1))
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+  x = jnp.concatenate([jnp.full((4, 6), 3.0), jnp.full((4, 6), 30.0)])
+  y = rand((8, 4), 5)
+  f = jax.shard_map(lambda v, x, y: jax.grad(loss_fn)(v, m.apply, x, y), mesh=mesh,
+                    in_specs=(P(), P("data"), P("data")), out_specs=P())
+  g = jax.jit(f)(state.params, x, y)
+  assert float(g[fl.OWG]["l1"]["input_amax_history"][0]) == 30.0
+  summed = jax.grad(lambda v: loss_fn(v, m.apply, x[:4], y[:4]) +
+                    loss_fn(v, m.apply, x[4:], y[4:]))(state.params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               g["params"], summed["params"])
