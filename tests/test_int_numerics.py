@@ -116,12 +116,16 @@ def test_finer_granularity_has_smaller_error():
   rng = np.random.default_rng(0)
   w = (rng.normal(size=(64, 8)) * np.logspace(-3, 0, 8)).astype(np.float32)
   errs = {}
-  for g, gs in (("tensor", None), ("channel", None), ("group", 16)):
-    cfg = fl.IntQuantConfig(bits=4, granularity=g, group_size=gs)
-    v, axes = numerics.int_view(jnp.asarray(w), (0,), cfg)
+
+  def fq(w, cfg):
+    v, axes = numerics.int_view(w, (0,), cfg)
     s, z = numerics.int_params_from_range(v.min(axis=axes, keepdims=True),
                                           v.max(axis=axes, keepdims=True), cfg)
-    out = np.asarray(numerics.int_fake_quant(v, s, z, cfg.qmin, cfg.qmax)).reshape(w.shape)
+    return numerics.int_fake_quant(v, s, z, cfg.qmin, cfg.qmax).reshape(w.shape)
+
+  for g, gs in (("tensor", None), ("channel", None), ("group", 16)):
+    cfg = fl.IntQuantConfig(bits=4, granularity=g, group_size=gs)
+    out = np.asarray(jax.jit(fq, static_argnums=1)(jnp.asarray(w), cfg))
     # Column with the smallest magnitude: relative error.
     errs[g] = np.linalg.norm(out[:, 0] - w[:, 0]) / np.linalg.norm(w[:, 0])
   assert errs["tensor"] > 0.5          # per-tensor flushes the small column
