@@ -20,6 +20,22 @@ from fp8_linen.recipes import (
     current_scaling,
     delayed_scaling,
 )
+from fp8_linen import qat  # registers IntRecipe with the layers
+from fp8_linen.config import RecipeConfigError, load_recipe, recipe_from_dict, recipe_to_dict
+from fp8_linen.ops import (
+    fake_quant_ste,
+    lsq_fake_quant,
+    lsq_plus_fake_quant,
+    observed_fake_quant,
+)
+from fp8_linen.recipes import (
+    IntQuantConfig,
+    IntRecipe,
+    int4_lsq_plus,
+    int8_lsq,
+    mx_block_scaling,
+    rowwise_scaling,
+)
 from fp8_linen.train_state import (
     TrainState,
     accumulate_gradients,
@@ -56,4 +72,20 @@ __all__ = [
     "numerics",
     "ops",
     "recipes",
+    # issue 4: granularity, integer QAT, YAML recipes
+    "rowwise_scaling",
+    "mx_block_scaling",
+    "IntQuantConfig",
+    "IntRecipe",
+    "int8_lsq",
+    "int4_lsq_plus",
+    "fake_quant_ste",
+    "lsq_fake_quant",
+    "lsq_plus_fake_quant",
+    "observed_fake_quant",
+    "RecipeConfigError",
+    "recipe_from_dict",
+    "load_recipe",
+    "recipe_to_dict",
+    "qat",
 ]

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from fp8_linen.recipes import ScalingConfig
+from fp8_linen.recipes import IntQuantConfig, ScalingConfig
 
 __all__ = [
     "SCALE_FLOOR",
@@ -37,6 +37,17 @@ __all__ = [
     "roll_history",
     "scale_from_amax",
     "select_scale",
+    # issue 4: row/block scales and integer fake quantization
+    "row_scale",
+    "mx_quantize",
+    "mx_dequantize",
+    "int_view",
+    "int_params_from_range",
+    "int_quantize",
+    "int_dequantize",
+    "int_fake_quant",
+    "lsq_init_step",
+    "lsq_plus_init",
 ]
 
 # Smallest scale ever produced: 1/SCALE_FLOOR is finite in float32, so neither a
@@ -157,3 +168,221 @@ def select_scale(cfg: ScalingConfig, prev_scale: jnp.ndarray, history: jnp.ndarr
     h = history[:1] if cfg.amax_compute_algo == "most_recent" else jnp.max(history, keepdims=True)
     a = jnp.where(h > 0, h, cur)
   return scale_from_amax(a, prev_scale, cfg)
+
+
+# ----------------------------------------------------------------------------
+# Finer fp8 granularity: per-row scales and MX blocks.
+# ----------------------------------------------------------------------------
+
+
+def row_scale(x: jnp.ndarray, axes, cfg: ScalingConfig) -> jnp.ndarray:
+  """Current scales of ``x`` with one scale per slice along ``axes``.
+
+  ``axes`` are reduced (kept with size 1): the scale of a row of an activation
+  (reduce the contracting axes) or of an output channel of a weight. A zero
+  row gets scale 1 (any scale represents zeros exactly).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen import numerics, recipes
+    >>> cfg = recipes.ScalingConfig(scaling='current')
+    >>> numerics.row_scale(jnp.array([[448.0, 1.0], [0.0, 0.0]]), (1,), cfg).tolist()
+    [[1.0], [1.0]]
+  """
+  a = jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True).astype(jnp.float32)
+  return scale_from_amax(a, jnp.ones_like(a), cfg)
+
+
+def _block_split(x: jnp.ndarray, axis: int, block_size: int):
+  n = x.shape[axis]
+  pad = (-n) % block_size
+  if pad:
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    x = jnp.pad(x, widths)
+  shape = x.shape[:axis] + ((n + pad) // block_size, block_size) + x.shape[axis + 1:]
+  return x.reshape(shape), n
+
+
+def mx_quantize(x: jnp.ndarray, axis: int, block_size: int, dtype):
+  """MX block quantization: fp8 elements with one e8m0 scale per block.
+
+  Blocks are ``block_size`` consecutive elements along ``axis`` (the last one
+  zero-padded). Each block's scale is the power of two ``2**e`` with ``e =
+  ceil(log2(amax / fp8_max))`` (clamped to ``[-126, 127]``), so no element is
+  clipped (OCP MX v1.0 rounds ``e`` down and may clip; we round up, as the
+  "RCEIL" variant does).
+
+  Args:
+    x: floating array.
+    axis: the blocked axis (a contracting axis of the GEMM).
+    block_size: elements per block.
+    dtype: the fp8 element dtype.
+
+  Returns:
+    ``(q, scales)``: ``q`` has ``x``'s shape and ``dtype``; ``scales`` is
+    ``float8_e8m0fnu`` with ``axis`` of size ``ceil(n / block_size)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen import numerics
+    >>> q, s = numerics.mx_quantize(jnp.arange(64.0).reshape(1, 64), 1, 32, jnp.float8_e4m3fn)
+    >>> s.astype(jnp.float32).tolist()
+    [[0.125, 0.25]]
+  """
+  axis = axis % x.ndim
+  xb, n = _block_split(jnp.asarray(x, jnp.float32), axis, block_size)
+  a = jnp.max(jnp.abs(xb), axis=axis + 1, keepdims=True)
+  e = jnp.ceil(jnp.log2(jnp.maximum(a, SCALE_FLOOR) / fp8_max(dtype)))
+  e = jnp.where(jnp.isfinite(a) & (a > 0), e, 0.0)
+  scale = jnp.exp2(jnp.clip(e, -126.0, 127.0))
+  m = fp8_max(dtype)
+  q = jnp.clip(xb / scale, -m, m).astype(dtype)
+  q = q.reshape(q.shape[:axis] + (-1,) + q.shape[axis + 2:])
+  q = lax_slice_axis(q, axis, n)
+  return q, jnp.squeeze(scale, axis + 1).astype(jnp.float8_e8m0fnu)
+
+
+def lax_slice_axis(x: jnp.ndarray, axis: int, n: int) -> jnp.ndarray:
+  """``x`` restricted to its first ``n`` entries along ``axis``."""
+  if x.shape[axis] == n:
+    return x
+  idx = [slice(None)] * x.ndim
+  idx[axis] = slice(0, n)
+  return x[tuple(idx)]
+
+
+def mx_dequantize(q: jnp.ndarray, scales: jnp.ndarray, axis: int, block_size: int,
+                  dtype=jnp.float32) -> jnp.ndarray:
+  """Inverse of :func:`mx_quantize`: ``q * 2**e`` per block, in ``dtype``.
+
+  Exact in bfloat16 and float32 (an fp8 value times a power of two).
+  """
+  axis = axis % q.ndim
+  s = jnp.repeat(scales.astype(dtype), block_size, axis=axis)
+  s = lax_slice_axis(s, axis, q.shape[axis])
+  return q.astype(dtype) * s
+
+
+# ----------------------------------------------------------------------------
+# Integer fake quantization (seed 003).
+# ----------------------------------------------------------------------------
+
+
+def int_view(x: jnp.ndarray, contract_axes, cfg: IntQuantConfig):
+  """The view of ``x`` its scales apply to, and the axes each scale covers.
+
+  * ``'tensor'``: ``x`` itself, all axes reduced.
+  * ``'channel'``: ``x``, the contracting axes reduced (one scale per output
+    channel).
+  * ``'group'``: the (single) contracting axis split into ``(n_groups,
+    group_size)``; the ``group_size`` axis reduced.
+
+  Scales have the view's shape with the reduced axes of size 1; fake-quantize
+  the view and reshape it back to ``x.shape``.
+
+  Raises:
+    ValueError: for ``'group'`` with several contracting axes or a size that
+      ``group_size`` does not divide.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen import numerics, recipes
+    >>> cfg = recipes.IntQuantConfig(granularity='group', group_size=2)
+    >>> v, axes = numerics.int_view(jnp.ones((4, 3)), (0,), cfg)
+    >>> v.shape, axes
+    ((2, 2, 3), (1,))
+  """
+  contract_axes = tuple(a % x.ndim for a in contract_axes)
+  if cfg.granularity == "tensor":
+    return x, tuple(range(x.ndim))
+  if cfg.granularity == "channel":
+    return x, contract_axes
+  if len(contract_axes) != 1:
+    raise ValueError(f"granularity='group' needs exactly one contracting axis, got "
+                     f"{len(contract_axes)} (axes {contract_axes} of shape {x.shape})")
+  (a,) = contract_axes
+  if x.shape[a] % cfg.group_size:
+    raise ValueError(f"group_size={cfg.group_size} does not divide the contracting axis "
+                     f"(size {x.shape[a]}) of shape {x.shape}")
+  shape = x.shape[:a] + (x.shape[a] // cfg.group_size, cfg.group_size) + x.shape[a + 1:]
+  return x.reshape(shape), (a + 1,)
+
+
+def int_params_from_range(lo: jnp.ndarray, hi: jnp.ndarray, cfg: IntQuantConfig):
+  """Scale and zero point that map ``[lo, hi]`` onto the integer grid.
+
+  Symmetric: ``s = max(|lo|, |hi|) / qmax`` and ``z = 0``. Asymmetric: the
+  range is widened to contain 0 (so 0 is exact), ``s = (hi - lo) / (qmax -
+  qmin)`` and ``z = clamp(round(qmin - lo / s), qmin, qmax)``. With
+  ``power_of_two`` the scale is rounded up to ``2**k``. An empty range gives
+  ``s = 1``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen import numerics, recipes
+    >>> s, z = numerics.int_params_from_range(jnp.array(-1.0), jnp.array(3.0),
+    ...                                       recipes.IntQuantConfig(bits=2, symmetric=False))
+    >>> float(s), float(z)
+    (1.3333333730697632, 1.0)
+  """
+  lo = jnp.minimum(jnp.asarray(lo, jnp.float32), 0.0)
+  hi = jnp.maximum(jnp.asarray(hi, jnp.float32), 0.0)
+  if cfg.symmetric:
+    s = jnp.maximum(-lo, hi) / cfg.qmax
+  else:
+    s = (hi - lo) / (cfg.qmax - cfg.qmin)
+  if cfg.power_of_two:
+    s = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(s, SCALE_FLOOR))))
+  s = jnp.where(jnp.isfinite(s) & (s > SCALE_FLOOR), s, jnp.ones_like(s))
+  if cfg.symmetric:
+    z = jnp.zeros_like(s)
+  else:
+    z = jnp.clip(jnp.round(cfg.qmin - lo / s), cfg.qmin, cfg.qmax)
+  return s, z
+
+
+def int_quantize(x, scale, zero_point, qmin: int, qmax: int) -> jnp.ndarray:
+  """``clamp(round(x / s) + z, qmin, qmax)`` as int32 (round half to even)."""
+  v = jnp.round(jnp.asarray(x, jnp.float32) / scale) + zero_point
+  return jnp.clip(v, qmin, qmax).astype(jnp.int32)
+
+
+def int_dequantize(q, scale, zero_point, dtype=jnp.float32) -> jnp.ndarray:
+  """``s * (q - z)`` in ``dtype``."""
+  return (scale * (q.astype(jnp.float32) - zero_point)).astype(dtype)
+
+
+def int_fake_quant(x, scale, zero_point, qmin: int, qmax: int) -> jnp.ndarray:
+  """Fake quantization ``s * (clamp(round(x / s) + z, qmin, qmax) - z)`` in ``x.dtype``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen import numerics
+    >>> numerics.int_fake_quant(jnp.array([0.26, 9.0, -9.0]), 0.5, 0.0, -8, 7).tolist()
+    [0.5, 3.5, -4.0]
+  """
+  x = jnp.asarray(x)
+  v = jnp.clip(jnp.round(x.astype(jnp.float32) / scale) + zero_point, qmin, qmax)
+  return (scale * (v - zero_point)).astype(x.dtype)
+
+
+def lsq_init_step(x, reduce_axes, qmax: int) -> jnp.ndarray:
+  """LSQ's initial step ``2 * mean(|x|) / sqrt(Q_P)`` (over ``reduce_axes``, kept)."""
+  m = jnp.mean(jnp.abs(jnp.asarray(x, jnp.float32)), axis=tuple(reduce_axes), keepdims=True)
+  s = 2.0 * m / np.sqrt(qmax)
+  return jnp.where(s > 0, s, jnp.full_like(s, 1e-3))
+
+
+def lsq_plus_init(x, reduce_axes, qmin: int, qmax: int):
+  """LSQ+ initial ``(step, offset)`` from the min/max of ``x``.
+
+  ``s = (max - min) / (qmax - qmin)`` and ``beta = min - s * qmin``, so the grid
+  spans the observed range exactly.
+  """
+  x = jnp.asarray(x, jnp.float32)
+  lo = jnp.min(x, axis=tuple(reduce_axes), keepdims=True)
+  hi = jnp.max(x, axis=tuple(reduce_axes), keepdims=True)
+  s = (hi - lo) / (qmax - qmin)
+  s = jnp.where(s > 0, s, jnp.full_like(s, 1e-3))
+  return s, lo - s * qmin

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8_linen import numerics
-from fp8_linen.recipes import Fp8Recipe, ScalingConfig, resolve_gemm
+from fp8_linen.recipes import Fp8Recipe, IntQuantConfig, ScalingConfig, resolve_gemm
 
 __all__ = [
     "RoleState",
@@ -59,6 +59,11 @@ __all__ = [
     "fp8_dot_general",
     "chain_init",
     "CHECKPOINT_NAME",
+    # issue 4: integer QAT estimators
+    "fake_quant_ste",
+    "lsq_fake_quant",
+    "lsq_plus_fake_quant",
+    "observed_fake_quant",
 ]
 
 # Name given (jax.ad_checkpoint.checkpoint_name) to the fp8 copies saved for the
@@ -445,6 +450,29 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: RoleState,
   the form XLA rewrites to a cuBLASLt fp8 matmul; on other backends they are
   upcast exactly to bfloat16.
 
+  ``recipe.granularity`` selects finer scales (all from this step's values):
+
+  * ``'row'``: ``lhs`` is scaled per row (amax over its contracting axes) and
+    ``rhs`` per output channel. The GEMM runs on the unscaled fp8 operands and
+    the outer product of the two scale vectors multiplies its output. In the
+    backward pass each scale lies along the *contracted* axis of one gradient
+    GEMM, so it is folded into the gradient before that gradient is quantized:
+    dgrad quantizes ``g * s_rhs`` per row of ``g`` (amax over the rhs-free
+    axes), wgrad quantizes ``g * s_lhs`` per column (amax over the lhs-free
+    axes); each GEMM's output is multiplied by its gradient scales. The
+    gradient is therefore cast to e5m2 twice; only fp8 operands and the scale
+    vectors are kept as residuals.
+  * ``'block'``: MX emulation. ``lhs`` and ``rhs`` are quantized in blocks of
+    ``recipe.block_size`` along their last contracting axis with e8m0 scales
+    (:func:`~fp8_linen.numerics.mx_quantize`), dequantized exactly to bfloat16
+    (``gemm='f32'``: float32) and multiplied there. The output gradient is
+    quantized per tensor (its ``ScalingConfig``, delayed or current) and both
+    gradient GEMMs use the same emulation. Residuals: fp8 elements and e8m0
+    scales.
+
+  In both modes the OWG state records the per-tensor amax of each role
+  (monitoring); the stored scale is the per-tensor scale of that amax.
+
   Args:
     lhs: floating array (the activation).
     rhs: floating array (the weight).
@@ -490,7 +518,401 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: RoleState,
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
   first = chain is None
   chain = chain_init(3) if first else chain
-  op = _make_fp8_dot(dn, recipe, resolve_gemm(recipe), out_dtype, jnp.dtype(lhs.dtype),
-                     jnp.dtype(rhs.dtype), first)
+  maker = {"tensor": _make_fp8_dot, "row": _make_fp8_dot_row,
+           "block": _make_fp8_dot_block}[recipe.granularity]
+  op = maker(dn, recipe, resolve_gemm(recipe), out_dtype, jnp.dtype(lhs.dtype),
+             jnp.dtype(rhs.dtype), first)
   (ls, lh), (rs, rh), (gs, gh) = states
   return op(lhs, rhs, ls, lh, rs, rh, gs, gh, chain)
+
+
+# ----------------------------------------------------------------------------
+# Finer granularity for the fp8 dot_general: row-wise and MX block scales.
+# ----------------------------------------------------------------------------
+
+
+def _relayout(t, pairs, dst_ndim: int):
+  """Moves the axes of ``t`` to new positions; every other axis has size 1.
+
+  ``pairs`` lists ``(src_axis, dst_axis)``; the axes of ``t`` not listed must
+  have size 1 and are dropped, and the result has size 1 on every destination
+  axis not listed.
+  """
+  src = [a for a, _ in pairs]
+  t = jnp.squeeze(t, axis=tuple(a for a in range(t.ndim) if a not in src))
+  remaining = sorted(src)
+  by_dst = sorted(pairs, key=lambda p: p[1])
+  t = jnp.transpose(t, [remaining.index(a) for a, _ in by_dst])
+  shape = [1] * dst_ndim
+  for i, (_, d) in enumerate(by_dst):
+    shape[d] = t.shape[i]
+  return t.reshape(shape)
+
+
+class _Layout(NamedTuple):
+  """Where the axes of lhs, rhs and the output (= gradient) of a GEMM go."""
+
+  lhs_to_out: list
+  rhs_to_out: list
+  lhs_free_out: tuple  # output axes of lhs's free dims
+  rhs_free_out: tuple  # output axes of rhs's free dims
+  out_ndim: int
+
+
+def _layout(dn: DimensionNumbers, lhs_ndim: int, rhs_ndim: int) -> _Layout:
+  (lc, rc), (lb, rb) = dn
+  l_free = _free_dims(lhs_ndim, lc, lb)
+  r_free = _free_dims(rhs_ndim, rc, rb)
+  nb, nl = len(lb), len(l_free)
+  lhs_to_out = [(a, i) for i, a in enumerate(lb)] + [(a, nb + j) for j, a in enumerate(l_free)]
+  rhs_to_out = ([(a, i) for i, a in enumerate(rb)]
+                + [(a, nb + nl + j) for j, a in enumerate(r_free)])
+  return _Layout(lhs_to_out, rhs_to_out, tuple(range(nb, nb + nl)),
+                 tuple(range(nb + nl, nb + nl + len(r_free))), nb + nl + len(r_free))
+
+
+def _flip(pairs):
+  return [(b, a) for a, b in pairs]
+
+
+@functools.lru_cache(maxsize=None)
+def _make_fp8_dot_row(dn: DimensionNumbers, recipe: Fp8Recipe, gemm: str, out_dtype,
+                      lhs_dtype, rhs_dtype, first: bool):
+  cfgs = (recipe.input, recipe.kernel, recipe.output_grad)
+  in_cfg, k_cfg, g_cfg = cfgs
+  (lc, rc), _ = dn
+
+  def _forward(lhs, rhs):
+    lay = _layout(dn, lhs.ndim, rhs.ndim)
+    s_l = numerics.row_scale(lhs, lc, in_cfg)   # lhs layout, contracting axes size 1
+    s_r = numerics.row_scale(rhs, rc, k_cfg)    # rhs layout, contracting axes size 1
+    q_l = numerics.quantize(lhs, in_cfg.jnp_dtype, s_l)
+    q_r = numerics.quantize(rhs, k_cfg.jnp_dtype, s_r)
+    s_out = (_relayout(s_l, lay.lhs_to_out, lay.out_ndim)
+             * _relayout(s_r, lay.rhs_to_out, lay.out_ndim))
+    y = (_gemm(q_l, q_r, dn, gemm, out_dtype).astype(jnp.float32) * s_out).astype(out_dtype)
+    return y, (q_l, q_r, s_l, s_r, numerics.amax(lhs), numerics.amax(rhs))
+
+  @jax.custom_vjp
+  def op(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
+    return _forward(lhs, rhs)[0], chain
+
+  def op_fwd(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
+    y, (q_l, q_r, s_l, s_r, a_l, a_r) = _forward(lhs, rhs)
+    q_l = jax.ad_checkpoint.checkpoint_name(q_l, CHECKPOINT_NAME)
+    q_r = jax.ad_checkpoint.checkpoint_name(q_r, CHECKPOINT_NAME)
+    return (y, chain), (q_l, q_r, s_l, s_r, a_l, a_r, ls, lh, rs, rh, gs, gh)
+
+  def op_bwd(res, cts):
+    q_l, q_r, s_l, s_r, a_l, a_r, ls, lh, rs, rh, gs, gh = res
+    g, ct_chain = cts
+    lay = _layout(dn, q_l.ndim, q_r.ndim)
+    g32 = g.astype(jnp.float32)
+    # dgrad contracts rhs's free axes: fold s_r into g, scale g per row.
+    g1 = g32 * _relayout(s_r, lay.rhs_to_out, lay.out_ndim)
+    s_g1 = numerics.row_scale(g1, lay.rhs_free_out, g_cfg)
+    q_g1 = numerics.quantize(g1, g_cfg.jnp_dtype, s_g1)
+    d_lhs = _dlhs(q_g1, q_r, dn, q_l.ndim, gemm, jnp.float32, jnp.ones((), jnp.float32))
+    d_lhs = (d_lhs * _relayout(s_g1, _flip(lay.lhs_to_out), q_l.ndim)).astype(lhs_dtype)
+    # wgrad contracts lhs's free axes: fold s_l into g, scale g per column.
+    g2 = g32 * _relayout(s_l, lay.lhs_to_out, lay.out_ndim)
+    s_g2 = numerics.row_scale(g2, lay.lhs_free_out, g_cfg)
+    q_g2 = numerics.quantize(g2, g_cfg.jnp_dtype, s_g2)
+    d_rhs = _drhs(q_g2, q_l, dn, q_r.ndim, gemm, jnp.float32, jnp.ones((), jnp.float32))
+    d_rhs = (d_rhs * _relayout(s_g2, _flip(lay.rhs_to_out), q_r.ndim)).astype(rhs_dtype)
+    states = (RoleState(ls, lh), RoleState(rs, rh), RoleState(gs, gh))
+    (nl, nr, ng), chain_ct = _state_cotangents(cfgs, states, (a_l, a_r, numerics.amax(g)),
+                                               ct_chain, first)
+    return (d_lhs, d_rhs, nl.scale, nl.amax_history, nr.scale, nr.amax_history,
+            ng.scale, ng.amax_history, chain_ct)
+
+  op.defvjp(op_fwd, op_bwd)
+  return op
+
+
+@functools.lru_cache(maxsize=None)
+def _make_fp8_dot_block(dn: DimensionNumbers, recipe: Fp8Recipe, gemm: str, out_dtype,
+                        lhs_dtype, rhs_dtype, first: bool):
+  cfgs = (recipe.input, recipe.kernel, recipe.output_grad)
+  in_cfg, k_cfg, g_cfg = cfgs
+  (lc, rc), _ = dn
+  if not lc:
+    raise ValueError("granularity='block' needs at least one contracting dimension")
+  l_axis, r_axis = lc[-1], rc[-1]  # blocks run along the last contracting axis
+  bs = recipe.block_size
+  up = jnp.float32 if gemm == "f32" else jnp.bfloat16  # exact for fp8 * 2**e
+
+  def _dq(q, s, axis):
+    return numerics.mx_dequantize(q, s, axis, bs, up)
+
+  def _forward(lhs, rhs):
+    q_l, e_l = numerics.mx_quantize(lhs, l_axis, bs, in_cfg.jnp_dtype)
+    q_r, e_r = numerics.mx_quantize(rhs, r_axis, bs, k_cfg.jnp_dtype)
+    y = lax.dot_general(_dq(q_l, e_l, l_axis), _dq(q_r, e_r, r_axis), dn,
+                        preferred_element_type=jnp.float32).astype(out_dtype)
+    return y, (q_l, e_l, q_r, e_r, numerics.amax(lhs), numerics.amax(rhs))
+
+  @jax.custom_vjp
+  def op(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
+    return _forward(lhs, rhs)[0], chain
+
+  def op_fwd(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
+    y, (q_l, e_l, q_r, e_r, a_l, a_r) = _forward(lhs, rhs)
+    q_l = jax.ad_checkpoint.checkpoint_name(q_l, CHECKPOINT_NAME)
+    q_r = jax.ad_checkpoint.checkpoint_name(q_r, CHECKPOINT_NAME)
+    return (y, chain), (q_l, e_l, q_r, e_r, a_l, a_r, ls, lh, rs, rh, gs, gh)
+
+  def op_bwd(res, cts):
+    q_l, e_l, q_r, e_r, a_l, a_r, ls, lh, rs, rh, gs, gh = res
+    g, ct_chain = cts
+    a_g = numerics.amax(g)
+    s_g = numerics.select_scale(g_cfg, gs, gh, a_g)
+    q_g = numerics.quantize(g, g_cfg.jnp_dtype, s_g)
+    one = jnp.ones((), jnp.float32)
+    gg = q_g.astype(up)
+    # "fp8" = feed the (already dequantized, bf16/f32) operands to the GEMM as is.
+    d_lhs = _scaled(_dlhs(gg, _dq(q_r, e_r, r_axis), dn, q_l.ndim, "fp8", jnp.float32, one),
+                    s_g, lhs_dtype)
+    d_rhs = _scaled(_drhs(gg, _dq(q_l, e_l, l_axis), dn, q_r.ndim, "fp8", jnp.float32, one),
+                    s_g, rhs_dtype)
+    states = (RoleState(ls, lh), RoleState(rs, rh), RoleState(gs, gh))
+    (nl, nr, ng), chain_ct = _state_cotangents(cfgs, states, (a_l, a_r, a_g), ct_chain, first)
+    return (d_lhs, d_rhs, nl.scale, nl.amax_history, nr.scale, nr.amax_history,
+            ng.scale, ng.amax_history, chain_ct)
+
+  op.defvjp(op_fwd, op_bwd)
+  return op
+
+
+# ----------------------------------------------------------------------------
+# Integer QAT: straight-through estimator, LSQ, LSQ+ and observed ranges.
+# ----------------------------------------------------------------------------
+
+
+def _sum_to(t, shape):
+  """Sums ``t`` over the axes it was broadcast along to reach ``t.shape``."""
+  shape = tuple(shape)
+  lead = t.ndim - len(shape)
+  t = jnp.sum(t, axis=tuple(range(lead))) if lead else t
+  axes = tuple(i for i, n in enumerate(shape) if n == 1 and t.shape[i] != 1)
+  return jnp.sum(t, axis=axes, keepdims=True).reshape(shape) if axes else t.reshape(shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_ste(qmin: int, qmax: int):
+
+  @jax.custom_vjp
+  def op(x, scale, zero_point):
+    return numerics.int_fake_quant(x, scale, zero_point, qmin, qmax)
+
+  def op_fwd(x, scale, zero_point):
+    return op(x, scale, zero_point), (x, scale, zero_point)
+
+  def op_bwd(res, g):
+    x, scale, zero_point = res
+    v = x.astype(jnp.float32) / scale + zero_point
+    inside = (v >= qmin) & (v <= qmax)
+    return (jnp.where(inside, g, jnp.zeros_like(g)).astype(x.dtype),
+            jnp.zeros_like(scale), jnp.zeros_like(zero_point))
+
+  op.defvjp(op_fwd, op_bwd)
+  return op
+
+
+def fake_quant_ste(x, scale, zero_point, *, qmin: int, qmax: int):
+  """Fake quantization with the straight-through estimator.
+
+  Forward: ``s * (clamp(round(x / s) + z, qmin, qmax) - z)``. Backward: the
+  gradient passes unchanged where ``qmin <= x / s + z <= qmax`` and is zero
+  outside the clamp range; ``scale`` and ``zero_point`` get zero gradients
+  (they come from data or observers, not from the loss).
+
+  Args:
+    x: floating array.
+    scale: float32 scale, broadcastable against ``x``.
+    zero_point: float32 zero point (integer-valued), broadcastable against ``x``.
+    qmin: lowest integer level.
+    qmax: highest integer level.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from fp8_linen import ops
+    >>> f = lambda x: ops.fake_quant_ste(x, 0.5, 0.0, qmin=-8, qmax=7).sum()
+    >>> jax.grad(f)(jnp.array([0.3, 9.0])).tolist()
+    [1.0, 0.0]
+  """
+  x = jnp.asarray(x)
+  _check_float("x", x)
+  scale = jnp.asarray(scale, jnp.float32)
+  zero_point = jnp.asarray(zero_point, jnp.float32)
+  return _make_ste(int(qmin), int(qmax))(x, scale, zero_point)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_lsq(qmin: int, qmax: int, grad_scale: float, with_offset: bool):
+
+  def _v(x, step, offset):
+    s = jnp.maximum(step, numerics.SCALE_FLOOR)
+    return (x.astype(jnp.float32) - offset) / s, s
+
+  @jax.custom_vjp
+  def op(x, step, offset):
+    v, s = _v(x, step, offset)
+    return (jnp.clip(jnp.round(v), qmin, qmax) * s + offset).astype(x.dtype)
+
+  def op_fwd(x, step, offset):
+    return op(x, step, offset), (x, step, offset)
+
+  def op_bwd(res, g):
+    x, step, offset = res
+    v, _ = _v(x, step, offset)
+    g32 = g.astype(jnp.float32)
+    below, above = v < qmin, v > qmax
+    inside = ~(below | above)
+    # d x_hat / d s: Q_N below, Q_P above, round(v) - v inside (Esser et al.).
+    ds = jnp.where(below, float(qmin), jnp.where(above, float(qmax), jnp.round(v) - v))
+    d_step = _sum_to(g32 * ds, step.shape) * grad_scale
+    # d x_hat / d beta: 0 inside (the STE cancels it), 1 at the clamps.
+    d_off = (_sum_to(jnp.where(inside, 0.0, g32), offset.shape) * grad_scale if with_offset
+             else jnp.zeros_like(offset))
+    return jnp.where(inside, g32, 0.0).astype(x.dtype), d_step, d_off
+
+  op.defvjp(op_fwd, op_bwd)
+  return op
+
+
+def _lsq_args(x, step, *, grad_scale):
+  x = jnp.asarray(x)
+  _check_float("x", x)
+  if not float(grad_scale) > 0:
+    raise ValueError(f"grad_scale must be > 0, got {grad_scale!r}")
+  return x, jnp.asarray(step, jnp.float32)
+
+
+def lsq_fake_quant(x, step, *, qmin: int, qmax: int, grad_scale: float = 1.0):
+  """LSQ fake quantization with a learnable step size (Esser et al., 2020).
+
+  Forward: ``x_hat = s * clamp(round(x / s), qmin, qmax)``. Backward, with
+  ``v = x / s``: ``dx_hat/dx = 1`` for ``qmin <= v <= qmax`` and 0 outside;
+  ``dx_hat/ds = round(v) - v`` inside, ``qmin`` below and ``qmax`` above, summed
+  over the elements ``s`` covers and multiplied by ``grad_scale`` (LSQ uses
+  ``1 / sqrt(N * Q_P)``).
+
+  Args:
+    x: floating array.
+    step: float32 step size ``s`` (> 0), broadcastable against ``x``.
+    qmin: lowest integer level (``Q_N`` of the paper, negated).
+    qmax: highest integer level (``Q_P``).
+    grad_scale: factor applied to the step's gradient.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from fp8_linen import ops
+    >>> f = lambda s: ops.lsq_fake_quant(jnp.array([0.7, 5.0]), s, qmin=-2, qmax=1).sum()
+    >>> float(jax.grad(f)(jnp.array(1.0)))  # (round(0.7) - 0.7) + Q_P
+    1.2999999523162842
+  """
+  x, step = _lsq_args(x, step, grad_scale=grad_scale)
+  return _make_lsq(int(qmin), int(qmax), float(grad_scale), False)(
+      x, step, jnp.zeros((), jnp.float32))
+
+
+def lsq_plus_fake_quant(x, step, offset, *, qmin: int, qmax: int, grad_scale: float = 1.0):
+  """LSQ+ fake quantization: learnable step ``s`` and offset ``beta``.
+
+  Forward: ``x_hat = s * clamp(round((x - beta) / s), qmin, qmax) + beta``.
+  Backward, with ``v = (x - beta) / s`` and the STE for ``round``:
+  ``dx_hat/dx`` is 1 inside the range and 0 outside; ``dx_hat/ds`` is ``round(v)
+  - v`` inside, ``qmin``/``qmax`` at the clamps; ``dx_hat/dbeta`` is 0 inside
+  (``s * d round(v)/dbeta + 1 = -1 + 1``) and 1 at the clamps. Both learnable
+  gradients are multiplied by ``grad_scale``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from fp8_linen import ops
+    >>> f = lambda b: ops.lsq_plus_fake_quant(jnp.array([0.2, 9.0]), 1.0, b, qmin=0, qmax=3).sum()
+    >>> float(jax.grad(f)(jnp.array(0.0)))  # only the clamped element
+    1.0
+  """
+  x, step = _lsq_args(x, step, grad_scale=grad_scale)
+  return _make_lsq(int(qmin), int(qmax), float(grad_scale), True)(
+      x, step, jnp.asarray(offset, jnp.float32))
+
+
+def _observe(cfg: IntQuantConfig, old, x):
+  """The observer's range ``[-min, max]`` after seeing ``x`` (old ``[0, 0]`` = empty)."""
+  x32 = jnp.asarray(x, jnp.float32)
+  cur = jnp.stack([-jnp.min(x32), jnp.max(x32)])
+  cur = jnp.where(jnp.isfinite(cur), cur, old)  # a NaN batch never poisons the range
+  empty = jnp.all(old == 0)
+  if cfg.observer == "minmax":
+    new = jnp.maximum(old, cur)
+  else:
+    new = cfg.momentum * old + (1.0 - cfg.momentum) * cur
+  return jnp.where(empty, cur, new)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_observed(cfg: IntQuantConfig, first: bool):
+
+  def _qparams(x, obs):
+    new = _observe(cfg, obs, x)
+    s, z = numerics.int_params_from_range(-new[0], new[1], cfg)
+    return new, s, z
+
+  @jax.custom_vjp
+  def op(x, obs, chain):
+    _, s, z = _qparams(x, obs)
+    return numerics.int_fake_quant(x, s, z, cfg.qmin, cfg.qmax), chain
+
+  def op_fwd(x, obs, chain):
+    new, s, z = _qparams(x, obs)
+    return (numerics.int_fake_quant(x, s, z, cfg.qmin, cfg.qmax), chain), (x, new, s, z)
+
+  def op_bwd(res, cts):
+    x, new, s, z = res
+    g, ct_chain = cts
+    v = x.astype(jnp.float32) / s + z
+    dx = jnp.where((v >= cfg.qmin) & (v <= cfg.qmax), g, jnp.zeros_like(g)).astype(x.dtype)
+    # Chain as for fp8 state: later uses send their range back; the first use
+    # returns the widest (elementwise max of [-min, max]) as the new state.
+    combined = jnp.maximum(new, ct_chain)
+    if first:
+      return dx, combined, jnp.zeros_like(ct_chain)
+    return dx, jnp.zeros_like(new), combined
+
+  op.defvjp(op_fwd, op_bwd)
+  return op
+
+
+def observed_fake_quant(x, observer_range, *, cfg: IntQuantConfig, chain=None):
+  """STE fake quantization with a range observer whose state is overwritten.
+
+  The observer state is ``[-min, max]`` (float32 ``(2,)``; ``[0, 0]`` means
+  nothing observed yet). Forward: the range is updated with this batch
+  (``'minmax'``: running min/max; ``'moving_average'``: EMA with
+  ``cfg.momentum``; the first batch is taken as is), the scale and zero point
+  come from it (:func:`~fp8_linen.numerics.int_params_from_range`) and ``x`` is
+  fake-quantized. Backward: STE for ``x``; the updated range is returned as the
+  cotangent of ``observer_range`` (the ``_overwrite_with_gradient``
+  convention), linked across uses through ``chain`` like the fp8 ops.
+
+  Returns:
+    ``(x_hat, chain_out)``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from fp8_linen import ops, recipes
+    >>> cfg = recipes.IntQuantConfig(bits=8)
+    >>> f = lambda x, r: ops.observed_fake_quant(x, r, cfg=cfg)[0].sum()
+    >>> jax.grad(f, argnums=1)(jnp.array([-1.0, 2.0]), jnp.zeros(2)).tolist()
+    [1.0, 2.0]
+  """
+  x = jnp.asarray(x)
+  _check_float("x", x)
+  observer_range = jnp.asarray(observer_range, jnp.float32)
+  if observer_range.shape != (2,):
+    raise ValueError(f"observer_range must have shape (2,), got {observer_range.shape}")
+  first = chain is None
+  chain = jnp.zeros((2,), jnp.float32) if first else chain
+  return _make_observed(cfg, first)(x, observer_range, chain)

@@ -1,0 +1,153 @@
+"""Integer quantization-aware training in every layer (the ``IntRecipe`` plug-in).
+
+Registers :class:`~fp8_linen.IntRecipe` with
+:func:`~fp8_linen.layers.register_dot_general`, so ``QDense``, ``Fp8DotGeneral``
+(and every layer that routes its matmul through
+:func:`~fp8_linen.layers.quantized_dot_general_on`) accept integer recipes.
+The GEMM runs in float on fake-quantized operands; gradients stay in float.
+
+What each estimator declares on the layer:
+
+* ``'ste'``, activation (``input``): an observer range ``input_range`` =
+  ``[-min, max]`` (float32 ``(2,)``) in the ``_overwrite_with_gradient``
+  collection. It is updated in the backward pass and leaves the step as its
+  "gradient", like the fp8 state, so :class:`~fp8_linen.TrainState`,
+  gradient accumulation and ``reduce_gradients`` (max) handle it; a layer used
+  twice in a step folds both observations into one update (widest range).
+  Note: the forward pass always folds the current batch into the range, also
+  at evaluation time.
+* ``'ste'``, weight (``kernel``): nothing; the scale comes from the weight's
+  current min/max (per tensor, channel or group).
+* ``'lsq'``: a learnable step in ``params``: ``input_step`` (shape ``(1,)``) or
+  ``kernel_step`` (one per channel/group, with the kernel's rank).
+* ``'lsq+'``: a step and an offset: ``input_step``/``input_offset`` and
+  ``kernel_step``/``kernel_offset``.
+
+Learned values ADD parameters compared with the flax twin (``nn.Dense`` has
+only ``kernel`` and ``bias``): an ``nn.Dense`` checkpoint needs them added
+before it loads into a layer with an LSQ recipe. They are initialised from
+the arrays seen by ``init`` (LSQ: ``2 * mean|x| / sqrt(Q_P)``; LSQ+: the
+min/max range), so initialise with a representative batch, not ``ones``.
+The LSQ gradient scale is ``1 / sqrt(N * Q_P)`` with ``N`` the number of
+elements one step covers (the weight size per tensor, per channel or per
+group) for weights and the number of features per example (``x.size /
+x.shape[0]``) for activations.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import fp8_linen as fl
+  >>> layer = fl.QDense(4, recipe=fl.int8_lsq())
+  >>> v = layer.init(jax.random.key(0), jax.random.normal(jax.random.key(1), (8, 16)))
+  >>> sorted(v['params'])
+  ['bias', 'input_step', 'kernel', 'kernel_step']
+  >>> v['params']['kernel_step'].shape
+  (1, 4)
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax.numpy as jnp
+from jax import lax
+
+from fp8_linen import layers, numerics, ops
+from fp8_linen.recipes import IntQuantConfig, IntRecipe
+
+__all__ = ["int_dot_general_on", "quantize_operand"]
+
+
+def _lsq(module: nn.Module, role: str, view, axes, cfg: IntQuantConfig, n: int):
+  """LSQ/LSQ+ fake quantization of ``view`` with params ``<role>_step``/``_offset``."""
+  shape = (1,) if role == "input" else tuple(1 if i in axes else d
+                                              for i, d in enumerate(view.shape))
+  red = tuple(range(view.ndim)) if role == "input" else axes
+
+  def _init_step(_):
+    if cfg.estimator == "lsq":
+      s = numerics.lsq_init_step(view, red, cfg.qmax)
+    else:
+      s, _b = numerics.lsq_plus_init(view, red, cfg.qmin, cfg.qmax)
+    return jnp.reshape(s, shape)
+
+  step = module.param(f"{role}_step", _init_step)
+  if step.shape != shape:
+    raise ValueError(f"{'/'.join(module.path)}: {role}_step has shape {step.shape}, the "
+                     f"recipe ({cfg.granularity}) asks for {shape}")
+  bshape = (step.reshape(()) if role == "input" else step)
+  g = 1.0 / math.sqrt(n * cfg.qmax)
+  if cfg.estimator == "lsq":
+    return ops.lsq_fake_quant(view, bshape, qmin=cfg.qmin, qmax=cfg.qmax, grad_scale=g)
+  offset = module.param(
+      f"{role}_offset",
+      lambda _: jnp.reshape(numerics.lsq_plus_init(view, red, cfg.qmin, cfg.qmax)[1], shape))
+  boff = offset.reshape(()) if role == "input" else offset
+  return ops.lsq_plus_fake_quant(view, bshape, boff, qmin=cfg.qmin, qmax=cfg.qmax, grad_scale=g)
+
+
+def quantize_operand(module: nn.Module, role: str, x, contract_axes, cfg: IntQuantConfig | None,
+                     key: str = "dot"):
+  """Fake-quantizes one GEMM operand as ``cfg`` says, declaring its state on ``module``.
+
+  Args:
+    module: the Linen module that owns the params/state.
+    role: ``'input'`` (activation) or ``'kernel'`` (weight); prefixes the names.
+    x: the operand.
+    contract_axes: its contracting axes in the GEMM.
+    cfg: the role's :class:`~fp8_linen.IntQuantConfig`, or ``None`` (no-op).
+    key: distinguishes several GEMMs of one module (for the observer chain).
+
+  Returns:
+    The fake-quantized operand (same shape and dtype as ``x``).
+  """
+  if cfg is None:
+    return x
+  view, axes = numerics.int_view(x, contract_axes, cfg)
+  if cfg.learned:
+    n = (x.size // x.shape[0] if x.ndim > 1 else x.size) if role == "input" else \
+        max(1, math.prod(view.shape[a] for a in axes))
+    return _lsq(module, role, view, axes, cfg, n).reshape(x.shape)
+  if role == "input":
+    rng = module.variable(layers.OWG, f"{role}_range", jnp.zeros, (2,), jnp.float32)
+    if rng.value.shape != (2,):
+      raise ValueError(f"{'/'.join(module.path)}: {role}_range has shape {rng.value.shape}, "
+                       "expected (2,)")
+    return layers.chained(module, f"{key}/{role}_observer",
+                          lambda chain: ops.observed_fake_quant(x, rng.value, cfg=cfg,
+                                                                chain=chain))
+  lo = lax.stop_gradient(jnp.min(view, axis=axes, keepdims=True))
+  hi = lax.stop_gradient(jnp.max(view, axis=axes, keepdims=True))
+  s, z = numerics.int_params_from_range(lo, hi, cfg)
+  return ops.fake_quant_ste(view, s, z, qmin=cfg.qmin, qmax=cfg.qmax).reshape(x.shape)
+
+
+def int_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe: IntRecipe,
+                       out_dtype=None, key: str = "dot"):
+  """``dot_general`` of the fake-quantized operands (the ``IntRecipe`` plug-in).
+
+  ``lhs`` is the activation (role ``input``), ``rhs`` the weight (role
+  ``kernel``). See the module docstring for the variables it declares.
+
+  Example:
+    >>> import functools, jax, jax.numpy as jnp, flax.linen as nn
+    >>> import fp8_linen as fl
+    >>> dg = functools.partial(fl.Fp8DotGeneral, recipe=fl.IntRecipe())
+    >>> v = nn.Dense(3, dot_general_cls=dg).init(jax.random.key(0), jnp.ones((2, 5)))
+    >>> v[fl.OWG]['Fp8DotGeneral_0']['input_range'].shape
+    (2,)
+  """
+  if not isinstance(recipe, IntRecipe):
+    raise TypeError(f"int_dot_general_on needs an IntRecipe, got {type(recipe).__name__}")
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  (lc, rc), _ = dimension_numbers
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  xq = quantize_operand(module, "input", lhs, lc, recipe.input, key)
+  wq = quantize_operand(module, "kernel", rhs, rc, recipe.kernel, key)
+  cd = jnp.dtype(recipe.compute_dtype)
+  y = lax.dot_general(xq.astype(cd), wq.astype(cd), dimension_numbers,
+                      preferred_element_type=jnp.float32)
+  return y.astype(out_dtype)
+
+
+layers.register_dot_general(IntRecipe, int_dot_general_on)
