@@ -25,8 +25,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
+import jax
 import jax.ad_checkpoint
 import jax.numpy as jnp
 
@@ -34,7 +36,36 @@ from fp8_linen import ops
 from fp8_linen.layers import chained, role_state
 from fp8_linen.recipes import ScalingConfig
 
-__all__ = ["ActivationRecipe", "Fp8Activation", "fp8_activation"]
+__all__ = ["ActivationRecipe", "Fp8Activation", "fp8_activation", "name_fp8_residual"]
+
+
+def _bits_named(q, name):
+  bits = jax.ad_checkpoint.checkpoint_name(jax.lax.bitcast_convert_type(q, jnp.uint8), name)
+  return jax.lax.bitcast_convert_type(bits, q.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _named_identity(name: str):
+  @jax.custom_vjp
+  def keep(q):
+    return _bits_named(q, name)
+
+  keep.defvjp(lambda q: (_bits_named(q, name), None), lambda _, g: (g,))
+  return keep
+
+
+def name_fp8_residual(q, name: str = ops.CHECKPOINT_NAME):
+  """``checkpoint_name(q, name)`` for an fp8 array, safe under ``jax.checkpoint``.
+
+  jax 0.10's remat inserts ``reduce_precision(exponent_bits, mantissa_bits)`` on
+  every floating residual it saves; for ``float8_e4m3fn`` that is IEEE e4m3
+  (largest finite 240), so saved values of magnitude >= 256 come back as
+  inf/NaN. The fp8 bits are therefore named as ``uint8`` (same byte count,
+  never rounded) and bitcast back; the gradient passes straight through.
+  """
+  if jnp.issubdtype(q.dtype, jnp.floating) and jnp.dtype(q.dtype).itemsize == 1:
+    return _named_identity(name)(q)
+  return jax.ad_checkpoint.checkpoint_name(q, name)
 
 
 def _e4m3() -> ScalingConfig:
@@ -98,7 +129,7 @@ def fp8_activation(module: nn.Module, x, recipe: ActivationRecipe | None = None,
     return (xq, s), chain_out
 
   xq, s = chained(module, "activation_input", _q)
-  xq = jax.ad_checkpoint.checkpoint_name(xq, name)
+  xq = name_fp8_residual(xq, name)
   return chained(module, "activation_output_grad", lambda chain: ops.dequantize(
       xq, s, st_g.scale, st_g.amax_history, grad_cfg=recipe.output_grad, dtype=x.dtype,
       chain=chain))

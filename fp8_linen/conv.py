@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8_linen import numerics, ops
+from fp8_linen.activation import name_fp8_residual
 from fp8_linen.general import _active
 from fp8_linen.layers import ROLES, chained, role_state
 from fp8_linen.recipes import Fp8Recipe, resolve_gemm
@@ -88,8 +89,8 @@ def _make_fp8_conv(conv_cfg, recipe: Fp8Recipe, gemm: str, out_dtype, lhs_dtype,
   def op_fwd(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
     q_l, q_r, s_l, s_r, a_l, a_r = _forward(lhs, rhs, ls, lh, rs, rh)
     y = _fwd_conv(q_l, q_r, s_l, s_r)
-    q_l = jax.ad_checkpoint.checkpoint_name(q_l, ops.CHECKPOINT_NAME)
-    q_r = jax.ad_checkpoint.checkpoint_name(q_r, ops.CHECKPOINT_NAME)
+    q_l = name_fp8_residual(q_l)
+    q_r = name_fp8_residual(q_r)
     return (y, chain), (q_l, q_r, s_l, s_r, a_l, a_r, ls, lh, rs, rh, gs, gh)
 
   def op_bwd(res, cts):
