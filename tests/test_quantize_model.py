@@ -117,7 +117,7 @@ def test_flax_multi_head_attention_all_products_quantized():
 class Decoder(nn.Module):
   vocab: int = 32
   d: int = 32
-  layers: int = 2
+  layers: int = 1
 
   @nn.compact
   def __call__(self, tokens):
@@ -132,7 +132,7 @@ class Decoder(nn.Module):
     return nn.Dense(self.vocab, name="logits")(nn.LayerNorm()(h))
 
 
-def _train(apply_fn, variables, tokens, steps=8):
+def _train(apply_fn, variables, tokens, steps=6):
   def loss_fn(v):
     logits = apply_fn(v, tokens[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
@@ -167,4 +167,4 @@ def test_decoder_trains_close_to_bf16():
   assert q_losses[-1] < q_losses[0] - 0.3
   np.testing.assert_allclose(q_losses, ref_losses, rtol=0.03)
   hist = state.params[fl.OWG]["up_0"]["output_grad_amax_history"]
-  assert int(jnp.sum(hist > 0)) == 8   # one observation per step, none summed
+  assert int(jnp.sum(hist > 0)) == 6   # one observation per step, none summed
