@@ -45,6 +45,16 @@ from fp8_linen.train_state import (
     reduce_gradients,
     split_owg,
 )
+from fp8_linen import activation, conv, general, quantize_model as quantize_model_lib
+from fp8_linen.activation import ActivationRecipe, Fp8Activation, fp8_activation
+from fp8_linen.conv import QConv, fp8_conv_general_dilated, quantized_conv_on, register_conv
+from fp8_linen.general import QDenseGeneral, QEinsum, einsum_plan, quantized_einsum_on
+from fp8_linen.quantize_model import (
+    QuantizationRule,
+    QuantizedModel,
+    quantization,
+    quantize_model,
+)
 
 __version__ = "0.1.0"
 
@@ -88,4 +98,24 @@ __all__ = [
     "load_recipe",
     "recipe_to_dict",
     "qat",
+    # issue 3: layer collection, activation quantizer, quantize_model
+    "QDenseGeneral",
+    "QEinsum",
+    "einsum_plan",
+    "quantized_einsum_on",
+    "QConv",
+    "fp8_conv_general_dilated",
+    "register_conv",
+    "quantized_conv_on",
+    "ActivationRecipe",
+    "Fp8Activation",
+    "fp8_activation",
+    "QuantizationRule",
+    "QuantizedModel",
+    "quantization",
+    "quantize_model",
+    "activation",
+    "conv",
+    "general",
+    "quantize_model_lib",
 ]

@@ -1,0 +1,168 @@
+"""An fp8 activation quantizer: keep activations in fp8 for the backward pass.
+
+:class:`Fp8Activation` passes a tensor through the card's quantize/dequantize
+pair: forward ``x -> x_fp8`` (e4m3, scale from the module's ``input`` state)
+``-> x_fp8 * s``; backward: the incoming gradient is quantized to e5m2 (scale
+from the ``output_grad`` state), its scale travels back through the dummy
+``scale_out`` cotangent and the gradient is dequantized with exactly that scale.
+
+The fp8 copy is named :data:`fp8_linen.ops.CHECKPOINT_NAME` with
+``jax.ad_checkpoint.checkpoint_name``. Under ``nn.remat`` with
+``jax.checkpoint_policies.save_only_these_names(fp8_linen.ops.CHECKPOINT_NAME)``
+only the fp8 copies (1 byte per element, half of bfloat16) are kept between
+the forward and the backward pass; everything after the quantizer is
+recomputed from them.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import fp8_linen as fl
+  >>> q = fl.Fp8Activation()
+  >>> y, v = q.init_with_output(jax.random.key(0), jnp.array([1.0, -2.0, 448.0]))
+  >>> y.tolist(), sorted(v[fl.OWG])[:2]
+  ([1.0, -2.0, 448.0], ['input_amax_history', 'input_scale'])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.ad_checkpoint
+import jax.numpy as jnp
+
+from fp8_linen import ops
+from fp8_linen.layers import chained, role_state
+from fp8_linen.recipes import ScalingConfig
+
+__all__ = ["ActivationRecipe", "Fp8Activation", "fp8_activation", "name_fp8_residual"]
+
+
+def _bits_named(q, name):
+  bits = jax.ad_checkpoint.checkpoint_name(jax.lax.bitcast_convert_type(q, jnp.uint8), name)
+  return jax.lax.bitcast_convert_type(bits, q.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _named_identity(name: str):
+  @jax.custom_vjp
+  def keep(q):
+    return _bits_named(q, name)
+
+  keep.defvjp(lambda q: (_bits_named(q, name), None), lambda _, g: (g,))
+  return keep
+
+
+def name_fp8_residual(q, name: str = ops.CHECKPOINT_NAME):
+  """``checkpoint_name(q, name)`` for an fp8 array, safe under ``jax.checkpoint``.
+
+  jax 0.10's remat inserts ``reduce_precision(exponent_bits, mantissa_bits)`` on
+  every floating residual it saves; for ``float8_e4m3fn`` that is IEEE e4m3
+  (largest finite 240), so saved values of magnitude >= 256 come back as
+  inf/NaN. The fp8 bits are therefore named as ``uint8`` (same byte count,
+  never rounded) and bitcast back; the gradient passes straight through.
+  """
+  if jnp.issubdtype(q.dtype, jnp.floating) and jnp.dtype(q.dtype).itemsize == 1:
+    return _named_identity(name)(q)
+  return jax.ad_checkpoint.checkpoint_name(q, name)
+
+
+def _e4m3() -> ScalingConfig:
+  return ScalingConfig(dtype="float8_e4m3fn")
+
+
+def _e5m2() -> ScalingConfig:
+  return ScalingConfig(dtype="float8_e5m2")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ActivationRecipe:
+  """How an activation and its gradient are stored in fp8.
+
+  Attributes:
+    input: the activation's config (e4m3, delayed scaling by default).
+    output_grad: the gradient's config (e5m2, delayed scaling by default).
+
+  Example:
+    >>> import fp8_linen as fl
+    >>> fl.ActivationRecipe().output_grad.dtype
+    'float8_e5m2'
+  """
+
+  input: ScalingConfig = dataclasses.field(default_factory=_e4m3)
+  output_grad: ScalingConfig = dataclasses.field(default_factory=_e5m2)
+
+  def __post_init__(self):
+    for role in ("input", "output_grad"):
+      if not isinstance(getattr(self, role), ScalingConfig):
+        raise ValueError(f"ActivationRecipe.{role} must be a ScalingConfig, got "
+                         f"{type(getattr(self, role)).__name__}")
+
+
+def fp8_activation(module: nn.Module, x, recipe: ActivationRecipe | None = None,
+                   name: str = ops.CHECKPOINT_NAME):
+  """Quantizes ``x`` through fp8 with ``module``'s ``input``/``output_grad`` state.
+
+  Uses of one module in a step are linked per role with
+  :func:`~fp8_linen.layers.chained`, so the recorded amax is the max over them.
+
+  Args:
+    module: the Linen module that owns the state.
+    x: floating array.
+    recipe: an :class:`ActivationRecipe` (default e4m3 / e5m2, delayed).
+    name: the ``checkpoint_name`` given to the fp8 copy.
+
+  Returns:
+    ``x`` after the fp8 round trip, in ``x``'s dtype.
+  """
+  recipe = recipe or ActivationRecipe()
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"Fp8Activation: x must be a floating array, got dtype {x.dtype}")
+  st_in = role_state(module, "input", recipe.input)
+  st_g = role_state(module, "output_grad", recipe.output_grad)
+
+  def _q(chain):
+    xq, s, chain_out = ops.quantize(x, st_in.scale, st_in.amax_history, cfg=recipe.input,
+                                    chain=chain)
+    return (xq, s), chain_out
+
+  xq, s = chained(module, "activation_input", _q)
+  xq = name_fp8_residual(xq, name)
+  return chained(module, "activation_output_grad", lambda chain: ops.dequantize(
+      xq, s, st_g.scale, st_g.amax_history, grad_cfg=recipe.output_grad, dtype=x.dtype,
+      chain=chain))
+
+
+class Fp8Activation(nn.Module):
+  """Stores an activation in fp8: e4m3 forward, e5m2 gradient.
+
+  Put it where an activation is kept for the backward pass (before a layer,
+  at the boundary of an ``nn.remat`` block) and use
+  ``jax.checkpoint_policies.save_only_these_names(fp8_linen.ops.CHECKPOINT_NAME)``
+  as the remat policy: the saved residual is the fp8 copy, half the bytes of
+  bfloat16. The state (``input_*``, ``output_grad_*``) lives in the
+  :data:`~fp8_linen.OWG` collection.
+
+  Attributes:
+    recipe: an :class:`ActivationRecipe`.
+    checkpoint_name: the name given to the fp8 copy.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> q = fl.Fp8Activation()
+    >>> v = q.init(jax.random.key(0), jnp.ones((2, 3)))
+    >>> g = jax.grad(lambda v, x: (1000.0 * q.apply(v, x)).sum(), argnums=(0, 1))(
+    ...     v, jnp.ones((2, 3)))
+    >>> g[1].tolist()[0]
+    [1000.0, 1000.0, 1000.0]
+  """
+
+  recipe: ActivationRecipe = ActivationRecipe()
+  checkpoint_name: str = ops.CHECKPOINT_NAME
+
+  @nn.compact
+  def __call__(self, x):
+    return fp8_activation(self, x, self.recipe, self.checkpoint_name)
