@@ -42,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple, Sequence
 
 import jax
@@ -328,12 +329,25 @@ def _free_dims(ndim: int, contract: Sequence[int], batch: Sequence[int]) -> list
   return [d for d in range(ndim) if d not in contract and d not in batch]
 
 
-def _batch_first(x, contract, batch):
-  """Transposes ``x`` so its batch dims lead; returns it and the new contracting dims."""
-  perm = list(batch) + [d for d in range(x.ndim) if d not in batch]
-  if perm == list(range(x.ndim)):
-    return x, list(contract)
-  return jnp.transpose(x, perm), [perm.index(d) for d in contract]
+def _as_matmul_operand(x, contract, batch, contract_last: bool):
+  """Reshapes ``x`` to ``[B?, rows, cols]`` for a plain (batched) matmul.
+
+  Returns the reshaped operand and whether its contracting block comes last.
+  A transpose is made only when neither ``(batch, free, contract)`` nor
+  ``(batch, contract, free)`` is already ``x``'s layout.
+  """
+  free = [d for d in range(x.ndim) if d not in contract and d not in batch]
+  options = [(list(batch) + free + list(contract), True),
+             (list(batch) + list(contract) + free, False)]
+  perm, last = next(((p, l) for p, l in options if p == list(range(x.ndim))),
+                    options[0] if contract_last else options[1])
+  if perm != list(range(x.ndim)):
+    x = jnp.transpose(x, perm)
+  b = math.prod(x.shape[:len(batch)])
+  k = math.prod(x.shape[d] for d in range(x.ndim) if perm[d] in contract)
+  f = math.prod(x.shape[d] for d in range(x.ndim) if perm[d] in free)
+  shape = (f, k) if last else (k, f)
+  return x.reshape(((b,) if batch else ()) + shape), last
 
 
 def _gemm(a, b, dn, gemm: str, out_dtype):
@@ -342,16 +356,22 @@ def _gemm(a, b, dn, gemm: str, out_dtype):
     return lax.dot_general(a, b, dn, preferred_element_type=out_dtype)
   up = jnp.bfloat16 if gemm == "bf16" else jnp.float32  # fp8 -> bf16 is exact
   a, b = a.astype(up), b.astype(up)
+  if up == jnp.float32:
+    return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
+  # XLA:CPU has a bf16 x bf16 -> f32 kernel only for plain (batched) matmul
+  # layouts; express every product as one, then restore dot_general's output
+  # layout (batch, lhs free, rhs free).
   (ac, bc), (ab, bb) = dn
-  if ab and up == jnp.bfloat16:
-    # XLA:CPU has no bf16 x bf16 -> f32 kernel for some layouts with non-leading
-    # batch dims; with the batch dims first it always does. The output layout
-    # of dot_general (batch, lhs free, rhs free) does not change.
-    a, ac = _batch_first(a, ac, ab)
-    b, bc = _batch_first(b, bc, bb)
-    nb = len(ab)
-    dn = ((ac, bc), (list(range(nb)), list(range(nb))))
-  return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
+  out_shape = ([a.shape[d] for d in ab]
+               + [a.shape[d] for d in range(a.ndim) if d not in ac and d not in ab]
+               + [b.shape[d] for d in range(b.ndim) if d not in bc and d not in bb])
+  a3, a_last = _as_matmul_operand(a, ac, ab, contract_last=True)
+  b3, b_last = _as_matmul_operand(b, bc, bb, contract_last=False)
+  nb = 1 if ab else 0
+  dn3 = (((nb + (1 if a_last else 0),), (nb + (1 if b_last else 0),)),
+         (((0,), (0,)) if ab else ((), ())))
+  y = lax.dot_general(a3, b3, dn3, preferred_element_type=jnp.float32)
+  return y.reshape(out_shape)
 
 
 def _scaled(y, scale, out_dtype):

@@ -52,6 +52,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import lax
 
+from fp8_linen import conv as conv_lib
 from fp8_linen import layers, numerics, ops
 from fp8_linen.recipes import IntQuantConfig, IntRecipe
 
@@ -151,3 +152,37 @@ def int_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe: I
 
 
 layers.register_dot_general(IntRecipe, int_dot_general_on)
+
+
+def int_conv_on(module: nn.Module, lhs, rhs, conv_kwargs: dict, recipe: IntRecipe,
+                out_dtype=None, key: str = "conv"):
+  """Convolution of the fake-quantized operands (``IntRecipe`` in ``QConv``).
+
+  The input is quantized like a GEMM activation; the kernel's contracting axes
+  are all but its output-feature axis, so ``granularity='channel'`` gives one
+  scale per output feature.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> conv = fl.QConv(4, (3, 3), recipe=fl.IntRecipe())
+    >>> y, v = conv.init_with_output(jax.random.key(0), jnp.ones((1, 8, 8, 2)))
+    >>> y.shape, v[fl.OWG]['input_range'].shape
+    ((1, 8, 8, 4), (2,))
+  """
+  if not isinstance(recipe, IntRecipe):
+    raise TypeError(f"int_conv_on needs an IntRecipe, got {type(recipe).__name__}")
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, conv_kwargs["dimension_numbers"])
+  l_contract = [d for d in range(lhs.ndim) if d != dn.lhs_spec[0]]
+  r_contract = [d for d in range(rhs.ndim) if d != dn.rhs_spec[0]]
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  xq = quantize_operand(module, "input", lhs, l_contract, recipe.input, key)
+  wq = quantize_operand(module, "kernel", rhs, r_contract, recipe.kernel, key)
+  cd = jnp.dtype(recipe.compute_dtype)
+  y = lax.conv_general_dilated(xq.astype(cd), wq.astype(cd), **conv_kwargs,
+                               preferred_element_type=jnp.float32)
+  return y.astype(out_dtype)
+
+
+conv_lib.register_conv(IntRecipe, int_conv_on)

@@ -9,13 +9,14 @@ import pytest
 from fp8_linen.job import config as config_lib
 
 
-@pytest.fixture(scope='package', autouse=True)
+@pytest.fixture(scope='module', autouse=True)
 def _compilation_cache(tmp_path_factory):
   """Shares compiled programs between the job runs of these tests.
 
   Several tests train the same tiny models more than once (e.g. straight and
   resumed); a persistent cache makes the repeats skip XLA compilation. The
-  previous settings are restored afterwards.
+  previous settings are restored after each test module, so tests outside
+  this directory are unaffected.
   """
   names = ('jax_compilation_cache_dir',
            'jax_persistent_cache_min_compile_time_secs',

@@ -68,7 +68,7 @@ def test_bad_choice_lists_allowed_values(tmp_path):
   with pytest.raises(config_lib.ConfigError) as e:
     config_lib.load_config(path)
   msg = str(e.value)
-  assert "'arms'" in msg and "'fp16'" in msg and 'bf16, fp8' in msg
+  assert "'arms'" in msg and "'fp16'" in msg and 'bf16, fp8, int8' in msg
 
 
 def test_out_of_range_value(tmp_path):
@@ -111,4 +111,4 @@ def test_cli_overrides():
 def test_cli_bad_value_exits_with_message(capsys):
   assert main_lib.main(['--arms', 'fp4', '--out', 'unused']) == 2
   err = capsys.readouterr().err
-  assert "'fp4'" in err and 'allowed values: bf16, fp8' in err
+  assert "'fp4'" in err and 'allowed values: bf16, fp8, int8' in err

@@ -1,13 +1,11 @@
 """End-to-end tests of the main job: tiny runs, exact resume, NaN losses.
 
-Tests marked ``needs_core`` use the fp8 arm and need the library core
-(``fp8_linen.QDense``, ``Fp8Recipe``, ``TrainState``); all others use the
-bf16 arm (plain flax) only.
+The fp8 and int8 arms run the library's layers and train-state helper for
+real; the other tests use the bf16 arm (plain flax) only.
 """
 
 import dataclasses
 import functools
-import importlib
 import json
 import os
 
@@ -19,24 +17,12 @@ import orbax.checkpoint as ocp
 import pytest
 
 from fp8_linen.job import arms as arms_lib
+from fp8_linen.job import config as config_lib
 from fp8_linen.job import main as main_lib
 from fp8_linen.job import models
 from fp8_linen.job import report
 from fp8_linen.job import tasks as tasks_lib
 from fp8_linen.job import train as train_lib
-
-
-def _has_core() -> bool:
-  try:
-    fl = importlib.import_module('fp8_linen')
-  except ImportError:
-    return False
-  return all(hasattr(fl, n) for n in ('QDense', 'Fp8Recipe', 'TrainState'))
-
-
-needs_core = pytest.mark.skipif(
-    not _has_core(), reason='fp8 arm needs fp8_linen.QDense/Fp8Recipe/'
-    'TrainState (library core)')
 
 
 def _final_checkpoint(out_dir, task, arm):
@@ -96,14 +82,21 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
   assert step == 8 and int(state['step']) == 8
 
 
+def _train_all(cfg, out_dir, **kwargs):
+  """Trains every task and arm of ``cfg`` (no report, to save time)."""
+  arms = [arms_lib.build_arm(a, cfg) for a in cfg.arms]
+  return [train_lib.train_arm(tasks_lib.build_task(t, cfg), arm, cfg, out_dir,
+                              **kwargs) for t in cfg.tasks for arm in arms]
+
+
 def _resume_matches_straight(cfg, tmp_path):
   straight, stopped = str(tmp_path / 'straight'), str(tmp_path / 'stopped')
-  main_lib.run_job(cfg, straight)
-  _, partial_results = main_lib.run_job(cfg, stopped, stop_after=4)[0], None
+  _train_all(cfg, straight)
+  _train_all(cfg, stopped, stop_after=4)
   for task in cfg.tasks:
     for arm in cfg.arms:
       assert _final_checkpoint(stopped, task, arm)[0] == 4
-  results, _ = main_lib.run_job(cfg, stopped, resume=True)
+  results = _train_all(cfg, stopped, resume=True)
   assert all(r.steps_done == 8 for r in results)
   for task in cfg.tasks:
     for arm in cfg.arms:
@@ -125,24 +118,25 @@ def test_resume_equals_straight_bf16(tiny_cfg, tmp_path):
 def test_resume_with_other_settings_fails(tiny_cfg, tmp_path):
   cfg = dataclasses.replace(tiny_cfg, tasks=('digits',))
   out = str(tmp_path / 'run')
-  main_lib.run_job(cfg, out, stop_after=4)
+  _train_all(cfg, out, stop_after=4)
   other = dataclasses.replace(
       cfg, digits=dataclasses.replace(cfg.digits, hidden=4))
   with pytest.raises(ValueError, match=r'digits\.hidden: 8 -> 4'):
-    main_lib.run_job(other, out, resume=True)
+    _train_all(other, out, resume=True)
 
 
 def test_resume_without_checkpoint_starts_fresh(tiny_cfg, tmp_path):
   cfg = dataclasses.replace(tiny_cfg, tasks=('digits',))
-  results, _ = main_lib.run_job(cfg, str(tmp_path / 'new'), resume=True)
+  results = _train_all(cfg, str(tmp_path / 'new'), resume=True)
   assert results[0].steps_done == 8
 
 
 def test_nan_loss_does_not_crash(tiny_cfg, tmp_path):
   task = tasks_lib.build_task('digits', tiny_cfg)
+  clean = task.train_batch
 
   def poisoned(step):
-    batch = dict(task.train_batch(step))
+    batch = dict(clean(step))
     if step >= 3:
       batch['x'] = np.full_like(batch['x'], np.nan)
     return batch
@@ -158,25 +152,39 @@ def test_nan_loss_does_not_crash(tiny_cfg, tmp_path):
     assert json.load(f)['results'][0]['val_loss'] is None
 
 
-@needs_core
 def test_fp8_arm_tiny_run(tmp_path):
-  cfg = dataclasses.replace(main_lib.config_from_args(
-      main_lib.parse_args(['--config', 'tiny'])), arms=('bf16', 'fp8'))
+  cfg = dataclasses.replace(config_lib.load_config('tiny'), tasks=('lm',),
+                            arms=('bf16', 'fp8'))
   results, paths = main_lib.run_job(cfg, str(tmp_path))
-  by_key = {(r.task, r.arm): r for r in results}
-  fp8 = by_key[('lm', 'fp8')]
+  bf16, fp8 = results
   assert fp8.quantized and fp8.health is not None
   assert fp8.health['scales'] > 0 and fp8.health['nonfinite_scales'] == 0
   assert fp8.health['skipped_amax'] == 0
   assert fp8.history['trace'] and len(fp8.history['trace_step']) == 8
-  assert np.isfinite(fp8.final_train_loss)
+  assert np.isfinite(fp8.final_train_loss) and np.isfinite(fp8.val_loss)
   # Same init and data: the first-step losses of the arms are close.
-  bf16 = by_key[('lm', 'bf16')]
   assert abs(fp8.history['loss'][0] - bf16.history['loss'][0]) < 0.1
-  assert 'vs bf16' in paths['text']
+  row = next(l for l in paths['text'].splitlines() if l.startswith('fp8'))
+  assert row.split()[-3] == f'0/{fp8.health["scales"]}'
+  assert os.path.getsize(os.path.join(str(tmp_path), report.SCALES_PNG)) > 1000
 
 
-@needs_core
 def test_resume_equals_straight_fp8(tiny_cfg, tmp_path):
-  cfg = dataclasses.replace(tiny_cfg, arms=('fp8',))
+  # The LM only: its programs are already compiled by test_fp8_arm_tiny_run.
+  cfg = dataclasses.replace(tiny_cfg, tasks=('lm',), arms=('fp8',))
   _resume_matches_straight(cfg, tmp_path)
+
+
+def test_int8_arm_tiny_run(tiny_cfg, tmp_path):
+  cfg = dataclasses.replace(tiny_cfg, tasks=('digits',), arms=('int8',),
+                            int8_recipe={'kernel': {'granularity': 'channel'}})
+  (result,) = _train_all(cfg, str(tmp_path))
+  assert result.quantized and np.isfinite(result.final_train_loss)
+  assert result.health['scales'] > 0  # The observers' input ranges.
+  assert result.health['nonfinite_scales'] == 0
+
+
+def test_bad_recipe_names_config_key(tiny_cfg):
+  cfg = dataclasses.replace(tiny_cfg, fp8_recipe={'input': {'bogus': 1}})
+  with pytest.raises(ValueError, match='fp8_recipe'):
+    arms_lib.build_arm('fp8', cfg)

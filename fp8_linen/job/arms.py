@@ -1,0 +1,143 @@
+"""Arms: the variants of a model that the job trains side by side.
+
+An :class:`Arm` says which dense and conv classes the models get and which
+train-state class holds the variables. The ``bf16`` arm is plain flax; the
+``fp8`` and ``int8`` arms use the library's layers and train state.
+
+To add an arm, write a builder ``cfg -> Arm``, add it to :data:`BUILDERS` and
+its name to :data:`fp8_linen.job.config.ARMS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import flax.linen as nn
+from flax.training import train_state as flax_train_state
+import jax.numpy as jnp
+
+import fp8_linen as fl
+from fp8_linen.job import config as config_lib
+
+OWG = fl.OWG
+"""Name of the collection holding quantization state (scales, histories)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Arm:
+  """How one arm builds its layers and its train state.
+
+  Attributes:
+    name: Arm name, e.g. ``'bf16'``.
+    dense_cls: Replaces ``nn.Dense``; called as ``dense_cls(features,
+      dtype=..., name=...)``.
+    conv_cls: Replaces ``nn.Conv``; called as ``conv_cls(features,
+      kernel_size, dtype=..., name=...)``.
+    train_state_cls: Has ``create(apply_fn=, params=, tx=)`` taking the full
+      variables dict from ``model.init``, and ``apply_gradients(grads=)``.
+    quantized: Whether the arm carries quantization state to report.
+    wrap_model: Applied to each model after it is built (identity here; the
+      hook for a model-level wrapper such as ``fp8_linen.quantize_model``).
+    notes: Short remarks for the results table.
+    details: More facts for the JSON summary (e.g. the recipe's repr).
+    dtype: Compute dtype of the models.
+  """
+
+  name: str
+  dense_cls: Callable[..., nn.Module] = nn.Dense
+  conv_cls: Callable[..., nn.Module] = nn.Conv
+  train_state_cls: Any = flax_train_state.TrainState
+  quantized: bool = False
+  wrap_model: Callable[[nn.Module], nn.Module] = lambda model: model
+  notes: tuple[str, ...] = ()
+  details: tuple[tuple[str, str], ...] = ()
+  dtype: Any = jnp.bfloat16
+
+
+def bf16_arm(cfg: config_lib.JobConfig) -> Arm:
+  """Plain ``nn.Dense`` / ``nn.Conv`` computing in bfloat16.
+
+  The train state is flax's own: ``params`` is the full variables dict, which
+  here holds only the ``params`` collection, so the optimizer sees exactly
+  the same tree as in a quantized arm.
+  """
+  del cfg
+  return Arm(name='bf16')
+
+
+def _recipe(kind: str, settings: dict[str, Any], key: str):
+  """Builds a recipe from a config mapping with the library's YAML schema.
+
+  Raises:
+    ConfigError: Naming ``key`` if the library rejects ``settings``.
+  """
+  try:
+    return fl.recipe_from_dict({'kind': kind, **settings}, source=f'config key {key}')
+  except (TypeError, ValueError) as e:
+    raise config_lib.ConfigError(f'key {key}: {e}') from e
+
+
+def _quantized_arm(name: str, recipe) -> Arm:
+  """An arm with ``QDense`` and ``QConv`` using ``recipe``."""
+  return Arm(name=name, dense_cls=functools.partial(fl.QDense, recipe=recipe),
+             conv_cls=functools.partial(fl.QConv, recipe=recipe),
+             train_state_cls=fl.TrainState, quantized=True,
+             details=(('recipe', repr(recipe)),))
+
+
+def fp8_arm(cfg: config_lib.JobConfig) -> Arm:
+  """``fp8_linen.QDense`` and ``QConv`` with an fp8 recipe.
+
+  Args:
+    cfg: The job config; ``cfg.fp8_recipe`` holds the recipe settings (the
+      schema of ``configs/recipes/*.yaml`` without ``kind``; empty: the
+      library default, delayed scaling).
+
+  Returns:
+    The arm.
+
+  Raises:
+    ConfigError: If ``cfg.fp8_recipe`` is rejected by the library.
+  """
+  return _quantized_arm('fp8', _recipe('fp8', cfg.fp8_recipe, 'fp8_recipe'))
+
+
+def int8_arm(cfg: config_lib.JobConfig) -> Arm:
+  """``fp8_linen.QDense`` and ``QConv`` with an integer recipe.
+
+  Args:
+    cfg: The job config; ``cfg.int8_recipe`` holds the recipe settings (the
+      schema of ``configs/recipes/int*.yaml`` without ``kind``; empty:
+      ``fp8_linen.IntRecipe()``, 8-bit).
+
+  Returns:
+    The arm.
+
+  Raises:
+    ConfigError: If ``cfg.int8_recipe`` is rejected by the library.
+  """
+  return _quantized_arm('int8', _recipe('int', cfg.int8_recipe, 'int8_recipe'))
+
+
+BUILDERS: dict[str, Callable[[config_lib.JobConfig], Arm]] = {
+    'bf16': bf16_arm,
+    'fp8': fp8_arm,
+    'int8': int8_arm,
+}
+"""Arm name -> builder. Keep in sync with ``config.ARMS``."""
+
+assert tuple(BUILDERS) == config_lib.ARMS
+
+
+def build_arm(name: str, cfg: config_lib.JobConfig) -> Arm:
+  """Builds arm ``name``.
+
+  Raises:
+    ConfigError: If ``name`` is not a known arm.
+  """
+  if name not in BUILDERS:
+    raise config_lib.ConfigError(
+        f'unknown arm {name!r}; allowed values: {", ".join(BUILDERS)}')
+  return BUILDERS[name](cfg)

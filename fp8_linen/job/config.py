@@ -1,0 +1,363 @@
+"""Configuration of the main job: frozen keyword-only dataclasses plus a YAML loader.
+
+The built-in defaults are the dataclass defaults (``JobConfig()``); a YAML file
+overrides any subset of them. Every key is checked: an unknown key, a value of
+the wrong type or a value outside the allowed set raises :class:`ConfigError`
+naming the file, the dotted key and what would have been accepted.
+
+Example:
+  >>> cfg = load_config('tiny')  # configs/job/tiny.yaml
+  >>> cfg.lm.steps
+  8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from typing import Any, Mapping
+
+import yaml
+
+TASKS = ('lm', 'digits')
+"""Task names the job knows: a byte-level transformer LM and a digits CNN."""
+
+ARMS = ('bf16', 'fp8', 'int8')
+"""Arm names the job knows (see :mod:`fp8_linen.job.arms`)."""
+
+CONFIG_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    'configs', 'job')
+"""Where the shipped YAML configs live in a source checkout."""
+
+
+class ConfigError(ValueError):
+  """A config file or override holds an unknown key or a bad value."""
+
+
+def _choices(*values: str) -> dict[str, Any]:
+  return {'choices': values}
+
+
+def _at_least(low: float) -> dict[str, Any]:
+  return {'min': low}
+
+
+def _in_range(low: float, high: float) -> dict[str, Any]:
+  return {'min': low, 'max': high}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LmConfig:
+  """A small decoder-only byte-level transformer on the stdlib's Python source.
+
+  Attributes:
+    steps: Optimizer steps.
+    batch_size: Sequences per step.
+    seq_len: Tokens (bytes) per sequence fed to the model.
+    d_model: Width of the residual stream.
+    num_heads: Attention heads; must divide ``d_model``.
+    num_layers: Transformer blocks.
+    mlp_ratio: Hidden width of the MLP as a multiple of ``d_model``.
+    quantize_head: Whether the vocabulary projection uses the arm's dense
+      class too (by default it stays a bf16 ``nn.Dense``, as in common fp8
+      recipes).
+    learning_rate: Peak AdamW learning rate.
+    warmup_steps: Linear warm-up steps before the cosine decay.
+    weight_decay: AdamW weight decay.
+    grad_clip: Global-norm gradient clipping threshold (0 disables).
+    text_bytes: Byte budget read from the stdlib ``.py`` files.
+    val_fraction: Trailing fraction of the text held out for validation.
+    eval_every: Evaluate every this many steps (0: only at the end).
+    eval_batches: Validation batches per evaluation.
+  """
+
+  steps: int = dataclasses.field(default=300, metadata=_at_least(1))
+  batch_size: int = dataclasses.field(default=16, metadata=_at_least(1))
+  seq_len: int = dataclasses.field(default=64, metadata=_at_least(2))
+  d_model: int = dataclasses.field(default=128, metadata=_at_least(8))
+  num_heads: int = dataclasses.field(default=4, metadata=_at_least(1))
+  num_layers: int = dataclasses.field(default=2, metadata=_at_least(1))
+  mlp_ratio: int = dataclasses.field(default=4, metadata=_at_least(1))
+  quantize_head: bool = False
+  learning_rate: float = dataclasses.field(default=3e-3, metadata=_at_least(0))
+  warmup_steps: int = dataclasses.field(default=40, metadata=_at_least(0))
+  weight_decay: float = dataclasses.field(default=0.01, metadata=_at_least(0))
+  grad_clip: float = dataclasses.field(default=1.0, metadata=_at_least(0))
+  text_bytes: int = dataclasses.field(default=2_000_000,
+                                      metadata=_at_least(10_000))
+  val_fraction: float = dataclasses.field(default=0.05,
+                                          metadata=_in_range(0.001, 0.5))
+  eval_every: int = dataclasses.field(default=100, metadata=_at_least(0))
+  eval_batches: int = dataclasses.field(default=4, metadata=_at_least(1))
+
+  def __post_init__(self):
+    if self.d_model % self.num_heads:
+      raise ConfigError(
+          f'lm.d_model ({self.d_model}) must be divisible by lm.num_heads '
+          f'({self.num_heads})')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DigitsConfig:
+  """A small CNN on scikit-learn's bundled 8x8 handwritten digits.
+
+  Attributes:
+    steps: Optimizer steps.
+    batch_size: Images per step.
+    conv_features: Output channels of each 3x3 convolution.
+    hidden: Width of the dense layer before the classifier.
+    quantize_head: Whether the 10-way classifier uses the arm's dense class.
+    learning_rate: Peak AdamW learning rate.
+    warmup_steps: Linear warm-up steps before the cosine decay.
+    weight_decay: AdamW weight decay.
+    grad_clip: Global-norm gradient clipping threshold (0 disables).
+    test_fraction: Fraction of the 1797 images held out for testing.
+    eval_every: Evaluate every this many steps (0: only at the end).
+  """
+
+  steps: int = dataclasses.field(default=300, metadata=_at_least(1))
+  batch_size: int = dataclasses.field(default=64, metadata=_at_least(1))
+  conv_features: tuple[int, ...] = (32, 64)
+  hidden: int = dataclasses.field(default=128, metadata=_at_least(1))
+  quantize_head: bool = False
+  learning_rate: float = dataclasses.field(default=2e-3, metadata=_at_least(0))
+  warmup_steps: int = dataclasses.field(default=20, metadata=_at_least(0))
+  weight_decay: float = dataclasses.field(default=1e-4, metadata=_at_least(0))
+  grad_clip: float = dataclasses.field(default=1.0, metadata=_at_least(0))
+  test_fraction: float = dataclasses.field(default=0.2,
+                                           metadata=_in_range(0.05, 0.5))
+  eval_every: int = dataclasses.field(default=50, metadata=_at_least(0))
+
+  def __post_init__(self):
+    if not self.conv_features or min(self.conv_features) < 1:
+      raise ConfigError('digits.conv_features must be a non-empty list of '
+                        f'positive ints, got {list(self.conv_features)}')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobConfig:
+  """The whole job: which tasks and arms to train, and how.
+
+  Attributes:
+    seed: Seeds parameter init and data order; shared by all arms.
+    tasks: Tasks to run, in order (allowed: ``lm``, ``digits``).
+    arms: Arms to train per task, in order (allowed: ``bf16``, ``fp8``,
+      ``int8``). The ``bf16`` arm is the reference for step-time ratios.
+    checkpoint_every: Save a checkpoint every this many steps (and always at
+      the end).
+    checkpoints_to_keep: Checkpoints kept per task and arm.
+    trace_every: Record quantization scales every this many steps.
+    trace_layers: How many quantized layers to trace per arm.
+    fp8_recipe: Recipe of the ``fp8`` arm in the schema of
+      ``configs/recipes/*.yaml`` without ``kind`` (empty: the library
+      default, delayed scaling).
+    int8_recipe: Recipe of the ``int8`` arm, same schema (empty:
+      ``fp8_linen.IntRecipe()``).
+    progress: Show a tqdm progress bar per arm.
+    lm: Settings of the ``lm`` task.
+    digits: Settings of the ``digits`` task.
+  """
+
+  seed: int = dataclasses.field(default=0, metadata=_at_least(0))
+  tasks: tuple[str, ...] = dataclasses.field(default=TASKS,
+                                             metadata=_choices(*TASKS))
+  arms: tuple[str, ...] = dataclasses.field(default=('bf16', 'fp8'),
+                                            metadata=_choices(*ARMS))
+  checkpoint_every: int = dataclasses.field(default=100, metadata=_at_least(1))
+  checkpoints_to_keep: int = dataclasses.field(default=2,
+                                               metadata=_at_least(1))
+  trace_every: int = dataclasses.field(default=1, metadata=_at_least(1))
+  trace_layers: int = dataclasses.field(default=3, metadata=_at_least(1))
+  fp8_recipe: dict[str, Any] = dataclasses.field(default_factory=dict)
+  int8_recipe: dict[str, Any] = dataclasses.field(default_factory=dict)
+  progress: bool = True
+  lm: LmConfig = dataclasses.field(default_factory=LmConfig)
+  digits: DigitsConfig = dataclasses.field(default_factory=DigitsConfig)
+
+  def __post_init__(self):
+    for name in ('tasks', 'arms'):
+      values = getattr(self, name)
+      if not values:
+        raise ConfigError(f'{name} must not be empty')
+      if len(set(values)) != len(values):
+        raise ConfigError(f'{name} has duplicates: {list(values)}')
+
+  def task(self, name: str) -> LmConfig | DigitsConfig:
+    """Returns the settings of task ``name``."""
+    return getattr(self, name)
+
+
+# ---------------------------------------------------------------------------
+# Loading and validation.
+
+
+def _type_name(tp: Any) -> str:
+  origin = typing.get_origin(tp)
+  if origin is tuple:
+    return f'list of {_type_name(typing.get_args(tp)[0])}'
+  if origin is dict:
+    return 'mapping'
+  if dataclasses.is_dataclass(tp):
+    return 'mapping'
+  return getattr(tp, '__name__', str(tp))
+
+
+def _bad(where: str, key: str, msg: str) -> ConfigError:
+  return ConfigError(f'{where}: key {key!r}: {msg}')
+
+
+def _coerce_scalar(value: Any, tp: type, where: str, key: str) -> Any:
+  """Checks a scalar against ``tp``; ints widen to float, numeric strings too."""
+  if tp is bool:
+    if isinstance(value, bool):
+      return value
+  elif tp is int:
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+  elif tp is float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+    if isinstance(value, str):  # PyYAML reads `3e-3` (no dot) as a string.
+      try:
+        return float(value)
+      except ValueError:
+        pass
+  elif tp is str:
+    if isinstance(value, str):
+      return value
+  else:
+    raise TypeError(f'unsupported config field type {tp!r}')
+  raise _bad(where, key, f'expected {_type_name(tp)}, got {value!r} '
+             f'({type(value).__name__})')
+
+
+def _check_bounds(value: Any, meta: Mapping[str, Any], where: str,
+                  key: str) -> None:
+  items = value if isinstance(value, tuple) else (value,)
+  choices = meta.get('choices')
+  for item in items:
+    if choices is not None and item not in choices:
+      raise _bad(where, key, f'{item!r} is not allowed; allowed values: '
+                 f'{", ".join(choices)}')
+    if 'min' in meta and item < meta['min']:
+      raise _bad(where, key, f'{item!r} is below the minimum {meta["min"]}')
+    if 'max' in meta and item > meta['max']:
+      raise _bad(where, key, f'{item!r} is above the maximum {meta["max"]}')
+
+
+def _coerce(value: Any, tp: Any, where: str, key: str) -> Any:
+  """Converts a YAML value to field type ``tp`` or raises ConfigError."""
+  origin = typing.get_origin(tp)
+  if origin is tuple:
+    if isinstance(value, str):  # A single name, e.g. `tasks: lm`.
+      value = [value]
+    if not isinstance(value, (list, tuple)):
+      raise _bad(where, key, f'expected {_type_name(tp)}, got {value!r}')
+    item_tp = typing.get_args(tp)[0]
+    return tuple(_coerce_scalar(v, item_tp, where, key) for v in value)
+  if origin is dict:
+    if value is None:
+      return {}
+    if not isinstance(value, Mapping):
+      raise _bad(where, key, f'expected a mapping, got {value!r}')
+    return dict(value)
+  if origin in (typing.Union, types.UnionType):
+    raise TypeError(f'unsupported config field type {tp!r}')
+  return _coerce_scalar(value, tp, where, key)
+
+
+def merge(base: Any, overrides: Mapping[str, Any], where: str = '<overrides>',
+          prefix: str = '') -> Any:
+  """Returns ``base`` (a config dataclass) with ``overrides`` applied.
+
+  Args:
+    base: A frozen config dataclass instance.
+    overrides: Nested mapping of field names to new values.
+    where: Names the source in error messages (usually the YAML path).
+    prefix: Dotted path of ``base`` inside the top-level config.
+
+  Returns:
+    A new instance of ``type(base)``.
+
+  Raises:
+    ConfigError: On an unknown key, a bad type or a value out of range.
+  """
+  if not isinstance(overrides, Mapping):
+    raise ConfigError(f'{where}: expected a mapping at '
+                      f'{prefix.rstrip(".") or "top level"}, got {overrides!r}')
+  fields = {f.name: f for f in dataclasses.fields(base)}
+  hints = typing.get_type_hints(type(base))
+  changes = {}
+  for name, value in overrides.items():
+    key = f'{prefix}{name}'
+    if name not in fields:
+      close = difflib.get_close_matches(str(name), fields, n=1)
+      hint = f' (did you mean {close[0]!r}?)' if close else ''
+      raise _bad(where, key, f'unknown key{hint}; allowed keys: '
+                 f'{", ".join(fields)}')
+    tp = hints[name]
+    if dataclasses.is_dataclass(tp):
+      changes[name] = merge(getattr(base, name), value or {}, where,
+                            prefix=f'{key}.')
+      continue
+    coerced = _coerce(value, tp, where, key)
+    _check_bounds(coerced, fields[name].metadata, where, key)
+    changes[name] = coerced
+  try:
+    return dataclasses.replace(base, **changes)
+  except ConfigError as e:
+    raise ConfigError(f'{where}: {e}') from None
+
+
+def resolve_path(path: str) -> str:
+  """Finds a config by path, or by bare name in ``configs/job/``."""
+  if os.path.exists(path):
+    return path
+  for candidate in (os.path.join(CONFIG_DIR, path),
+                    os.path.join(CONFIG_DIR, f'{path}.yaml')):
+    if os.path.exists(candidate):
+      return candidate
+  raise ConfigError(f'config file {path!r} not found (also looked in '
+                    f'{CONFIG_DIR})')
+
+
+def load_config(path: str | None = None) -> JobConfig:
+  """Loads a YAML config on top of the built-in defaults.
+
+  Args:
+    path: A YAML file, or a bare name such as ``tiny`` for
+      ``configs/job/tiny.yaml``. ``None`` returns the defaults.
+
+  Returns:
+    The validated :class:`JobConfig`.
+
+  Raises:
+    ConfigError: If the file is missing, is not a YAML mapping, or holds an
+      unknown key or a bad value.
+  """
+  if path is None:
+    return JobConfig()
+  path = resolve_path(path)
+  with open(path, encoding='utf-8') as f:
+    try:
+      data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+      raise ConfigError(f'{path}: not valid YAML: {e}') from None
+  if data is None:
+    data = {}
+  return merge(JobConfig(), data, where=path)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+  """Returns a config as plain nested dicts and lists (YAML/JSON ready)."""
+  def plain(v):
+    if isinstance(v, tuple):
+      return [plain(x) for x in v]
+    if isinstance(v, dict):
+      return {k: plain(x) for k, x in v.items()}
+    return v
+  return {k: plain(v) for k, v in dataclasses.asdict(cfg).items()}

@@ -1,0 +1,401 @@
+"""Training loop of the main job: jit step, evaluation, checkpoints, resume.
+
+One call of :func:`train_arm` trains one task in one arm. Training is
+deterministic given the config: the initial variables come from
+``PRNGKey(seed)`` and batch ``i`` is a pure function of ``(seed, i)``, so
+arms see the same data in the same order, and a run resumed from a checkpoint
+continues bit for bit as if it had never stopped.
+
+Checkpoints (orbax) hold the whole train state (every pytree field: ``step``,
+the full variables dict including the ``_overwrite_with_gradient``
+collection, ``opt_state``, and any field a train-state subclass adds) plus the
+metric history so far, under
+``<out>/checkpoints/<task>/<arm>/<step>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import tqdm
+
+from fp8_linen.job import arms as arms_lib
+from fp8_linen.job import config as config_lib
+from fp8_linen.job import qstate
+from fp8_linen.job import tasks as tasks_lib
+
+History = dict[str, Any]
+
+TRAIN_LOSS_WINDOW = 10
+"""The reported final train loss is the mean over this many last steps."""
+
+_RESUMABLE_KEYS = ('steps', 'eval_every', 'eval_batches')
+
+
+@dataclasses.dataclass(kw_only=True)
+class ArmResult:
+  """What training one task in one arm produced.
+
+  Attributes:
+    task: Task name.
+    arm: Arm name.
+    quantized: Whether the arm carries quantization state.
+    steps_done: Optimizer steps taken in total (over all sessions).
+    param_count: Number of trainable parameters.
+    final_train_loss: Mean train loss over the last steps.
+    val_loss: Loss on the held-out data after the last step.
+    val_acc: Accuracy on the held-out data after the last step.
+    median_step_s: Median wall time of one train step (compile excluded).
+    compile_s: Seconds spent compiling the train step (last session).
+    health: :func:`qstate.state_health` of the final state (``None`` for
+      unquantized arms).
+    history: Curves: per-step ``loss``, ``acc``, ``grad_norm``,
+      ``step_time``; ``eval`` records; ``trace`` of quantization scales.
+    notes: Remarks of the arm (e.g. which layers are quantized).
+    details: More facts about the arm (e.g. the recipe).
+  """
+
+  task: str
+  arm: str
+  quantized: bool
+  steps_done: int
+  param_count: int
+  final_train_loss: float
+  val_loss: float
+  val_acc: float
+  median_step_s: float
+  compile_s: float
+  health: dict[str, int] | None
+  history: History
+  notes: tuple[str, ...] = ()
+  details: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+class ResumeError(ValueError):
+  """A checkpoint cannot be resumed with the current settings."""
+
+
+def new_history(fingerprint: dict[str, Any]) -> History:
+  """An empty metric history for a run with settings ``fingerprint``."""
+  return {'fingerprint': fingerprint, 'step': [], 'loss': [], 'acc': [],
+          'grad_norm': [], 'step_time': [], 'eval': [], 'trace_step': [],
+          'trace': {}, 'sessions': []}
+
+
+def fingerprint(cfg: config_lib.JobConfig, task: tasks_lib.Task,
+                arm: arms_lib.Arm) -> dict[str, Any]:
+  """Settings that must match for a checkpoint to be resumed."""
+  return {'task': task.name, 'arm': arm.name, 'seed': cfg.seed,
+          'settings': config_lib.to_dict(task.settings),
+          'recipe': {'fp8': cfg.fp8_recipe,
+                     'int8': cfg.int8_recipe}.get(arm.name, {})}
+
+
+def check_resumable(saved: dict[str, Any], current: dict[str, Any],
+                    where: str) -> None:
+  """Raises if a checkpoint was written with different settings.
+
+  Changing ``steps`` (or evaluation settings) is allowed, with a warning for
+  ``steps`` because the learning-rate schedule depends on it.
+
+  Raises:
+    ResumeError: Naming the settings that differ.
+  """
+  saved = dict(saved, settings=dict(saved.get('settings', {})))
+  current = dict(current, settings=dict(current['settings']))
+  for key in _RESUMABLE_KEYS:
+    old = saved['settings'].pop(key, None)
+    new = current['settings'].pop(key, None)
+    if key == 'steps' and old is not None and old != new:
+      print(f'warning: {where}: steps changed from {old} to {new}; the '
+            'learning-rate schedule changes with it', file=sys.stderr)
+  diffs = []
+  for key in sorted(set(saved) | set(current)):
+    a, b = saved.get(key), current.get(key)
+    label = current['task'] if key == 'settings' else key  # e.g. lm.d_model
+    if isinstance(a, dict) and isinstance(b, dict):
+      diffs += [f'{label}.{k}: {a.get(k)!r} -> {b.get(k)!r}'
+                for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    elif a != b:
+      diffs.append(f'{key}: {a!r} -> {b!r}')
+  if diffs:
+    raise ResumeError(f'cannot resume {where}: the checkpoint was written '
+                     f'with other settings ({"; ".join(diffs)}); use another '
+                     '--out or run without --resume')
+
+
+def make_train_step(modules: list[tuple[str, ...]]):
+  """Builds the (unjitted) train step.
+
+  Args:
+    modules: Quantized module paths whose scales are traced.
+
+  Returns:
+    ``step(state, batch) -> (state, metrics)``. ``state.params`` is the full
+    variables dict; the gradient is taken over all of it, so quantization
+    state updates arrive as its "gradient" and ``apply_gradients``
+    overwrites them.
+  """
+  def train_step(state, batch):
+    def loss_fn(variables):
+      logits = state.apply_fn(variables, batch['x'])
+      return tasks_lib.loss_and_accuracy(logits, batch['y'])
+
+    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params)
+    new_state = state.apply_gradients(grads=grads)
+    metrics = {'loss': loss, 'acc': acc,
+               'grad_norm': optax.tree.norm(grads['params']),
+               'trace': qstate.trace_values(new_state.params, modules)}
+    return new_state, metrics
+  return train_step
+
+
+def make_eval_step(apply_fn):
+  """``eval(variables, batch) -> (loss, acc)`` for one batch (unjitted)."""
+  def eval_step(variables, batch):
+    return tasks_lib.loss_and_accuracy(apply_fn(variables, batch['x']),
+                                       batch['y'])
+  return eval_step
+
+
+def evaluate(eval_fn, variables, batches) -> tuple[float, float]:
+  """Example-weighted mean loss and accuracy over ``batches``."""
+  total_loss = total_acc = count = 0.0
+  for batch in batches:
+    loss, acc = jax.device_get(eval_fn(variables, batch))
+    n = len(batch['y'])
+    total_loss += float(loss) * n
+    total_acc += float(acc) * n
+    count += n
+  return total_loss / count, total_acc / count
+
+
+def _checkpoint_tree(state) -> dict[str, Any]:
+  """Every pytree field of a train state (step, params, opt_state, ...).
+
+  Static fields (``apply_fn``, ``tx``) are left out; they are rebuilt from
+  the config. Fields a train-state subclass adds (e.g. accumulators) are
+  included.
+  """
+  return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+          if f.metadata.get('pytree_node', True)}
+
+
+def _manager(directory: str, cfg: config_lib.JobConfig) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=cfg.checkpoints_to_keep, create=True,
+      enable_async_checkpointing=False)
+  return ocp.CheckpointManager(os.path.abspath(directory), options=options)
+
+
+def save_checkpoint(manager: ocp.CheckpointManager, state,
+                    history: History) -> None:
+  """Saves the train state and the history at ``state.step``."""
+  step = int(state.step)
+  if manager.latest_step() == step:
+    return
+  manager.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(_checkpoint_tree(state)),
+      history=ocp.args.JsonSave(history)))
+  manager.wait_until_finished()
+
+
+def restore_checkpoint(manager: ocp.CheckpointManager, state,
+                       expected: dict[str, Any] | None = None):
+  """Restores the latest checkpoint into the structure of ``state``.
+
+  Args:
+    manager: The checkpoint manager of one task and arm.
+    state: A freshly initialized train state (gives structure and dtypes).
+    expected: If given, the :func:`fingerprint` the checkpoint must match;
+      checked before any array is read.
+
+  Returns:
+    ``(state, history)``, or ``(state, None)`` if there is no checkpoint.
+
+  Raises:
+    ResumeError: If the checkpoint's fingerprint differs from ``expected``.
+  """
+  step = manager.latest_step()
+  if step is None:
+    return state, None
+  history = manager.restore(step, args=ocp.args.Composite(
+      history=ocp.args.JsonRestore()))['history']
+  if expected is not None:
+    check_resumable(history['fingerprint'], expected,
+                    os.path.join(str(manager.directory), str(step)))
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                          _checkpoint_tree(state))
+  tree = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract)))['state']
+  return state.replace(**tree), history
+
+
+def init_state(task: tasks_lib.Task, arm: arms_lib.Arm, seed: int):
+  """Builds the model and its train state from ``PRNGKey(seed)``."""
+  model = task.build_model(arm)
+  tx = task.make_optimizer()
+
+  def create(key, example):
+    variables = dict(model.init(key, example))
+    return arm.train_state_cls.create(apply_fn=model.apply, params=variables,
+                                      tx=tx)
+  # One compiled program instead of many small eager ones (optimizer init).
+  state = jax.jit(create)(jax.random.PRNGKey(seed), task.example_input())
+  # Make the fresh state look exactly like a restored one (strongly typed
+  # step, arrays committed to the device), so the train and eval steps
+  # lower to the same programs fresh or resumed (one compile, cache hits).
+  state = state.replace(step=jnp.asarray(state.step, jnp.int32))
+  return jax.device_put(state, jax.devices()[0])
+
+
+def _param_count(state) -> int:
+  return sum(int(np.prod(x.shape))
+             for x in jax.tree.leaves(state.params['params']))
+
+
+def _record_step(history: History, step: int, metrics: dict[str, Any],
+                 step_time: float, trace_every: int) -> None:
+  history['step'].append(step)
+  history['loss'].append(float(metrics['loss']))
+  history['acc'].append(float(metrics['acc']))
+  history['grad_norm'].append(float(metrics['grad_norm']))
+  history['step_time'].append(step_time)
+  if metrics['trace'] and step % trace_every == 0:
+    history['trace_step'].append(step)
+    for key, value in metrics['trace'].items():
+      history['trace'].setdefault(key, []).append(float(value))
+
+
+def _record_eval(history: History, step: int, loss: float, acc: float) -> None:
+  if history['eval'] and history['eval'][-1]['step'] == step:
+    return
+  history['eval'].append({'step': step, 'loss': loss, 'acc': acc})
+
+
+def _progress(task: tasks_lib.Task, arm: arms_lib.Arm, start: int,
+              enabled: bool) -> tqdm.tqdm:
+  return tqdm.tqdm(total=task.steps, initial=start, unit='step',
+                   desc=f'{task.name}/{arm.name}', disable=not enabled,
+                   dynamic_ncols=True, file=sys.stderr, leave=True)
+
+
+def train_arm(task: tasks_lib.Task, arm: arms_lib.Arm,
+              cfg: config_lib.JobConfig, out_dir: str, *,
+              resume: bool = False, stop_after: int | None = None) -> ArmResult:
+  """Trains ``task`` in ``arm``, checkpointing under ``out_dir``.
+
+  Args:
+    task: The task.
+    arm: The arm.
+    cfg: The job config.
+    out_dir: The job's output directory.
+    resume: Continue from the latest checkpoint of this task and arm if
+      there is one. Otherwise any old checkpoints of it are deleted.
+    stop_after: Stop (with a checkpoint) once this step is reached, without
+      changing the schedule; simulates an interrupted run. Evaluations
+      happen on the usual schedule only, so a stopped-and-resumed run records
+      the same history as a straight one.
+
+  Returns:
+    The :class:`ArmResult`.
+
+  Raises:
+    ResumeError: If resuming a checkpoint written with other settings.
+  """
+  ckpt_dir = os.path.join(out_dir, 'checkpoints', task.name, arm.name)
+  if not resume and os.path.isdir(ckpt_dir):
+    shutil.rmtree(ckpt_dir)
+  manager = _manager(ckpt_dir, cfg)
+  state = init_state(task, arm, cfg.seed)
+  print_ = tqdm.tqdm.write
+  history = None
+  if resume:
+    state, history = restore_checkpoint(manager, state,
+                                        fingerprint(cfg, task, arm))
+    if history is None:
+      print_(f'{task.name}/{arm.name}: no checkpoint in {ckpt_dir}; '
+             'starting from scratch')
+    else:
+      print_(f'{task.name}/{arm.name}: resuming from step {int(state.step)}')
+  if history is None:
+    history = new_history(fingerprint(cfg, task, arm))
+
+  modules = qstate.pick_evenly(qstate.quantized_modules(state.params),
+                               cfg.trace_layers)
+  last = task.steps if stop_after is None else min(task.steps, stop_after)
+  start = int(state.step)
+  eval_fn = jax.jit(make_eval_step(state.apply_fn))
+
+  compile_s = 0.0
+  if start < last:
+    t0 = time.perf_counter()
+    step_fn = jax.jit(make_train_step(modules)).lower(
+        state, task.train_batch(start)).compile()
+    compile_s = time.perf_counter() - t0
+  history['sessions'].append({'start_step': start, 'compile_s': compile_s,
+                              'device': str(jax.devices()[0])})
+
+  bar = _progress(task, arm, start, cfg.progress)
+  try:
+    for step in range(start, last):
+      batch = jax.device_put(task.train_batch(step))
+      t0 = time.perf_counter()
+      state, metrics = step_fn(state, batch)
+      metrics = jax.device_get(metrics)
+      step_time = time.perf_counter() - t0
+      _record_step(history, step + 1, metrics, step_time, cfg.trace_every)
+      bar.update(1)
+      if bar.n % 10 == 0 or bar.n == last:
+        recent = np.median(history['step_time'][-20:])
+        bar.set_postfix(loss=f'{history["loss"][-1]:.4f}',
+                        steps_per_s=f'{1.0 / recent:.1f}')
+      done = step + 1
+      if done == task.steps or (task.eval_every and
+                                done % task.eval_every == 0):
+        _record_eval(history, done, *evaluate(eval_fn, state.params,
+                                               task.eval_batches))
+      if done % cfg.checkpoint_every == 0 or done == last:
+        save_checkpoint(manager, state, history)
+  except KeyboardInterrupt:
+    bar.close()
+    if history['step'] and history['step'][-1] == int(state.step):
+      save_checkpoint(manager, state, history)  # State and history agree.
+    print_(f'interrupted: latest checkpoint is step {manager.latest_step()} '
+           f'in {ckpt_dir}; continue with --resume')
+    manager.close()
+    raise
+  bar.close()
+  manager.close()
+  return summarize(task, arm, state, history, compile_s)
+
+
+def summarize(task: tasks_lib.Task, arm: arms_lib.Arm, state,
+              history: History, compile_s: float) -> ArmResult:
+  """Condenses a finished (or stopped) run into an :class:`ArmResult`."""
+  steps_done = int(state.step)
+  losses = history['loss'][-TRAIN_LOSS_WINDOW:]
+  times = history['step_time']
+  final_eval = history['eval'][-1] if history['eval'] else {}
+  return ArmResult(
+      task=task.name, arm=arm.name, quantized=arm.quantized,
+      steps_done=steps_done, param_count=_param_count(state),
+      final_train_loss=float(np.mean(losses)) if losses else float('nan'),
+      val_loss=final_eval.get('loss', float('nan')),
+      val_acc=final_eval.get('acc', float('nan')),
+      median_step_s=float(np.median(times)) if times else float('nan'),
+      compile_s=compile_s,
+      health=(qstate.state_health(state.params, steps_done)
+              if arm.quantized else None),
+      history=history, notes=arm.notes, details=dict(arm.details))
