@@ -70,6 +70,8 @@ def main(argv=None):
   on_gpu = jax.default_backend() == "gpu"
   p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192] if on_gpu else [512, 1024, 2048])
   p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--lowerings", action="store_true",
+                 help="also time QDense with each forced GEMM lowering (bf16, f32, fp8)")
   args = p.parse_args(argv)
 
   factories = {
@@ -81,6 +83,12 @@ def main(argv=None):
       "qdense_current": lambda: fl.QDense(0, use_bias=False, dtype=jnp.bfloat16,
                                           recipe=fl.current_scaling()),
   }
+  if args.lowerings:
+    # The same recipe with each CPU lowering of the fp8 product forced.
+    for gemm in ("bf16", "f32", "fp8"):
+      factories[f"qdense_gemm_{gemm}"] = (
+          lambda g=gemm: fl.QDense(0, use_bias=False, dtype=jnp.bfloat16,
+                                   recipe=fl.Fp8Recipe(gemm=g)))
   dtype_of = {"f32_dense": jnp.float32}
   results = []
   for size in args.sizes:

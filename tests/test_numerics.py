@@ -114,3 +114,19 @@ def test_select_scale_under_jit_matches_eager():
   h = jnp.array([0.0, 7.0, 0.0, 0.0])
   f = lambda h, a: numerics.select_scale(_cfg(), jnp.ones((1,)), h, a)
   np.testing.assert_array_equal(jax.jit(f)(h, 3.0), f(h, 3.0))
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+def test_integer_encoder_is_bit_identical_to_astype(name):
+  dt = getattr(ml_dtypes, name)
+  m = float(ml_dtypes.finfo(dt).max)
+  rng = np.random.default_rng(0)
+  vals = np.arange(256, dtype=np.uint8).view(dt).astype(np.float32)
+  vals = np.sort(vals[np.isfinite(vals)])
+  ties = ((vals[1:].astype(np.float64) + vals[:-1]) / 2).astype(np.float32)  # round-half-even
+  x = np.concatenate([vals, ties, np.nextafter(ties, np.inf), np.nextafter(ties, -np.inf),
+                      rng.normal(size=20000) * m / 4, rng.normal(size=5000) * 1e-4,
+                      rng.normal(size=5000) * 1e-7, [0.0, -0.0, np.nan]]).astype(np.float32)
+  x = np.clip(x, -m, m)
+  got = np.asarray(jax.jit(lambda y: numerics.encode_fp8(y, dt))(jnp.asarray(x)))
+  np.testing.assert_array_equal(got.view(np.uint8), x.astype(dt).view(np.uint8))
