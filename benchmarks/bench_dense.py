@@ -28,16 +28,20 @@ import common  # noqa: E402
 import fp8_linen as fl  # noqa: E402
 
 
-def make_arms(layer_factories: dict, size: int, dtype_of: dict):
-  """Builds, per arm, a jitted train step and its (state, x, ct) arguments."""
+def make_arms(layer_factories: dict, shape: tuple[int, int, int], dtype_of: dict):
+  """Builds, per arm, a jitted train step and its (state, x, ct) arguments.
+
+  ``shape`` is ``(M, K, N)``: x is ``(M, K)``, the kernel ``(K, N)``.
+  """
+  m, k, n = shape
   key = jax.random.key(0)
   kx, kc = jax.random.split(key)
   arms, residuals, hlo = {}, {}, {}
   for name, make in layer_factories.items():
     layer = make()
     dt = dtype_of[name]
-    x = jax.random.normal(kx, (size, size), jnp.float32).astype(dt)
-    ct = jax.random.normal(kc, (size, size), jnp.float32).astype(dt)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dt)
+    ct = jax.random.normal(kc, (m, n), jnp.float32).astype(dt)
     variables = layer.init(jax.random.key(1), x)
     state = fl.TrainState.create(apply_fn=layer.apply, params=variables, tx=optax.sgd(1e-3))
 
@@ -69,6 +73,9 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   on_gpu = jax.default_backend() == "gpu"
   p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192] if on_gpu else [512, 1024, 2048])
+  p.add_argument("--llm", action="store_true",
+                 help="also the LLM projection shapes M=8192, (K, N) in {(4096, 4096), "
+                      "(4096, 14336), (14336, 4096)} (default on GPU; minutes per shape on CPU)")
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--lowerings", action="store_true",
                  help="also time QDense with each forced GEMM lowering (bf16, f32, fp8)")
@@ -91,14 +98,18 @@ def main(argv=None):
                                    recipe=fl.Fp8Recipe(gemm=g)))
   dtype_of = {"f32_dense": jnp.float32}
   results = []
-  for size in args.sizes:
-    sized = {k: (lambda f=f: f().clone(features=size)) for k, f in factories.items()}
-    arms, residuals, hlo = make_arms(sized, size, {k: dtype_of.get(k, jnp.bfloat16) for k in sized})
+  shapes = [(s, s, s) for s in args.sizes]
+  if args.llm or on_gpu:
+    shapes += [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096)]
+  for shape in shapes:
+    size = "x".join(map(str, shape)) if len(set(shape)) > 1 else shape[0]
+    sized = {k: (lambda f=f: f().clone(features=shape[2])) for k, f in factories.items()}
+    arms, residuals, hlo = make_arms(sized, shape, {k: dtype_of.get(k, jnp.bfloat16) for k in sized})
     times = common.time_interleaved(arms, reps=args.reps)
     base = times["bf16_dense"]["median_ms"]
     flax_t = times["flax_fp8_direct"]["median_ms"]
     base_res = residuals["bf16_dense"]["bytes"]
-    row = {"M=K=N": size, "arms": {}}
+    row = {"M=K=N": size, "shape_MKN": list(shape), "arms": {}}
     for name in arms:
       row["arms"][name] = {
           **times[name],
@@ -110,7 +121,7 @@ def main(argv=None):
           "residuals": residuals[name]["entries"],
           **({"hlo_custom_calls": hlo[name]} if name in hlo else {}),
       }
-      print(f"{size:6d} {name:18s} {times[name]['median_ms']:9.2f} ms  "
+      print(f"{size!s:>16} {name:18s} {times[name]['median_ms']:9.2f} ms  "
             f"x{times[name]['median_ms'] / base:5.2f} bf16  x{times[name]['median_ms'] / flax_t:5.2f} flax-fp8  "
             f"residuals x{residuals[name]['bytes'] / base_res:6.4f}"
             + (f"  {hlo[name]}" if name in hlo else ""), flush=True)
