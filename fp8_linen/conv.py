@@ -62,15 +62,10 @@ def _conv(a, b, cfg, compute_dtype, preferred=None):
 def _make_fp8_conv(conv_cfg, recipe: Fp8Recipe, gemm: str, out_dtype, lhs_dtype, rhs_dtype,
                    first: bool):
   cfgs = (recipe.input, recipe.kernel, recipe.output_grad)
-  in_cfg, k_cfg, g_cfg = cfgs
+  g_cfg = cfgs[2]
 
   def _forward(lhs, rhs, ls, lh, rs, rh):
-    a_l, a_r = numerics.amax(lhs), numerics.amax(rhs)
-    s_l = numerics.select_scale(in_cfg, ls, lh, a_l)
-    s_r = numerics.select_scale(k_cfg, rs, rh, a_r)
-    q_l = numerics.quantize(lhs, in_cfg.jnp_dtype, s_l)
-    q_r = numerics.quantize(rhs, k_cfg.jnp_dtype, s_r)
-    return q_l, q_r, s_l, s_r, a_l, a_r
+    return ops.quantize_operands(cfgs, lhs, rhs, ls, lh, rs, rh)
 
   def _fwd_conv(q_l, q_r, s_l, s_r):
     if gemm == "fp8":  # dequantize-then-conv: the cuDNN fp8 graph form
@@ -111,10 +106,8 @@ def _make_fp8_conv(conv_cfg, recipe: Fp8Recipe, gemm: str, out_dtype, lhs_dtype,
       d_lhs = d_lhs.astype(jnp.float32) * jnp.reshape(s_g * s_r, ())
       d_rhs = d_rhs.astype(jnp.float32) * jnp.reshape(s_g * s_l, ())
     states = (ops.RoleState(ls, lh), ops.RoleState(rs, rh), ops.RoleState(gs, gh))
-    (nl, nr, ng), chain_ct = ops._state_cotangents(cfgs, states, (a_l, a_r, a_g), ct_chain,
-                                                   first)
-    return (d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype), nl.scale, nl.amax_history,
-            nr.scale, nr.amax_history, ng.scale, ng.amax_history, chain_ct)
+    return ops.operand_op_cotangents(cfgs, states, (a_l, a_r, a_g), ct_chain, first,
+                                     d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype), q_l, q_r)
 
   op.defvjp(op_fwd, op_bwd)
   return op

@@ -143,6 +143,34 @@ def _match_state(ct: RoleState, like: RoleState) -> RoleState:
   return RoleState(*(_match_varying(c, l, lax.pmax) for c, l in zip(ct, like)))
 
 
+def quantize_operands(cfgs, lhs, rhs, ls, lh, rs, rh):
+  """Per-tensor scales and fp8 copies of the two operands of a GEMM or conv.
+
+  Returns:
+    ``(q_lhs, q_rhs, s_lhs, s_rhs, amax_lhs, amax_rhs)``.
+  """
+  a_l, a_r = numerics.amax(lhs), numerics.amax(rhs)
+  s_l = numerics.select_scale(cfgs[0], ls, lh, a_l)
+  s_r = numerics.select_scale(cfgs[1], rs, rh, a_r)
+  return (numerics.quantize(lhs, cfgs[0].jnp_dtype, s_l),
+          numerics.quantize(rhs, cfgs[1].jnp_dtype, s_r), s_l, s_r, a_l, a_r)
+
+
+def operand_op_cotangents(cfgs, states, observed, ct_chain, first, d_lhs, d_rhs,
+                          like_lhs, like_rhs):
+  """The cotangents of an ``(lhs, rhs, 3 x (scale, history), chain)`` op.
+
+  Builds the state "gradients" (see :func:`_state_cotangents`) and makes every
+  cotangent vary over the same ``shard_map`` axes as its primal
+  (:func:`_match_varying`): operand gradients are summed, state max-reduced.
+  """
+  cts, chain_ct = _state_cotangents(cfgs, states, observed, ct_chain, first)
+  nl, nr, ng = (_match_state(c, l) for c, l in zip(cts, states))
+  return (_match_varying(d_lhs, like_lhs, lax.psum), _match_varying(d_rhs, like_rhs, lax.psum),
+          nl.scale, nl.amax_history, nr.scale, nr.amax_history, ng.scale, ng.amax_history,
+          _match_varying(chain_ct, ct_chain, lax.pmax))
+
+
 def _as_state(scale, amax_history) -> RoleState:
   return RoleState(jnp.asarray(scale, jnp.float32), jnp.asarray(amax_history, jnp.float32))
 
@@ -411,14 +439,10 @@ def _drhs(g, lhs, dn, rhs_ndim: int, gemm: str, out_dtype, scale):
 def _make_fp8_dot(dn: DimensionNumbers, recipe: Fp8Recipe, gemm: str, out_dtype,
                   lhs_dtype, rhs_dtype, first: bool):
   cfgs = (recipe.input, recipe.kernel, recipe.output_grad)
-  in_cfg, k_cfg, g_cfg = cfgs
+  g_cfg = cfgs[2]
 
   def _forward(lhs, rhs, ls, lh, rs, rh):
-    a_l, a_r = numerics.amax(lhs), numerics.amax(rhs)
-    s_l = numerics.select_scale(in_cfg, ls, lh, a_l)
-    s_r = numerics.select_scale(k_cfg, rs, rh, a_r)
-    q_l = numerics.quantize(lhs, in_cfg.jnp_dtype, s_l)
-    q_r = numerics.quantize(rhs, k_cfg.jnp_dtype, s_r)
+    q_l, q_r, s_l, s_r, a_l, a_r = quantize_operands(cfgs, lhs, rhs, ls, lh, rs, rh)
     y = _scaled(_gemm(q_l, q_r, dn, gemm, out_dtype), s_l * s_r, out_dtype)
     return y, (q_l, q_r, s_l, s_r, a_l, a_r)
 
@@ -443,12 +467,8 @@ def _make_fp8_dot(dn: DimensionNumbers, recipe: Fp8Recipe, gemm: str, out_dtype,
     d_lhs = _dlhs(q_g, q_r, dn, q_l.ndim, gemm, lhs_dtype, s_g * s_r)
     d_rhs = _drhs(q_g, q_l, dn, q_r.ndim, gemm, rhs_dtype, s_g * s_l)
     states = (RoleState(ls, lh), RoleState(rs, rh), RoleState(gs, gh))
-    cts, chain_ct = _state_cotangents(cfgs, states, (a_l, a_r, a_g), ct_chain, first)
-    nl, nr, ng = (_match_state(c, l) for c, l in zip(cts, states))
-    d_lhs = _match_varying(d_lhs, q_l, lax.psum)
-    d_rhs = _match_varying(d_rhs, q_r, lax.psum)
-    return (d_lhs, d_rhs, nl.scale, nl.amax_history, nr.scale, nr.amax_history,
-            ng.scale, ng.amax_history, _match_varying(chain_ct, ct_chain, lax.pmax))
+    return operand_op_cotangents(cfgs, states, (a_l, a_r, a_g), ct_chain, first, d_lhs, d_rhs,
+                                 q_l, q_r)
 
   op.defvjp(op_fwd, op_bwd)
   return op
@@ -641,10 +661,8 @@ def _make_fp8_dot_row(dn: DimensionNumbers, recipe: Fp8Recipe, gemm: str, out_dt
     d_rhs = _drhs(q_g2, q_l, dn, q_r.ndim, gemm, jnp.float32, jnp.ones((), jnp.float32))
     d_rhs = (d_rhs * _relayout(s_g2, _flip(lay.rhs_to_out), q_r.ndim)).astype(rhs_dtype)
     states = (RoleState(ls, lh), RoleState(rs, rh), RoleState(gs, gh))
-    (nl, nr, ng), chain_ct = _state_cotangents(cfgs, states, (a_l, a_r, numerics.amax(g)),
-                                               ct_chain, first)
-    return (d_lhs, d_rhs, nl.scale, nl.amax_history, nr.scale, nr.amax_history,
-            ng.scale, ng.amax_history, chain_ct)
+    return operand_op_cotangents(cfgs, states, (a_l, a_r, numerics.amax(g)), ct_chain, first,
+                                 d_lhs, d_rhs, q_l, q_r)
 
   op.defvjp(op_fwd, op_bwd)
   return op
@@ -696,9 +714,8 @@ def _make_fp8_dot_block(dn: DimensionNumbers, recipe: Fp8Recipe, gemm: str, out_
     d_rhs = _scaled(_drhs(gg, _dq(q_l, e_l, l_axis), dn, q_r.ndim, "fp8", jnp.float32, one),
                     s_g, rhs_dtype)
     states = (RoleState(ls, lh), RoleState(rs, rh), RoleState(gs, gh))
-    (nl, nr, ng), chain_ct = _state_cotangents(cfgs, states, (a_l, a_r, a_g), ct_chain, first)
-    return (d_lhs, d_rhs, nl.scale, nl.amax_history, nr.scale, nr.amax_history,
-            ng.scale, ng.amax_history, chain_ct)
+    return operand_op_cotangents(cfgs, states, (a_l, a_r, a_g), ct_chain, first, d_lhs, d_rhs,
+                                 q_l, q_r)
 
   op.defvjp(op_fwd, op_bwd)
   return op

@@ -236,3 +236,19 @@ def test_shard_map_with_vma_checks_reduces_state_by_max():
                     loss_fn(v, m.apply, x[4:], y[4:]))(state.params)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                g["params"], summed["params"])
+
+
+@pytest.mark.parametrize("recipe", [fl.rowwise_scaling(), fl.mx_block_scaling()],
+                         ids=["rowwise", "mx_block"])
+def test_shard_map_vma_for_finer_granularity(recipe):
+  # Every fp8 op reduces its state by max (and its gradients by sum) under shard_map.
+  m = fl.QDense(4, recipe=recipe)
+  x = jnp.concatenate([jnp.full((4, 32), 3.0), jnp.full((4, 32), 30.0)])
+  v = m.init(jax.random.key(0), x)
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+  f = jax.shard_map(lambda v, x: jax.grad(lambda v: jnp.sum(m.apply(v, x) ** 2))(v), mesh=mesh,
+                    in_specs=(P(), P("data")), out_specs=P())
+  g = jax.jit(f)(v, x)
+  assert float(g[fl.OWG]["input_amax_history"][0]) == 30.0
+  full = jax.grad(lambda v: jnp.sum(m.apply(v, x) ** 2))(v)
+  np.testing.assert_allclose(g["params"]["kernel"], full["params"]["kernel"], rtol=2e-2, atol=1e-3)
