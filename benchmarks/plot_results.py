@@ -53,12 +53,14 @@ def dense_series(payload: dict) -> dict:
 
   Returns:
     ``{"sizes": [...], "arms": {name: {"ratio", "lo", "hi", "residual"}}}``
-    where each value is a list aligned with ``sizes`` (NaN where an arm is
+    where ``sizes`` are tick labels (``"512"``, ``"8192x4096x14336"``) and
+    each value is a list aligned with ``sizes`` (NaN where an arm is
     missing at a size). ``lo``/``hi`` are the fastest/slowest run divided by
     the bf16 median.
   """
   rows = payload["results"]
-  sizes = [int(r["M=K=N"]) for r in rows]
+  # A square size (512) or an "MxKxN" label for the LLM projection shapes.
+  sizes = [str(r["M=K=N"]) for r in rows]
   names = []
   for r in rows:
     names += [n for n in r["arms"] if n not in names]
@@ -101,7 +103,7 @@ def recipes_series(payload: dict) -> dict:
       arms[n]["lo"].append(a.get("min_ratio", float("nan")))
       arms[n]["hi"].append(a.get("max_ratio", float("nan")))
       arms[n]["residual"].append(a.get("residual_ratio_vs_bf16", float("nan")))
-  return {"sizes": [int(s) for s in sizes], "arms": arms}
+  return {"sizes": list(sizes), "arms": arms}
 
 
 # ---------------------------------------------------------------------------
@@ -115,7 +117,7 @@ def _subtitle(payload: dict) -> str:
 
 
 def plot_ratio_panels(series: dict, title: str, png_path: str,
-                      size_label: str = "M = K = N") -> str:
+                      size_label: str = "M = K = N (or M x K x N)") -> str:
   """Draws the two-panel ratio plot (step time, residual bytes) to a PNG.
 
   Args:

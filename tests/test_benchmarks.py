@@ -71,7 +71,8 @@ def _dense_row(size, arms):
 def test_plot_results_dense(tmp_path, plot_results, capsys):
   arms = {"bf16_dense": (1.0, 1.0), "qdense_delayed": (1.1, 0.5), "flax_fp8_direct": (1.3, 0.75)}
   payload = {"env": {"device_kind": "cpu", "jax": "x", "flax": "y"},
-             "results": [_dense_row(512, arms), _dense_row(1024, arms)]}
+             "results": [_dense_row(512, arms), _dense_row(1024, arms),
+                         _dense_row("8192x4096x14336", arms)]}
   (tmp_path / "cpu-dense.json").write_text(json.dumps(payload))
   written = plot_results.main(["--device", "cpu", "--results-dir", str(tmp_path)])
   assert written == [str(tmp_path / "cpu-dense.png")]
@@ -80,8 +81,8 @@ def test_plot_results_dense(tmp_path, plot_results, capsys):
   assert "skip recipes" in out and "skip transformer" in out
 
   series = plot_results.dense_series(payload)
-  assert series["sizes"] == [512, 1024]
-  assert series["arms"]["qdense_delayed"]["lo"] == pytest.approx([0.99, 0.99])
+  assert series["sizes"] == ["512", "1024", "8192x4096x14336"]
+  assert series["arms"]["qdense_delayed"]["lo"] == pytest.approx([0.99] * 3)
 
 
 def test_run_all_quick_keeps_results(tmp_path):
