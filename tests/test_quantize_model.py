@@ -1,6 +1,7 @@
 """quantize_model: unmodified Linen models run with fp8 products by path rules."""
 
 import warnings
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -118,18 +119,20 @@ class Decoder(nn.Module):
   vocab: int = 32
   d: int = 32
   layers: int = 1
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, tokens):
-    h = nn.Embed(self.vocab, self.d)(tokens)
+    dt = self.dtype
+    h = nn.Embed(self.vocab, self.d, dtype=dt)(tokens)
     mask = nn.make_causal_mask(tokens)
     for i in range(self.layers):
-      a = nn.LayerNorm()(h)
-      h = h + nn.MultiHeadDotProductAttention(num_heads=4, name=f"attn_{i}")(a, mask=mask)
-      a = nn.LayerNorm()(h)
-      h = h + nn.Dense(self.d, name=f"down_{i}")(nn.gelu(nn.Dense(4 * self.d,
-                                                                  name=f"up_{i}")(a)))
-    return nn.Dense(self.vocab, name="logits")(nn.LayerNorm()(h))
+      a = nn.LayerNorm(dtype=dt)(h)
+      h = h + nn.MultiHeadDotProductAttention(num_heads=4, dtype=dt, name=f"attn_{i}")(a, mask=mask)
+      a = nn.LayerNorm(dtype=dt)(h)
+      h = h + nn.Dense(self.d, dtype=dt, name=f"down_{i}")(
+          nn.gelu(nn.Dense(4 * self.d, dtype=dt, name=f"up_{i}")(a)))
+    return nn.Dense(self.vocab, dtype=jnp.float32, name="logits")(nn.LayerNorm(dtype=dt)(h))
 
 
 def _train(apply_fn, variables, tokens, steps=6):
@@ -154,7 +157,7 @@ def _train(apply_fn, variables, tokens, steps=6):
 def test_decoder_trains_close_to_bf16():
   tokens = jax.random.randint(jax.random.key(3), (8, 17), 0, 32)
   tokens = tokens.at[:, 1::2].set((tokens[:, 0::2][:, :8] + 1) % 32)   # learnable structure
-  model = Decoder()
+  model = Decoder(dtype=jnp.bfloat16)  # the reference is the same model run in bf16
   rules = [fl.QuantizationRule(module_path="logits", quantize=False),
            fl.QuantizationRule(module_path="attn_[0-9]+", ops=("einsum",), quantize=False),
            fl.QuantizationRule()]
