@@ -25,11 +25,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax.linen as nn
-import jax
-import jax.ad_checkpoint
 import jax.numpy as jnp
 
 from fp8_linen import ops
@@ -39,33 +36,8 @@ from fp8_linen.recipes import ScalingConfig
 __all__ = ["ActivationRecipe", "Fp8Activation", "fp8_activation", "name_fp8_residual"]
 
 
-def _bits_named(q, name):
-  bits = jax.ad_checkpoint.checkpoint_name(jax.lax.bitcast_convert_type(q, jnp.uint8), name)
-  return jax.lax.bitcast_convert_type(bits, q.dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _named_identity(name: str):
-  @jax.custom_vjp
-  def keep(q):
-    return _bits_named(q, name)
-
-  keep.defvjp(lambda q: (_bits_named(q, name), None), lambda _, g: (g,))
-  return keep
-
-
-def name_fp8_residual(q, name: str = ops.CHECKPOINT_NAME):
-  """``checkpoint_name(q, name)`` for an fp8 array, safe under ``jax.checkpoint``.
-
-  jax 0.10's remat inserts ``reduce_precision(exponent_bits, mantissa_bits)`` on
-  every floating residual it saves; for ``float8_e4m3fn`` that is IEEE e4m3
-  (largest finite 240), so saved values of magnitude >= 256 come back as
-  inf/NaN. The fp8 bits are therefore named as ``uint8`` (same byte count,
-  never rounded) and bitcast back; the gradient passes straight through.
-  """
-  if jnp.issubdtype(q.dtype, jnp.floating) and jnp.dtype(q.dtype).itemsize == 1:
-    return _named_identity(name)(q)
-  return jax.ad_checkpoint.checkpoint_name(q, name)
+# name_fp8_residual (the remat-safe residual name) lives with the other custom_vjps in ops.
+name_fp8_residual = ops.name_fp8_residual
 
 
 def _e4m3() -> ScalingConfig:

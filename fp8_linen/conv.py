@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -42,7 +42,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8_linen import numerics, ops
-from fp8_linen.activation import name_fp8_residual
 from fp8_linen.general import _active
 from fp8_linen.layers import ROLES, chained, role_state
 from fp8_linen.recipes import Fp8Recipe, resolve_gemm
@@ -64,33 +63,21 @@ def _make_fp8_conv(conv_cfg, recipe: Fp8Recipe, gemm: str, out_dtype, lhs_dtype,
   cfgs = (recipe.input, recipe.kernel, recipe.output_grad)
   g_cfg = cfgs[2]
 
-  def _forward(lhs, rhs, ls, lh, rs, rh):
-    return ops.quantize_operands(cfgs, lhs, rhs, ls, lh, rs, rh)
-
-  def _fwd_conv(q_l, q_r, s_l, s_r):
+  def forward(lhs, rhs, ls, lh, rs, rh):
+    q_l, q_r, s_l, s_r, a_l, a_r = ops.quantize_operands(cfgs, lhs, rhs, ls, lh, rs, rh)
     if gemm == "fp8":  # dequantize-then-conv: the cuDNN fp8 graph form
       a = q_l.astype(jnp.float32) * jnp.reshape(s_l, ())
       b = q_r.astype(jnp.float32) * jnp.reshape(s_r, ())
-      return _conv(a, b, conv_cfg, jnp.float32).astype(out_dtype)
-    up = jnp.bfloat16 if gemm == "bf16" else jnp.float32  # fp8 -> bf16 is exact
-    y = _conv(q_l, q_r, conv_cfg, up, preferred=jnp.float32)
-    return (y * jnp.reshape(s_l * s_r, ())).astype(out_dtype)
+      y = _conv(a, b, conv_cfg, jnp.float32).astype(out_dtype)
+    else:
+      up = jnp.bfloat16 if gemm == "bf16" else jnp.float32  # fp8 -> bf16 is exact
+      y = _conv(q_l, q_r, conv_cfg, up, preferred=jnp.float32)
+      y = (y * jnp.reshape(s_l * s_r, ())).astype(out_dtype)
+    return y, (q_l, q_r), (s_l, s_r, a_l, a_r)
 
-  @jax.custom_vjp
-  def op(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
-    q_l, q_r, s_l, s_r, _, _ = _forward(lhs, rhs, ls, lh, rs, rh)
-    return _fwd_conv(q_l, q_r, s_l, s_r), chain
-
-  def op_fwd(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
-    q_l, q_r, s_l, s_r, a_l, a_r = _forward(lhs, rhs, ls, lh, rs, rh)
-    y = _fwd_conv(q_l, q_r, s_l, s_r)
-    q_l = name_fp8_residual(q_l)
-    q_r = name_fp8_residual(q_r)
-    return (y, chain), (q_l, q_r, s_l, s_r, a_l, a_r, ls, lh, rs, rh, gs, gh)
-
-  def op_bwd(res, cts):
-    q_l, q_r, s_l, s_r, a_l, a_r, ls, lh, rs, rh, gs, gh = res
-    g, ct_chain = cts
+  def backward(q_l, q_r, extras, states, g, ct_chain):
+    s_l, s_r, a_l, a_r = extras
+    gs, gh = states[2]
     a_g = numerics.amax(g)
     s_g = numerics.select_scale(g_cfg, gs, gh, a_g)
     q_g = numerics.quantize(g, g_cfg.jnp_dtype, s_g)
@@ -105,12 +92,10 @@ def _make_fp8_conv(conv_cfg, recipe: Fp8Recipe, gemm: str, out_dtype, lhs_dtype,
       d_lhs, d_rhs = vjp(q_g.astype(up))
       d_lhs = d_lhs.astype(jnp.float32) * jnp.reshape(s_g * s_r, ())
       d_rhs = d_rhs.astype(jnp.float32) * jnp.reshape(s_g * s_l, ())
-    states = (ops.RoleState(ls, lh), ops.RoleState(rs, rh), ops.RoleState(gs, gh))
     return ops.operand_op_cotangents(cfgs, states, (a_l, a_r, a_g), ct_chain, first,
                                      d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype), q_l, q_r)
 
-  op.defvjp(op_fwd, op_bwd)
-  return op
+  return ops.operand_op(forward, backward)
 
 
 def _ints(name: str, value, n: int) -> tuple[int, ...]:

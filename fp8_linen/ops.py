@@ -60,6 +60,10 @@ __all__ = [
     "fp8_dot_general",
     "chain_init",
     "CHECKPOINT_NAME",
+    "name_fp8_residual",
+    "operand_op",
+    "quantize_operands",
+    "operand_op_cotangents",
     # issue 4: integer QAT estimators
     "fake_quant_ste",
     "lsq_fake_quant",
@@ -141,6 +145,79 @@ def _match_varying(ct, like, reduce):
 
 def _match_state(ct: RoleState, like: RoleState) -> RoleState:
   return RoleState(*(_match_varying(c, l, lax.pmax) for c, l in zip(ct, like)))
+
+
+def _bits_named(q, name):
+  bits = jax.ad_checkpoint.checkpoint_name(lax.bitcast_convert_type(q, jnp.uint8), name)
+  return lax.bitcast_convert_type(bits, q.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _named_identity(name: str):
+  @jax.custom_vjp
+  def keep(q):
+    return _bits_named(q, name)
+
+  def keep_fwd(q):
+    return _bits_named(q, name), None
+
+  def keep_bwd(_, g):
+    return (g,)
+
+  keep.defvjp(keep_fwd, keep_bwd)
+  return keep
+
+
+def name_fp8_residual(q, name: str = CHECKPOINT_NAME):
+  """``checkpoint_name(q, name)`` for an fp8 array, safe under ``jax.checkpoint``.
+
+  jax 0.10's remat inserts ``reduce_precision(exponent_bits, mantissa_bits)`` on
+  every floating residual it saves; for ``float8_e4m3fn`` that is IEEE e4m3
+  (largest finite 240), so saved values of magnitude >= 256 come back as
+  inf/NaN. The fp8 bits are therefore named as ``uint8`` (same byte count,
+  never rounded) and bitcast back; the gradient passes straight through.
+  """
+  if jnp.issubdtype(q.dtype, jnp.floating) and jnp.dtype(q.dtype).itemsize == 1:
+    return _named_identity(name)(q)
+  return jax.ad_checkpoint.checkpoint_name(q, name)
+
+
+def operand_op(forward, backward):
+  """Builds the custom_vjp of an ``(lhs, rhs, 3 x (scale, history), chain)`` op.
+
+  Every fp8 GEMM/conv op has this shape; only its maths differ.
+
+  Args:
+    forward: ``(lhs, rhs, ls, lh, rs, rh) -> (y, (q_lhs, q_rhs), extras)``;
+      ``q_*`` are the fp8 operands (saved, named with
+      :func:`name_fp8_residual`), ``extras`` any other small residuals.
+    backward: ``(q_lhs, q_rhs, extras, states, g, ct_chain) -> cotangents``
+      with ``states`` the three :class:`RoleState` inputs; it usually ends in
+      :func:`operand_op_cotangents`.
+
+  Returns:
+    ``op(lhs, rhs, ls, lh, rs, rh, gs, gh, chain) -> (y, chain_out)``.
+  """
+
+  @jax.custom_vjp
+  def op(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
+    return forward(lhs, rhs, ls, lh, rs, rh)[0], chain
+
+  def op_fwd(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
+    y, (q_l, q_r), extras = forward(lhs, rhs, ls, lh, rs, rh)
+    # Residuals: the fp8 operands, a few scalars/scale vectors, and the state
+    # inputs (arguments of the step, alive anyway). No high-precision copy.
+    return (y, chain), ((name_fp8_residual(q_l), name_fp8_residual(q_r)), extras,
+                        (ls, lh, rs, rh, gs, gh))
+
+  def op_bwd(res, cts):
+    (q_l, q_r), extras, (ls, lh, rs, rh, gs, gh) = res
+    g, ct_chain = cts
+    states = (RoleState(ls, lh), RoleState(rs, rh), RoleState(gs, gh))
+    return backward(q_l, q_r, extras, states, g, ct_chain)
+
+  op.defvjp(op_fwd, op_bwd)
+  return op
 
 
 def quantize_operands(cfgs, lhs, rhs, ls, lh, rs, rh):
@@ -441,37 +518,23 @@ def _make_fp8_dot(dn: DimensionNumbers, recipe: Fp8Recipe, gemm: str, out_dtype,
   cfgs = (recipe.input, recipe.kernel, recipe.output_grad)
   g_cfg = cfgs[2]
 
-  def _forward(lhs, rhs, ls, lh, rs, rh):
+  def forward(lhs, rhs, ls, lh, rs, rh):
     q_l, q_r, s_l, s_r, a_l, a_r = quantize_operands(cfgs, lhs, rhs, ls, lh, rs, rh)
     y = _scaled(_gemm(q_l, q_r, dn, gemm, out_dtype), s_l * s_r, out_dtype)
-    return y, (q_l, q_r, s_l, s_r, a_l, a_r)
+    return y, (q_l, q_r), (s_l, s_r, a_l, a_r)
 
-  @jax.custom_vjp
-  def op(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
-    return _forward(lhs, rhs, ls, lh, rs, rh)[0], chain
-
-  def op_fwd(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
-    y, (q_l, q_r, s_l, s_r, a_l, a_r) = _forward(lhs, rhs, ls, lh, rs, rh)
-    q_l = jax.ad_checkpoint.checkpoint_name(q_l, CHECKPOINT_NAME)
-    q_r = jax.ad_checkpoint.checkpoint_name(q_r, CHECKPOINT_NAME)
-    # Residuals: the fp8 operands, four scalars, and the state inputs (which are
-    # arguments of the step, alive anyway). No high-precision copy is kept.
-    return (y, chain), (q_l, q_r, s_l, s_r, a_l, a_r, ls, lh, rs, rh, gs, gh)
-
-  def op_bwd(res, cts):
-    q_l, q_r, s_l, s_r, a_l, a_r, ls, lh, rs, rh, gs, gh = res
-    g, ct_chain = cts
+  def backward(q_l, q_r, extras, states, g, ct_chain):
+    s_l, s_r, a_l, a_r = extras
+    gs, gh = states[2]
     a_g = numerics.amax(g)
     s_g = numerics.select_scale(g_cfg, gs, gh, a_g)
     q_g = numerics.quantize(g, g_cfg.jnp_dtype, s_g)
     d_lhs = _dlhs(q_g, q_r, dn, q_l.ndim, gemm, lhs_dtype, s_g * s_r)
     d_rhs = _drhs(q_g, q_l, dn, q_r.ndim, gemm, rhs_dtype, s_g * s_l)
-    states = (RoleState(ls, lh), RoleState(rs, rh), RoleState(gs, gh))
     return operand_op_cotangents(cfgs, states, (a_l, a_r, a_g), ct_chain, first, d_lhs, d_rhs,
                                  q_l, q_r)
 
-  op.defvjp(op_fwd, op_bwd)
-  return op
+  return operand_op(forward, backward)
 
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: RoleState,
@@ -622,7 +685,7 @@ def _make_fp8_dot_row(dn: DimensionNumbers, recipe: Fp8Recipe, gemm: str, out_dt
   in_cfg, k_cfg, g_cfg = cfgs
   (lc, rc), _ = dn
 
-  def _forward(lhs, rhs):
+  def forward(lhs, rhs, ls, lh, rs, rh):
     lay = _layout(dn, lhs.ndim, rhs.ndim)
     s_l = numerics.row_scale(lhs, lc, in_cfg)   # lhs layout, contracting axes size 1
     s_r = numerics.row_scale(rhs, rc, k_cfg)    # rhs layout, contracting axes size 1
@@ -631,21 +694,10 @@ def _make_fp8_dot_row(dn: DimensionNumbers, recipe: Fp8Recipe, gemm: str, out_dt
     s_out = (_relayout(s_l, lay.lhs_to_out, lay.out_ndim)
              * _relayout(s_r, lay.rhs_to_out, lay.out_ndim))
     y = (_gemm(q_l, q_r, dn, gemm, out_dtype).astype(jnp.float32) * s_out).astype(out_dtype)
-    return y, (q_l, q_r, s_l, s_r, numerics.amax(lhs), numerics.amax(rhs))
+    return y, (q_l, q_r), (s_l, s_r, numerics.amax(lhs), numerics.amax(rhs))
 
-  @jax.custom_vjp
-  def op(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
-    return _forward(lhs, rhs)[0], chain
-
-  def op_fwd(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
-    y, (q_l, q_r, s_l, s_r, a_l, a_r) = _forward(lhs, rhs)
-    q_l = jax.ad_checkpoint.checkpoint_name(q_l, CHECKPOINT_NAME)
-    q_r = jax.ad_checkpoint.checkpoint_name(q_r, CHECKPOINT_NAME)
-    return (y, chain), (q_l, q_r, s_l, s_r, a_l, a_r, ls, lh, rs, rh, gs, gh)
-
-  def op_bwd(res, cts):
-    q_l, q_r, s_l, s_r, a_l, a_r, ls, lh, rs, rh, gs, gh = res
-    g, ct_chain = cts
+  def backward(q_l, q_r, extras, states, g, ct_chain):
+    s_l, s_r, a_l, a_r = extras
     lay = _layout(dn, q_l.ndim, q_r.ndim)
     g32 = g.astype(jnp.float32)
     # dgrad contracts rhs's free axes: fold s_r into g, scale g per row.
@@ -660,12 +712,10 @@ def _make_fp8_dot_row(dn: DimensionNumbers, recipe: Fp8Recipe, gemm: str, out_dt
     q_g2 = numerics.quantize(g2, g_cfg.jnp_dtype, s_g2)
     d_rhs = _drhs(q_g2, q_l, dn, q_r.ndim, gemm, jnp.float32, jnp.ones((), jnp.float32))
     d_rhs = (d_rhs * _relayout(s_g2, _flip(lay.rhs_to_out), q_r.ndim)).astype(rhs_dtype)
-    states = (RoleState(ls, lh), RoleState(rs, rh), RoleState(gs, gh))
     return operand_op_cotangents(cfgs, states, (a_l, a_r, numerics.amax(g)), ct_chain, first,
                                  d_lhs, d_rhs, q_l, q_r)
 
-  op.defvjp(op_fwd, op_bwd)
-  return op
+  return operand_op(forward, backward)
 
 
 @functools.lru_cache(maxsize=None)
@@ -683,26 +733,16 @@ def _make_fp8_dot_block(dn: DimensionNumbers, recipe: Fp8Recipe, gemm: str, out_
   def _dq(q, s, axis):
     return numerics.mx_dequantize(q, s, axis, bs, up)
 
-  def _forward(lhs, rhs):
+  def forward(lhs, rhs, ls, lh, rs, rh):
     q_l, e_l = numerics.mx_quantize(lhs, l_axis, bs, in_cfg.jnp_dtype)
     q_r, e_r = numerics.mx_quantize(rhs, r_axis, bs, k_cfg.jnp_dtype)
     y = lax.dot_general(_dq(q_l, e_l, l_axis), _dq(q_r, e_r, r_axis), dn,
                         preferred_element_type=jnp.float32).astype(out_dtype)
-    return y, (q_l, e_l, q_r, e_r, numerics.amax(lhs), numerics.amax(rhs))
+    return y, (q_l, q_r), (e_l, e_r, numerics.amax(lhs), numerics.amax(rhs))
 
-  @jax.custom_vjp
-  def op(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
-    return _forward(lhs, rhs)[0], chain
-
-  def op_fwd(lhs, rhs, ls, lh, rs, rh, gs, gh, chain):
-    y, (q_l, e_l, q_r, e_r, a_l, a_r) = _forward(lhs, rhs)
-    q_l = jax.ad_checkpoint.checkpoint_name(q_l, CHECKPOINT_NAME)
-    q_r = jax.ad_checkpoint.checkpoint_name(q_r, CHECKPOINT_NAME)
-    return (y, chain), (q_l, e_l, q_r, e_r, a_l, a_r, ls, lh, rs, rh, gs, gh)
-
-  def op_bwd(res, cts):
-    q_l, e_l, q_r, e_r, a_l, a_r, ls, lh, rs, rh, gs, gh = res
-    g, ct_chain = cts
+  def backward(q_l, q_r, extras, states, g, ct_chain):
+    e_l, e_r, a_l, a_r = extras
+    gs, gh = states[2]
     a_g = numerics.amax(g)
     s_g = numerics.select_scale(g_cfg, gs, gh, a_g)
     q_g = numerics.quantize(g, g_cfg.jnp_dtype, s_g)
@@ -713,12 +753,10 @@ def _make_fp8_dot_block(dn: DimensionNumbers, recipe: Fp8Recipe, gemm: str, out_
                     s_g, lhs_dtype)
     d_rhs = _scaled(_drhs(gg, _dq(q_l, e_l, l_axis), dn, q_r.ndim, "fp8", jnp.float32, one),
                     s_g, rhs_dtype)
-    states = (RoleState(ls, lh), RoleState(rs, rh), RoleState(gs, gh))
     return operand_op_cotangents(cfgs, states, (a_l, a_r, a_g), ct_chain, first, d_lhs, d_rhs,
                                  q_l, q_r)
 
-  op.defvjp(op_fwd, op_bwd)
-  return op
+  return operand_op(forward, backward)
 
 
 # ----------------------------------------------------------------------------

@@ -65,7 +65,7 @@ import jax.numpy as jnp
 
 from fp8_linen.conv import conv_kwargs_from, quantized_conv_on
 from fp8_linen.general import einsum_plan, quantized_einsum_on
-from fp8_linen.layers import Fp8DotGeneral, quantized_dot_general_on
+from fp8_linen.layers import quantized_dot_general_on
 from fp8_linen.recipes import Fp8Recipe
 
 __all__ = ["OPS", "QuantizationRule", "QuantizedModel", "quantize_model", "quantization"]
