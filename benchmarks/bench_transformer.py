@@ -1,9 +1,9 @@
 """Decoder-only transformer train step: bf16 vs fp8 (delayed, current scaling).
 
 Two parts, both on the main job's byte-level language model
-(``fp8_linen.job.models.TransformerLM``, built by ``fp8_linen.job.tasks.lm_task``
+(``fp8_linen_job.models.TransformerLM``, built by ``fp8_linen_job.tasks.lm_task``
 and trained on the Python standard library's own source) with the job's arms
-(``fp8_linen.job.arms.build_arm``: plain flax ``nn.Dense`` in bfloat16, or
+(``fp8_linen_job.arms.build_arm``: plain flax ``nn.Dense`` in bfloat16, or
 ``fp8_linen.QDense`` with a recipe, for every dense layer inside the blocks;
 embeddings, norms, attention scores and the vocabulary head stay bf16):
 
@@ -57,10 +57,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import plot_results  # noqa: E402
 
-from fp8_linen.job import arms as arms_lib  # noqa: E402
-from fp8_linen.job import config as config_lib  # noqa: E402
-from fp8_linen.job import tasks as tasks_lib  # noqa: E402
-from fp8_linen.job import train as train_lib  # noqa: E402
+from fp8_linen_job import arms as arms_lib  # noqa: E402
+from fp8_linen_job import config as config_lib  # noqa: E402
+from fp8_linen_job import tasks as tasks_lib  # noqa: E402
+from fp8_linen_job import train as train_lib  # noqa: E402
 
 FP8_CUSTOM_CALL = "__cublas$lt$matmul$f8"
 """The cuBLASLt fp8 GEMM target; its count proves the fp8 GEMMs ran."""

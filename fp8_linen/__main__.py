@@ -1,8 +1,8 @@
-"""``python -m fp8_linen``: runs the main job (see :mod:`fp8_linen.job.main`)."""
+"""``python -m fp8_linen``: forwards to the main job in :mod:`fp8_linen_job`."""
 
 import sys
 
-from fp8_linen.job import main
-
 if __name__ == '__main__':
+  from fp8_linen_job import main  # the job sits above the library; only this entry point reaches it
+
   sys.exit(main.main())

@@ -6,7 +6,7 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache
 import pytest
 
-from fp8_linen.job import config as config_lib
+from fp8_linen_job import config as config_lib
 
 
 @pytest.fixture(scope='module', autouse=True)

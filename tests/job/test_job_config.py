@@ -1,12 +1,12 @@
-"""Tests of fp8_linen.job.config and the command-line overrides."""
+"""Tests of fp8_linen_job.config and the command-line overrides."""
 
 import dataclasses
 import os
 
 import pytest
 
-from fp8_linen.job import config as config_lib
-from fp8_linen.job import main as main_lib
+from fp8_linen_job import config as config_lib
+from fp8_linen_job import main as main_lib
 
 
 def _write(tmp_path, text):

@@ -1,11 +1,11 @@
-"""Tests of fp8_linen.job.data: deterministic loaders with the right shapes."""
+"""Tests of fp8_linen_job.data: deterministic loaders with the right shapes."""
 
 import os
 
 import numpy as np
 import pytest
 
-from fp8_linen.job import data
+from fp8_linen_job import data
 
 
 def test_stdlib_files_sorted_and_without_third_party():

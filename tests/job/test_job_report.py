@@ -1,13 +1,13 @@
-"""Tests of fp8_linen.job.report and .qstate, including non-finite values."""
+"""Tests of fp8_linen_job.report and .qstate, including non-finite values."""
 
 import json
 import math
 
 import numpy as np
 
-from fp8_linen.job import qstate
-from fp8_linen.job import report
-from fp8_linen.job import train as train_lib
+from fp8_linen import monitor as qstate
+from fp8_linen_job import report
+from fp8_linen_job import train as train_lib
 
 OWG = qstate.OWG
 

@@ -16,13 +16,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from fp8_linen.job import arms as arms_lib
-from fp8_linen.job import config as config_lib
-from fp8_linen.job import main as main_lib
-from fp8_linen.job import models
-from fp8_linen.job import report
-from fp8_linen.job import tasks as tasks_lib
-from fp8_linen.job import train as train_lib
+from fp8_linen_job import arms as arms_lib
+from fp8_linen_job import config as config_lib
+from fp8_linen_job import main as main_lib
+from fp8_linen_job import models
+from fp8_linen_job import report
+from fp8_linen_job import tasks as tasks_lib
+from fp8_linen_job import train as train_lib
 
 
 def _final_checkpoint(out_dir, task, arm):

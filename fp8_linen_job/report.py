@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fp8_linen.job import train as train_lib
+from fp8_linen_job import train as train_lib
 
 LOSS_PNG = 'loss_curves.png'
 SCALES_PNG = 'scales.png'

@@ -25,11 +25,11 @@ from typing import Sequence
 
 import jax
 
-from fp8_linen.job import arms as arms_lib
-from fp8_linen.job import config as config_lib
-from fp8_linen.job import report
-from fp8_linen.job import tasks as tasks_lib
-from fp8_linen.job import train as train_lib
+from fp8_linen_job import arms as arms_lib
+from fp8_linen_job import config as config_lib
+from fp8_linen_job import report
+from fp8_linen_job import tasks as tasks_lib
+from fp8_linen_job import train as train_lib
 
 DEFAULT_OUT = os.path.join('runs', 'latest')
 

@@ -26,12 +26,10 @@ TASKS = ('lm', 'digits')
 """Task names the job knows: a byte-level transformer LM and a digits CNN."""
 
 ARMS = ('bf16', 'fp8', 'int8')
-"""Arm names the job knows (see :mod:`fp8_linen.job.arms`)."""
+"""Arm names the job knows (see :mod:`fp8_linen_job.arms`)."""
 
-CONFIG_DIR = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    'configs', 'job')
-"""Where the shipped YAML configs live in a source checkout."""
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
+"""Where the shipped YAML configs live (package data, so a wheel has them)."""
 
 
 class ConfigError(ValueError):

@@ -1,6 +1,6 @@
 """Tasks: a dataset, a model builder, a loss and an optimizer, bundled.
 
-A :class:`Task` is everything :mod:`fp8_linen.job.train` needs to train one
+A :class:`Task` is everything :mod:`fp8_linen_job.train` needs to train one
 model in any arm; the arm only changes which layer classes the model gets.
 """
 
@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fp8_linen.job import arms as arms_lib
-from fp8_linen.job import config as config_lib
-from fp8_linen.job import data as data_lib
-from fp8_linen.job import models
+from fp8_linen_job import arms as arms_lib
+from fp8_linen_job import config as config_lib
+from fp8_linen_job import data as data_lib
+from fp8_linen_job import models
 
 Batch = dict[str, np.ndarray]
 

@@ -5,7 +5,7 @@ train-state class holds the variables. The ``bf16`` arm is plain flax; the
 ``fp8`` and ``int8`` arms use the library's layers and train state.
 
 To add an arm, write a builder ``cfg -> Arm``, add it to :data:`BUILDERS` and
-its name to :data:`fp8_linen.job.config.ARMS`.
+its name to :data:`fp8_linen_job.config.ARMS`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from flax.training import train_state as flax_train_state
 import jax.numpy as jnp
 
 import fp8_linen as fl
-from fp8_linen.job import config as config_lib
+from fp8_linen_job import config as config_lib
 
 OWG = fl.OWG
 """Name of the collection holding quantization state (scales, histories)."""

@@ -29,10 +29,10 @@ import optax
 import orbax.checkpoint as ocp
 import tqdm
 
-from fp8_linen.job import arms as arms_lib
-from fp8_linen.job import config as config_lib
-from fp8_linen.job import qstate
-from fp8_linen.job import tasks as tasks_lib
+from fp8_linen_job import arms as arms_lib
+from fp8_linen_job import config as config_lib
+from fp8_linen import monitor as qstate
+from fp8_linen_job import tasks as tasks_lib
 
 History = dict[str, Any]
 
