@@ -21,7 +21,8 @@ from fp8_linen.recipes import (
     delayed_scaling,
 )
 from fp8_linen import qat  # registers IntRecipe with the layers
-from fp8_linen.config import RecipeConfigError, load_recipe, recipe_from_dict, recipe_to_dict
+from fp8_linen.config import (RecipeConfigError, load_recipe, recipe_from_dict, recipe_names,
+                              recipe_to_dict)
 from fp8_linen.ops import (
     fake_quant_ste,
     lsq_fake_quant,
@@ -96,6 +97,7 @@ __all__ = [
     "RecipeConfigError",
     "recipe_from_dict",
     "load_recipe",
+    "recipe_names",
     "recipe_to_dict",
     "qat",
     # issue 3: layer collection, activation quantizer, quantize_model

@@ -110,18 +110,54 @@ def recipe_from_dict(d: Mapping[str, Any], *, source: str = "<dict>"):
   return _build(source, "<recipe>", recipe_cls, kw)
 
 
-def load_recipe(path: str | os.PathLike):
-  """Loads a recipe from a YAML file (see :func:`recipe_from_dict`).
+PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes", "presets")
+"""Where the shipped recipe YAMLs live (package data)."""
+
+
+def recipe_names() -> tuple[str, ...]:
+  """Names of the shipped recipes, each loadable with :func:`load_recipe`.
 
   Example:
-    >>> import pathlib, tempfile
     >>> import fp8_linen as fl
+    >>> 'fp8_rowwise' in fl.recipe_names()
+    True
+  """
+  return tuple(sorted(f[:-5] for f in os.listdir(PRESETS_DIR) if f.endswith(".yaml")))
+
+
+def _resolve_recipe_path(path: str) -> str:
+  if os.path.exists(path):
+    return path
+  name = os.path.basename(path)
+  name = name[:-5] if name.endswith(".yaml") else name
+  shipped = os.path.join(PRESETS_DIR, f"{name}.yaml")
+  # A shipped name, or a path written for a source checkout
+  # ("configs/recipes/fp8_rowwise.yaml") used after a wheel install.
+  if (os.sep not in path or path.replace(os.sep, "/").startswith("configs/recipes/")) and \
+      os.path.exists(shipped):
+    return shipped
+  raise RecipeConfigError(f"recipe file {path!r} not found; shipped recipe names: "
+                          f"{', '.join(recipe_names())}")
+
+
+def load_recipe(path: str | os.PathLike):
+  """Loads a recipe from a YAML file or a shipped name (see :func:`recipe_from_dict`).
+
+  Args:
+    path: a YAML file, or the name of a shipped recipe (:func:`recipe_names`,
+      e.g. ``'fp8_rowwise'``).
+
+  Example:
+    >>> import fp8_linen as fl
+    >>> fl.load_recipe('fp8_rowwise').granularity
+    'row'
+    >>> import pathlib, tempfile
     >>> p = pathlib.Path(tempfile.mkdtemp()) / 'r.yaml'
     >>> _ = p.write_text('kind: fp8\\ngranularity: row\\ndefaults: {scaling: current}\\n')
     >>> fl.load_recipe(p).granularity
     'row'
   """
-  path = os.fspath(path)
+  path = _resolve_recipe_path(os.fspath(path))
   try:
     with open(path, encoding="utf-8") as f:
       d = yaml.safe_load(f)
