@@ -117,7 +117,7 @@ def mlp_residuals(tokens=512, d=256):
   x = jax.random.normal(jax.random.key(0), (tokens, d), jnp.bfloat16)
   out = {}
   for mode, name in (("bf16", None), ("bf16_named", "bf16_act"),
-                     ("fp8", fl.ops.CHECKPOINT_NAME)):
+                     ("fp8", fl.CHECKPOINT_NAME)):
     m = (MLP(mode, d) if name is None else
          nn.remat(MLP, policy=jax.checkpoint_policies.save_only_these_names(name))(mode, d))
     v = m.init(jax.random.key(1), x)

@@ -10,34 +10,54 @@ Example:
   >>> state = state.apply_gradients(grads=jax.grad(loss)(state.params))
 """
 
-from fp8_linen import numerics, ops, recipes
-from fp8_linen.layers import OWG, ROLES, Fp8DotGeneral, QDense
-from fp8_linen.ops import RoleState, dequantize, fp8_dot_general, quantize
-from fp8_linen.recipes import (
-    FP8_DTYPES,
-    Fp8Recipe,
-    ScalingConfig,
-    current_scaling,
-    delayed_scaling,
-)
-from fp8_linen import qat  # registers IntRecipe with the layers
-from fp8_linen.config import (RecipeConfigError, load_recipe, recipe_from_dict, recipe_names,
-                              recipe_to_dict)
-from fp8_linen.ops import (
+from fp8_linen.core.conv import fp8_conv_general_dilated
+from fp8_linen.core.dims import EinsumPlan, einsum_plan
+from fp8_linen.core.dot_general import fp8_dot_general
+from fp8_linen.core.int_ops import (
     fake_quant_ste,
     lsq_fake_quant,
     lsq_plus_fake_quant,
     observed_fake_quant,
 )
+from fp8_linen.core.lowering import target_backend
+from fp8_linen.core.owg import CHECKPOINT_NAME, OWG, ROLES, RoleState, name_fp8_residual
+from fp8_linen.core.qdq import dequantize, quantize
+from fp8_linen.linen.activation import Fp8Activation, fp8_activation
+from fp8_linen.linen.conv import QConv
+from fp8_linen.linen.dense import Fp8DotGeneral, QDense, QDenseGeneral, QEinsum
+from fp8_linen.linen.dispatch import (
+    Products,
+    quantized_conv_on,
+    quantized_dot_general_on,
+    quantized_einsum_on,
+    register_recipe,
+)
+from fp8_linen.model_quantization import (
+    QuantizationRule,
+    QuantizedModel,
+    quantization,
+    quantize_model,
+)
 from fp8_linen.recipes import (
+    FP8_DTYPES,
+    ActivationRecipe,
+    Fp8Recipe,
     IntQuantConfig,
     IntRecipe,
+    RecipeConfigError,
+    ScalingConfig,
+    current_scaling,
+    delayed_scaling,
     int4_lsq_plus,
     int8_lsq,
+    load_recipe,
     mx_block_scaling,
+    recipe_from_dict,
+    recipe_names,
+    recipe_to_dict,
     rowwise_scaling,
 )
-from fp8_linen.train_state import (
+from fp8_linen.training import (
     TrainState,
     accumulate_gradients,
     finalize_accumulated,
@@ -46,33 +66,64 @@ from fp8_linen.train_state import (
     reduce_gradients,
     split_owg,
 )
-from fp8_linen import activation, conv, general, quantize_model as quantize_model_lib
-from fp8_linen.activation import ActivationRecipe, Fp8Activation, fp8_activation
-from fp8_linen.conv import QConv, fp8_conv_general_dilated, quantized_conv_on, register_conv
-from fp8_linen.general import QDenseGeneral, QEinsum, einsum_plan, quantized_einsum_on
-from fp8_linen.quantize_model import (
-    QuantizationRule,
-    QuantizedModel,
-    quantization,
-    quantize_model,
-)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "OWG",
-    "ROLES",
+    # recipes
     "FP8_DTYPES",
-    "Fp8Recipe",
     "ScalingConfig",
+    "Fp8Recipe",
+    "ActivationRecipe",
     "delayed_scaling",
     "current_scaling",
+    "rowwise_scaling",
+    "mx_block_scaling",
+    "IntQuantConfig",
+    "IntRecipe",
+    "int8_lsq",
+    "int4_lsq_plus",
+    "RecipeConfigError",
+    "load_recipe",
+    "recipe_names",
+    "recipe_from_dict",
+    "recipe_to_dict",
+    # ops
+    "OWG",
+    "ROLES",
+    "CHECKPOINT_NAME",
     "RoleState",
+    "name_fp8_residual",
     "quantize",
     "dequantize",
     "fp8_dot_general",
+    "fp8_conv_general_dilated",
+    "fake_quant_ste",
+    "lsq_fake_quant",
+    "lsq_plus_fake_quant",
+    "observed_fake_quant",
+    "EinsumPlan",
+    "einsum_plan",
+    "target_backend",
+    # Linen layers
     "Fp8DotGeneral",
     "QDense",
+    "QDenseGeneral",
+    "QEinsum",
+    "QConv",
+    "Fp8Activation",
+    "fp8_activation",
+    "Products",
+    "register_recipe",
+    "quantized_dot_general_on",
+    "quantized_einsum_on",
+    "quantized_conv_on",
+    # whole models
+    "QuantizationRule",
+    "QuantizedModel",
+    "quantization",
+    "quantize_model",
+    # training
     "TrainState",
     "split_owg",
     "merge_owg",
@@ -80,44 +131,4 @@ __all__ = [
     "accumulate_gradients",
     "finalize_accumulated",
     "reduce_gradients",
-    "numerics",
-    "ops",
-    "recipes",
-    # issue 4: granularity, integer QAT, YAML recipes
-    "rowwise_scaling",
-    "mx_block_scaling",
-    "IntQuantConfig",
-    "IntRecipe",
-    "int8_lsq",
-    "int4_lsq_plus",
-    "fake_quant_ste",
-    "lsq_fake_quant",
-    "lsq_plus_fake_quant",
-    "observed_fake_quant",
-    "RecipeConfigError",
-    "recipe_from_dict",
-    "load_recipe",
-    "recipe_names",
-    "recipe_to_dict",
-    "qat",
-    # issue 3: layer collection, activation quantizer, quantize_model
-    "QDenseGeneral",
-    "QEinsum",
-    "einsum_plan",
-    "quantized_einsum_on",
-    "QConv",
-    "fp8_conv_general_dilated",
-    "register_conv",
-    "quantized_conv_on",
-    "ActivationRecipe",
-    "Fp8Activation",
-    "fp8_activation",
-    "QuantizationRule",
-    "QuantizedModel",
-    "quantization",
-    "quantize_model",
-    "activation",
-    "conv",
-    "general",
-    "quantize_model_lib",
 ]

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-OWG = '_overwrite_with_gradient'
+from fp8_linen.core.owg import OWG
 
 SCALE_SUFFIX = '_scale'
 RANGE_SUFFIX = '_range'  # Integer observers: [-min, max] of an operand.

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import fp8_linen as fl
-from fp8_linen import numerics
+from fp8_linen.core import int_numerics
 
 
 @pytest.mark.parametrize("bits", range(2, 9))
@@ -49,20 +49,20 @@ def test_inconsistent_int_configs():
 
 def test_params_from_range_closed_forms():
   lo, hi = np.float32(-0.3), np.float32(5.0)
-  s, z = numerics.int_params_from_range(lo, hi, fl.IntQuantConfig(bits=8))
+  s, z = int_numerics.int_params_from_range(lo, hi, fl.IntQuantConfig(bits=8))
   np.testing.assert_allclose(float(s), 5.0 / 127, rtol=1e-6)
   assert float(z) == 0.0
   c = fl.IntQuantConfig(bits=4, symmetric=False)
-  s, z = numerics.int_params_from_range(lo, hi, c)
+  s, z = int_numerics.int_params_from_range(lo, hi, c)
   np.testing.assert_allclose(float(s), 5.3 / 15, rtol=1e-6)
   assert float(z) == np.round(0.3 / (5.3 / 15))
   # A positive-only range is widened to include 0: zero point 0.
-  s, z = numerics.int_params_from_range(np.float32(1.0), np.float32(3.0), c)
+  s, z = int_numerics.int_params_from_range(np.float32(1.0), np.float32(3.0), c)
   np.testing.assert_allclose(float(s), 3.0 / 15, rtol=1e-6)
   assert float(z) == 0.0
-  s, _ = numerics.int_params_from_range(lo, hi, fl.IntQuantConfig(bits=8, power_of_two=True))
+  s, _ = int_numerics.int_params_from_range(lo, hi, fl.IntQuantConfig(bits=8, power_of_two=True))
   assert float(s) == 2.0 ** np.ceil(np.log2(5.0 / 127))
-  s, _ = numerics.int_params_from_range(np.float32(0), np.float32(0), fl.IntQuantConfig())
+  s, _ = int_numerics.int_params_from_range(np.float32(0), np.float32(0), fl.IntQuantConfig())
   assert float(s) == 1.0  # empty range: finite scale
 
 
@@ -76,9 +76,9 @@ def _ref_fake_quant(x, s, z, qmin, qmax):
 def test_fake_quant_matches_reference_and_error_bound(bits, symmetric):
   cfg = fl.IntQuantConfig(bits=bits, symmetric=symmetric)
   x = np.random.default_rng(bits).normal(size=(64, 32)).astype(np.float32)
-  s, z = numerics.int_params_from_range(x.min(), x.max(), cfg)
+  s, z = int_numerics.int_params_from_range(x.min(), x.max(), cfg)
   s, z = float(s), float(z)
-  out = np.asarray(jax.jit(numerics.int_fake_quant, static_argnums=(3, 4))(
+  out = np.asarray(jax.jit(int_numerics.int_fake_quant, static_argnums=(3, 4))(
       x, s, z, cfg.qmin, cfg.qmax))
   np.testing.assert_allclose(out, _ref_fake_quant(x, s, z, cfg.qmin, cfg.qmax), rtol=0, atol=1e-6)
   # The range covers x: only rounding error, at most half a step.
@@ -88,27 +88,27 @@ def test_fake_quant_matches_reference_and_error_bound(bits, symmetric):
   np.testing.assert_allclose(k, np.round(k), atol=1e-3)
   assert k.min() >= cfg.qmin - 1e-3 and k.max() <= cfg.qmax + 1e-3
   # quantize / dequantize agree with fake quantization.
-  q = numerics.int_quantize(x, s, z, cfg.qmin, cfg.qmax)
-  np.testing.assert_allclose(np.asarray(numerics.int_dequantize(q, s, z)), out, atol=1e-6)
+  q = int_numerics.int_quantize(x, s, z, cfg.qmin, cfg.qmax)
+  np.testing.assert_allclose(np.asarray(int_numerics.int_dequantize(q, s, z)), out, atol=1e-6)
 
 
 def test_clipping_error_outside_range():
-  out = numerics.int_fake_quant(jnp.array([100.0, -100.0]), 1.0, 0.0, -8, 7)
+  out = int_numerics.int_fake_quant(jnp.array([100.0, -100.0]), 1.0, 0.0, -8, 7)
   assert out.tolist() == [7.0, -8.0]
 
 
 def test_int_view_shapes_and_errors():
   w = jnp.ones((8, 3))
-  v, axes = numerics.int_view(w, (0,), fl.IntQuantConfig())
+  v, axes = int_numerics.int_view(w, (0,), fl.IntQuantConfig())
   assert v.shape == (8, 3) and axes == (0, 1)
-  v, axes = numerics.int_view(w, (0,), fl.IntQuantConfig(granularity="channel"))
+  v, axes = int_numerics.int_view(w, (0,), fl.IntQuantConfig(granularity="channel"))
   assert axes == (0,)
-  v, axes = numerics.int_view(w, (0,), fl.IntQuantConfig(granularity="group", group_size=4))
+  v, axes = int_numerics.int_view(w, (0,), fl.IntQuantConfig(granularity="group", group_size=4))
   assert v.shape == (2, 4, 3) and axes == (1,)
   with pytest.raises(ValueError, match="does not divide"):
-    numerics.int_view(w, (0,), fl.IntQuantConfig(granularity="group", group_size=3))
+    int_numerics.int_view(w, (0,), fl.IntQuantConfig(granularity="group", group_size=3))
   with pytest.raises(ValueError, match="exactly one contracting axis"):
-    numerics.int_view(jnp.ones((2, 4, 3)), (0, 1),
+    int_numerics.int_view(jnp.ones((2, 4, 3)), (0, 1),
                       fl.IntQuantConfig(granularity="group", group_size=2))
 
 
@@ -118,10 +118,10 @@ def test_finer_granularity_has_smaller_error():
   errs = {}
 
   def fq(w, cfg):
-    v, axes = numerics.int_view(w, (0,), cfg)
-    s, z = numerics.int_params_from_range(v.min(axis=axes, keepdims=True),
+    v, axes = int_numerics.int_view(w, (0,), cfg)
+    s, z = int_numerics.int_params_from_range(v.min(axis=axes, keepdims=True),
                                           v.max(axis=axes, keepdims=True), cfg)
-    return numerics.int_fake_quant(v, s, z, cfg.qmin, cfg.qmax).reshape(w.shape)
+    return int_numerics.int_fake_quant(v, s, z, cfg.qmin, cfg.qmax).reshape(w.shape)
 
   for g, gs in (("tensor", None), ("channel", None), ("group", 16)):
     cfg = fl.IntQuantConfig(bits=4, granularity=g, group_size=gs)
@@ -134,8 +134,8 @@ def test_finer_granularity_has_smaller_error():
 
 def test_lsq_inits():
   x = np.random.default_rng(1).normal(size=(16, 4)).astype(np.float32)
-  s = numerics.lsq_init_step(x, (0,), 7)
+  s = int_numerics.lsq_init_step(x, (0,), 7)
   np.testing.assert_allclose(np.asarray(s)[0], 2 * np.abs(x).mean(0) / np.sqrt(7), rtol=1e-5)
-  s, b = numerics.lsq_plus_init(x, (0, 1), 0, 15)
+  s, b = int_numerics.lsq_plus_init(x, (0, 1), 0, 15)
   np.testing.assert_allclose(float(s.reshape(())), (x.max() - x.min()) / 15, rtol=1e-5)
   np.testing.assert_allclose(float(b.reshape(())), x.min(), rtol=1e-6)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import fp8_linen as fl
-from fp8_linen import numerics
-from fp8_linen.general import einsum_plan
+from fp8_linen.core import numerics
+from fp8_linen import einsum_plan
 
 E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 F32 = fl.Fp8Recipe(gemm="f32")

@@ -16,9 +16,9 @@ import optax
 import pytest
 
 import fp8_linen as fl
-from fp8_linen import numerics, ops
+from fp8_linen.core import numerics
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _maybe_jit(f, jit):
@@ -31,7 +31,7 @@ def _maybe_jit(f, jit):
 def test_ste_gradient_is_one_inside_zero_outside(jit):
   x = jnp.array([-5.0, -4.1, -3.9, 0.26, 3.4, 3.6, 9.0])
   c = jnp.arange(1.0, 8.0)  # a non-uniform cotangent
-  f = _maybe_jit(lambda x: jnp.sum(c * ops.fake_quant_ste(x, 1.0, 0.0, qmin=-4, qmax=3)), jit)
+  f = _maybe_jit(lambda x: jnp.sum(c * fl.fake_quant_ste(x, 1.0, 0.0, qmin=-4, qmax=3)), jit)
   v = np.asarray(x)
   expected = np.where((v >= -4) & (v <= 3), np.asarray(c), 0.0)
   np.testing.assert_array_equal(np.asarray(jax.grad(f)(x)), expected)
@@ -39,7 +39,7 @@ def test_ste_gradient_is_one_inside_zero_outside(jit):
 
 def test_ste_with_zero_point_and_scale_gradient_zero():
   x = jnp.array([-0.2, 0.1, 1.4, 2.0])
-  f = lambda x, s, z: jnp.sum(ops.fake_quant_ste(x, s, z, qmin=0, qmax=3))
+  f = lambda x, s, z: jnp.sum(fl.fake_quant_ste(x, s, z, qmin=0, qmax=3))
   gx, gs, gz = jax.grad(f, argnums=(0, 1, 2))(x, jnp.float32(0.5), jnp.float32(1.0))
   # v = x/0.5 + 1 = [0.6, 1.2, 3.8, 5.0]: inside only for v <= 3.
   assert gx.tolist() == [1.0, 1.0, 0.0, 0.0] and float(gs) == 0.0 and float(gz) == 0.0
@@ -63,7 +63,7 @@ def test_lsq_gradients_match_closed_form(jit):
   x = (rng.normal(size=200) * 2).astype(np.float32)
   c = rng.normal(size=200).astype(np.float32)
   s, g = 0.3, 1 / math.sqrt(200 * 7)
-  f = _maybe_jit(lambda x, s: jnp.sum(c * ops.lsq_fake_quant(x, s, qmin=-8, qmax=7,
+  f = _maybe_jit(lambda x, s: jnp.sum(c * fl.lsq_fake_quant(x, s, qmin=-8, qmax=7,
                                                               grad_scale=g)), jit)
   dx, ds = jax.grad(f, argnums=(0, 1))(jnp.asarray(x), jnp.float32(s))
   rx, rs, _ = _lsq_ref(x, s, 0.0, -8, 7, c, g)
@@ -80,7 +80,7 @@ def test_lsq_plus_gradients_match_closed_form(jit):
   x = (rng.normal(size=300) * 3 + 1).astype(np.float32)
   c = rng.normal(size=300).astype(np.float32)
   s, beta, g = 0.4, -1.5, 0.05
-  f = _maybe_jit(lambda x, s, b: jnp.sum(c * ops.lsq_plus_fake_quant(
+  f = _maybe_jit(lambda x, s, b: jnp.sum(c * fl.lsq_plus_fake_quant(
       x, s, b, qmin=0, qmax=15, grad_scale=g)), jit)
   dx, ds, db = jax.grad(f, argnums=(0, 1, 2))(jnp.asarray(x), jnp.float32(s), jnp.float32(beta))
   rx, rs, rb = _lsq_ref(x, s, beta, 0, 15, c, g)
@@ -88,7 +88,7 @@ def test_lsq_plus_gradients_match_closed_form(jit):
   np.testing.assert_allclose(float(ds), rs, rtol=1e-4)
   np.testing.assert_allclose(float(db), rb, rtol=1e-4)
   # The forward is the closed form too.
-  y = np.asarray(ops.lsq_plus_fake_quant(x, s, beta, qmin=0, qmax=15))
+  y = np.asarray(fl.lsq_plus_fake_quant(x, s, beta, qmin=0, qmax=15))
   np.testing.assert_allclose(y, np.clip(np.round((x - beta) / s), 0, 15) * s + beta, atol=1e-5)
 
 
@@ -105,12 +105,12 @@ def test_lsq_and_lsq_plus_match_finite_differences_where_exact():
   s0, b0, h = 1.0, -3.0, 1e-4   # v = (x + 3) / 1: [-6, -4.5, 9, 14]: all clamped
   fd_s = (fwd(s0 + h, b0) - fwd(s0 - h, b0)) / (2 * h)
   fd_b = (fwd(s0, b0 + h) - fwd(s0, b0 - h)) / (2 * h)
-  f = lambda s, b: jnp.sum(jnp.asarray(c, jnp.float32) * ops.lsq_plus_fake_quant(
+  f = lambda s, b: jnp.sum(jnp.asarray(c, jnp.float32) * fl.lsq_plus_fake_quant(
       jnp.asarray(x, jnp.float32), s, b, qmin=qmin, qmax=qmax))
   ds, db = jax.grad(f, argnums=(0, 1))(jnp.float32(s0), jnp.float32(b0))
   np.testing.assert_allclose([float(ds), float(db)], [fd_s, fd_b], rtol=1e-4)
   # Plain LSQ, symmetric grid, all clamped: d/ds = sum(c * Q) exactly.
-  fl_ = lambda s: jnp.sum(jnp.asarray(c, jnp.float32) * ops.lsq_fake_quant(
+  fl_ = lambda s: jnp.sum(jnp.asarray(c, jnp.float32) * fl.lsq_fake_quant(
       jnp.asarray(x, jnp.float32), s, qmin=-2, qmax=1))
   fwd2 = lambda s: np.sum(c * np.clip(np.round(x / s), -2, 1) * s)
   np.testing.assert_allclose(float(jax.grad(fl_)(jnp.float32(0.5))),
@@ -119,7 +119,7 @@ def test_lsq_and_lsq_plus_match_finite_differences_where_exact():
   fx = lambda x_: np.sum(c * np.clip(x_ / 0.5, -2, 1) * 0.5)
   xs = np.array([-0.3, 0.2, 2.0, -5.0])
   fd_x = [(fx(xs + h * e) - fx(xs - h * e)) / (2 * h) for e in np.eye(4)]
-  gx = jax.grad(lambda x_: jnp.sum(jnp.asarray(c, jnp.float32) * ops.lsq_fake_quant(
+  gx = jax.grad(lambda x_: jnp.sum(jnp.asarray(c, jnp.float32) * fl.lsq_fake_quant(
       x_, 0.5, qmin=-2, qmax=1)))(jnp.asarray(xs, jnp.float32))
   np.testing.assert_allclose(np.asarray(gx), fd_x, rtol=1e-5, atol=1e-6)
 
@@ -129,7 +129,7 @@ def test_lsq_per_channel_step_gradient_sums_per_channel():
   w = rng.normal(size=(16, 3)).astype(np.float32)
   c = rng.normal(size=(16, 3)).astype(np.float32)
   s = np.array([[0.1, 0.2, 0.5]], np.float32)
-  ds = jax.grad(lambda s: jnp.sum(c * ops.lsq_fake_quant(w, s, qmin=-8, qmax=7,
+  ds = jax.grad(lambda s: jnp.sum(c * fl.lsq_fake_quant(w, s, qmin=-8, qmax=7,
                                                           grad_scale=0.5)))(jnp.asarray(s))
   assert ds.shape == (1, 3)
   for j in range(3):
@@ -139,9 +139,9 @@ def test_lsq_per_channel_step_gradient_sums_per_channel():
 
 def test_lsq_rejects_bad_grad_scale_and_int_input():
   with pytest.raises(ValueError, match="grad_scale"):
-    ops.lsq_fake_quant(jnp.ones(2), 1.0, qmin=-2, qmax=1, grad_scale=0.0)
+    fl.lsq_fake_quant(jnp.ones(2), 1.0, qmin=-2, qmax=1, grad_scale=0.0)
   with pytest.raises(TypeError, match="floating"):
-    ops.fake_quant_ste(jnp.ones(2, jnp.int32), 1.0, 0.0, qmin=-2, qmax=1)
+    fl.fake_quant_ste(jnp.ones(2, jnp.int32), 1.0, 0.0, qmin=-2, qmax=1)
 
 
 # --- observers ------------------------------------------------------------------
@@ -152,13 +152,13 @@ def test_observer_minmax_and_moving_average():
   for cfg, expected in ((fl.IntQuantConfig(observer="minmax"), [1.0, 4.0]),
                         (fl.IntQuantConfig(observer="moving_average", momentum=0.75),
                          [0.75 * 1.0 + 0.25 * 0.5, 0.75 * 2.0 + 0.25 * 4.0])):
-    g = lambda r, x: jax.grad(lambda r: ops.observed_fake_quant(x, r, cfg=cfg)[0].sum())(r)
+    g = lambda r, x: jax.grad(lambda r: fl.observed_fake_quant(x, r, cfg=cfg)[0].sum())(r)
     r1 = g(jnp.zeros(2), x1)
     assert r1.tolist() == [1.0, 2.0]   # first batch taken as is
     np.testing.assert_allclose(np.asarray(g(r1, x2)), expected, rtol=1e-6)
   # A NaN batch does not poison the range.
   cfg = fl.IntQuantConfig()
-  r = jax.grad(lambda r: ops.observed_fake_quant(jnp.array([jnp.nan, 1.0]), r,
+  r = jax.grad(lambda r: fl.observed_fake_quant(jnp.array([jnp.nan, 1.0]), r,
                                                  cfg=cfg)[0].sum())(jnp.array([3.0, 3.0]))
   assert np.isfinite(np.asarray(r)).all() and r.tolist() == [3.0, 3.0]
 
@@ -166,7 +166,7 @@ def test_observer_minmax_and_moving_average():
 def test_observer_forward_uses_range_scale():
   cfg = fl.IntQuantConfig(bits=4)   # symmetric: s = max(|min|, max) / 7
   x = jnp.array([-3.5, 0.3, 7.0])
-  y, _ = ops.observed_fake_quant(x, jnp.zeros(2), cfg=cfg)
+  y, _ = fl.observed_fake_quant(x, jnp.zeros(2), cfg=cfg)
   s = 7.0 / 7
   np.testing.assert_allclose(np.asarray(y), np.clip(np.round(np.asarray(x) / s), -8, 7) * s)
 

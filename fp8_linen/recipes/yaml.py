@@ -29,9 +29,10 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-import yaml
+import yaml as pyyaml
 
-from fp8_linen.recipes import Fp8Recipe, IntQuantConfig, IntRecipe, ScalingConfig
+from fp8_linen.recipes.fp8 import Fp8Recipe, ScalingConfig
+from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["RecipeConfigError", "recipe_from_dict", "load_recipe", "recipe_to_dict"]
 
@@ -110,7 +111,7 @@ def recipe_from_dict(d: Mapping[str, Any], *, source: str = "<dict>"):
   return _build(source, "<recipe>", recipe_cls, kw)
 
 
-PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes", "presets")
+PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 """Where the shipped recipe YAMLs live (package data)."""
 
 
@@ -160,8 +161,8 @@ def load_recipe(path: str | os.PathLike):
   path = _resolve_recipe_path(os.fspath(path))
   try:
     with open(path, encoding="utf-8") as f:
-      d = yaml.safe_load(f)
-  except yaml.YAMLError as e:
+      d = pyyaml.safe_load(f)
+  except pyyaml.YAMLError as e:
     raise RecipeConfigError(f"{path}: not valid YAML: {e}") from None
   return recipe_from_dict(d if d is not None else {}, source=path)
 

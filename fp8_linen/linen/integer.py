@@ -1,10 +1,9 @@
-"""Integer quantization-aware training in every layer (the ``IntRecipe`` plug-in).
+"""Integer quantization-aware training in every layer (the ``IntRecipe`` products).
 
-Registers :class:`~fp8_linen.IntRecipe` with
-:func:`~fp8_linen.layers.register_dot_general`, so ``QDense``, ``Fp8DotGeneral``
-(and every layer that routes its matmul through
-:func:`~fp8_linen.layers.quantized_dot_general_on`) accept integer recipes.
-The GEMM runs in float on fake-quantized operands; gradients stay in float.
+:mod:`fp8_linen.linen.dispatch` routes :class:`~fp8_linen.IntRecipe` here, so
+every layer (``QDense``, ``QDenseGeneral``, ``QEinsum``, ``QConv``,
+``Fp8DotGeneral``) accepts integer recipes. The GEMM runs in float on
+fake-quantized operands; gradients stay in float.
 
 What each estimator declares on the layer:
 
@@ -52,11 +51,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen import conv as conv_lib
-from fp8_linen import layers, numerics, ops
-from fp8_linen.recipes import IntQuantConfig, IntRecipe
+from fp8_linen.core import int_numerics, int_ops, lowering
+from fp8_linen.linen.state import OWG, chained
+from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
-__all__ = ["int_dot_general_on", "quantize_operand"]
+__all__ = ["int_dot_general_on", "int_conv_on", "quantize_operand"]
 
 
 def _lsq(module: nn.Module, role: str, view, axes, cfg: IntQuantConfig, n: int):
@@ -67,9 +66,9 @@ def _lsq(module: nn.Module, role: str, view, axes, cfg: IntQuantConfig, n: int):
 
   def _init_step(_):
     if cfg.estimator == "lsq":
-      s = numerics.lsq_init_step(view, red, cfg.qmax)
+      s = int_numerics.lsq_init_step(view, red, cfg.qmax)
     else:
-      s, _b = numerics.lsq_plus_init(view, red, cfg.qmin, cfg.qmax)
+      s, _b = int_numerics.lsq_plus_init(view, red, cfg.qmin, cfg.qmax)
     return jnp.reshape(s, shape)
 
   step = module.param(f"{role}_step", _init_step)
@@ -79,12 +78,13 @@ def _lsq(module: nn.Module, role: str, view, axes, cfg: IntQuantConfig, n: int):
   bshape = (step.reshape(()) if role == "input" else step)
   g = 1.0 / math.sqrt(n * cfg.qmax)
   if cfg.estimator == "lsq":
-    return ops.lsq_fake_quant(view, bshape, qmin=cfg.qmin, qmax=cfg.qmax, grad_scale=g)
+    return int_ops.lsq_fake_quant(view, bshape, qmin=cfg.qmin, qmax=cfg.qmax, grad_scale=g)
   offset = module.param(
       f"{role}_offset",
-      lambda _: jnp.reshape(numerics.lsq_plus_init(view, red, cfg.qmin, cfg.qmax)[1], shape))
+      lambda _: jnp.reshape(int_numerics.lsq_plus_init(view, red, cfg.qmin, cfg.qmax)[1], shape))
   boff = offset.reshape(()) if role == "input" else offset
-  return ops.lsq_plus_fake_quant(view, bshape, boff, qmin=cfg.qmin, qmax=cfg.qmax, grad_scale=g)
+  return int_ops.lsq_plus_fake_quant(view, bshape, boff, qmin=cfg.qmin, qmax=cfg.qmax,
+                                     grad_scale=g)
 
 
 def quantize_operand(module: nn.Module, role: str, x, contract_axes, cfg: IntQuantConfig | None,
@@ -104,23 +104,22 @@ def quantize_operand(module: nn.Module, role: str, x, contract_axes, cfg: IntQua
   """
   if cfg is None:
     return x
-  view, axes = numerics.int_view(x, contract_axes, cfg)
+  view, axes = int_numerics.int_view(x, contract_axes, cfg)
   if cfg.learned:
     n = (x.size // x.shape[0] if x.ndim > 1 else x.size) if role == "input" else \
         max(1, math.prod(view.shape[a] for a in axes))
     return _lsq(module, role, view, axes, cfg, n).reshape(x.shape)
   if role == "input":
-    rng = module.variable(layers.OWG, f"{role}_range", jnp.zeros, (2,), jnp.float32)
+    rng = module.variable(OWG, f"{role}_range", jnp.zeros, (2,), jnp.float32)
     if rng.value.shape != (2,):
       raise ValueError(f"{'/'.join(module.path)}: {role}_range has shape {rng.value.shape}, "
                        "expected (2,)")
-    return layers.chained(module, f"{key}/{role}_observer",
-                          lambda chain: ops.observed_fake_quant(x, rng.value, cfg=cfg,
-                                                                chain=chain))
+    return chained(module, f"{key}/{role}_observer",
+                   lambda chain: int_ops.observed_fake_quant(x, rng.value, cfg=cfg, chain=chain))
   lo = lax.stop_gradient(jnp.min(view, axis=axes, keepdims=True))
   hi = lax.stop_gradient(jnp.max(view, axis=axes, keepdims=True))
-  s, z = numerics.int_params_from_range(lo, hi, cfg)
-  return ops.fake_quant_ste(view, s, z, qmin=cfg.qmin, qmax=cfg.qmax).reshape(x.shape)
+  s, z = int_numerics.int_params_from_range(lo, hi, cfg)
+  return int_ops.fake_quant_ste(view, s, z, qmin=cfg.qmin, qmax=cfg.qmax).reshape(x.shape)
 
 
 def int_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe: IntRecipe,
@@ -146,12 +145,9 @@ def int_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe: I
   xq = quantize_operand(module, "input", lhs, lc, recipe.input, key)
   wq = quantize_operand(module, "kernel", rhs, rc, recipe.kernel, key)
   cd = jnp.dtype(recipe.compute_dtype)
-  y = lax.dot_general(xq.astype(cd), wq.astype(cd), dimension_numbers,
-                      preferred_element_type=jnp.float32)
+  y = lowering.lax_dot_general(xq.astype(cd), wq.astype(cd), dimension_numbers,
+                               preferred_element_type=jnp.float32)
   return y.astype(out_dtype)
-
-
-layers.register_dot_general(IntRecipe, int_dot_general_on)
 
 
 def int_conv_on(module: nn.Module, lhs, rhs, conv_kwargs: dict, recipe: IntRecipe,
@@ -180,9 +176,7 @@ def int_conv_on(module: nn.Module, lhs, rhs, conv_kwargs: dict, recipe: IntRecip
   xq = quantize_operand(module, "input", lhs, l_contract, recipe.input, key)
   wq = quantize_operand(module, "kernel", rhs, r_contract, recipe.kernel, key)
   cd = jnp.dtype(recipe.compute_dtype)
-  y = lax.conv_general_dilated(xq.astype(cd), wq.astype(cd), **conv_kwargs,
-                               preferred_element_type=jnp.float32)
+  y = lowering.lax_conv_general_dilated(xq.astype(cd), wq.astype(cd), **conv_kwargs,
+                                        preferred_element_type=jnp.float32)
   return y.astype(out_dtype)
 
-
-conv_lib.register_conv(IntRecipe, int_conv_on)

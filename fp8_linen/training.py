@@ -38,7 +38,7 @@ import optax
 from flax import struct
 from flax.training import train_state as flax_train_state
 
-from fp8_linen.layers import OWG
+from fp8_linen.core.owg import OWG
 
 __all__ = [
     "TrainState",
@@ -177,7 +177,8 @@ class TrainState(flax_train_state.TrainState):
     if _is_variables(params):
       opt_params = params["params"]
       opt_state = tx.init(opt_params)
-      accum = params[OWG] if isinstance(opt_state, optax.MultiStepsState) else None
+      accum = (jax.tree.map(lambda x: jnp.full_like(x, -jnp.inf), params[OWG])
+               if isinstance(opt_state, optax.MultiStepsState) else None)
     else:
       opt_state, accum = tx.init(params), None
     return cls(step=0, apply_fn=apply_fn, params=params, tx=tx, opt_state=opt_state,
@@ -199,12 +200,12 @@ class TrainState(flax_train_state.TrainState):
     if OWG in grads:
       new_owg = merge_owg(self.params, grads)[OWG]
       if isinstance(new_opt_state, optax.MultiStepsState):
-        # Window start (mini_step was 0): restart the max from this micro-batch.
-        fresh = self.opt_state.mini_step == 0
-        accum = jax.tree.map(lambda a, n: jnp.where(fresh, n, jnp.maximum(a, n)),
-                             self.owg_accum, new_owg)
-        committed = new_opt_state.mini_step == 0
+        # The accumulator holds the max over the window so far (-inf right
+        # after a commit, so the next window starts from its first micro-batch).
+        accum = owg_max(self.owg_accum, new_owg)
+        committed = optax.MultiSteps.has_updated(self.tx, new_opt_state)
         new_owg = jax.tree.map(lambda a, o: jnp.where(committed, a, o), accum, self.params[OWG])
+        accum = jax.tree.map(lambda a: jnp.where(committed, -jnp.inf, a), accum)
       variables[OWG] = new_owg
     return self.replace(step=self.step + 1, params=variables, opt_state=new_opt_state,
                         owg_accum=accum, **kwargs)

@@ -10,19 +10,19 @@ import numpy as np
 import pytest
 
 import fp8_linen as fl
-from fp8_linen import numerics, ops
+from fp8_linen.core import numerics
 
 E4, E5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 DN = (((1,), (0,)), ((), ()))
 
 
 def _st(n=4):
-  return ops.RoleState(jnp.ones((1,)), jnp.zeros((n,)))
+  return fl.RoleState(jnp.ones((1,)), jnp.zeros((n,)))
 
 
 def _dot(recipe, dn=DN):
   def f(x, w):
-    return ops.fp8_dot_general(x, w, dn, input_state=_st(), kernel_state=_st(),
+    return fl.fp8_dot_general(x, w, dn, input_state=_st(), kernel_state=_st(),
                                output_grad_state=_st(), recipe=recipe)[0]
   return f
 

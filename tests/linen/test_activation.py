@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fp8_linen as fl
-from fp8_linen import numerics
+from fp8_linen.core import numerics
 
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "f8_e4m3fn": 1, "f8_e5m2": 1, "s32": 4, "u8": 1}
 
@@ -54,7 +54,7 @@ def mlp_residuals(n_tokens=32):
   x = jax.random.normal(jax.random.key(0), (n_tokens, 64), jnp.bfloat16)
   out = {}
   for mode, name in (("bf16", None), ("bf16_named", "bf16_act"),
-                     ("fp8", fl.ops.CHECKPOINT_NAME)):
+                     ("fp8", fl.CHECKPOINT_NAME)):
     m = (MLP(mode) if name is None else
          nn.remat(MLP, policy=jax.checkpoint_policies.save_only_these_names(name))(mode))
     v = m.init(jax.random.key(1), x)
@@ -110,7 +110,7 @@ def test_shared_use_records_max_and_jit_matches_eager():
 
 def test_training_under_remat_updates_state():
   m = nn.remat(MLP, policy=jax.checkpoint_policies.save_only_these_names(
-      fl.ops.CHECKPOINT_NAME))("fp8")
+      fl.CHECKPOINT_NAME))("fp8")
   x = jax.random.normal(jax.random.key(0), (8, 64), jnp.bfloat16)
   v = m.init(jax.random.key(1), x)
   g = jax.jit(jax.grad(lambda v: jnp.mean(m.apply(v, x).astype(jnp.float32) ** 2)))(v)
@@ -132,7 +132,7 @@ def test_remat_saved_fp8_values_survive():
   m = fl.Fp8Activation()
   v = m.init(jax.random.key(0), x)
   f = lambda v, x: jnp.sum(jnp.sin(m.apply(v, x)))
-  pol = jax.checkpoint_policies.save_only_these_names(fl.ops.CHECKPOINT_NAME)
+  pol = jax.checkpoint_policies.save_only_these_names(fl.CHECKPOINT_NAME)
   g_plain = jax.grad(f, argnums=(0, 1))(v, x)
   g_remat = jax.grad(jax.checkpoint(f, policy=pol), argnums=(0, 1))(v, x)
   for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat)):

@@ -12,7 +12,7 @@ Conventions (shared with ``flax.linen.fp8_ops`` and TransformerEngine):
 
 Example:
   >>> import jax.numpy as jnp
-  >>> from fp8_linen import numerics
+  >>> from fp8_linen.core import numerics
   >>> q = numerics.quantize(jnp.array([1.0, 1000.0]), jnp.float8_e4m3fn, jnp.ones((1,)))
   >>> numerics.dequantize(q, jnp.ones((1,)), jnp.float32).tolist()
   [1.0, 448.0]
@@ -26,7 +26,7 @@ import ml_dtypes
 from jax import lax
 import numpy as np
 
-from fp8_linen.recipes import IntQuantConfig, ScalingConfig
+from fp8_linen.recipes.fp8 import ScalingConfig
 
 __all__ = [
     "SCALE_FLOOR",
@@ -40,17 +40,10 @@ __all__ = [
     "roll_history",
     "scale_from_amax",
     "select_scale",
-    # issue 4: row/block scales and integer fake quantization
+    "quantize_with",
     "row_scale",
     "mx_quantize",
     "mx_dequantize",
-    "int_view",
-    "int_params_from_range",
-    "int_quantize",
-    "int_dequantize",
-    "int_fake_quant",
-    "lsq_init_step",
-    "lsq_plus_init",
 ]
 
 # Smallest scale ever produced: 1/SCALE_FLOOR is finite in float32, so neither a
@@ -113,7 +106,7 @@ def encode_fp8(y: jnp.ndarray, dtype) -> jnp.ndarray:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from fp8_linen import numerics
+    >>> from fp8_linen.core import numerics
     >>> numerics.encode_fp8(jnp.array([0.3, 17.0, -448.0]), jnp.float8_e4m3fn).tolist()
     [0.3125, 16.0, -448.0]
   """
@@ -192,8 +185,8 @@ def select_scale(cfg: ScalingConfig, prev_scale: jnp.ndarray, history: jnp.ndarr
   ``'current'`` scaling uses ``current_amax``. ``'delayed'`` scaling uses the
   history (``max`` or ``most_recent``); when the history holds no observation
   yet (its amax is 0, e.g. on the first step) it uses ``current_amax`` instead,
-  so the first step never clips (the bug of seed 002, where a scale of 1 clipped
-  a gradient of 1000 to 448).
+  so the first step never clips (a scale of 1 would clip a gradient of 1000 to
+  448).
 
   Args:
     cfg: the role's scaling config.
@@ -227,7 +220,8 @@ def row_scale(x: jnp.ndarray, axes, cfg: ScalingConfig) -> jnp.ndarray:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from fp8_linen import numerics, recipes
+    >>> from fp8_linen import recipes
+    >>> from fp8_linen.core import numerics
     >>> cfg = recipes.ScalingConfig(scaling='current')
     >>> numerics.row_scale(jnp.array([[448.0, 1.0], [0.0, 0.0]]), (1,), cfg).tolist()
     [[1.0], [1.0]]
@@ -268,7 +262,7 @@ def mx_quantize(x: jnp.ndarray, axis: int, block_size: int, dtype):
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from fp8_linen import numerics
+    >>> from fp8_linen.core import numerics
     >>> q, s = numerics.mx_quantize(jnp.arange(64.0).reshape(1, 64), 1, 32, jnp.float8_e4m3fn)
     >>> s.astype(jnp.float32).tolist()
     [[0.125, 0.25]]
@@ -307,125 +301,25 @@ def mx_dequantize(q: jnp.ndarray, scales: jnp.ndarray, axis: int, block_size: in
   return q.astype(dtype) * s
 
 
-# ----------------------------------------------------------------------------
-# Integer fake quantization (seed 003).
-# ----------------------------------------------------------------------------
+def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, x: jnp.ndarray):
+  """Quantizes ``x`` as ``cfg`` says, from a role's stored state.
 
+  The one place a tensor (operand or gradient) is measured, scaled and cast:
+  ``a = amax(x)``, ``s = select_scale(cfg, scale, history, a)``, ``q =
+  quantize(x, cfg's dtype, s)``.
 
-def int_view(x: jnp.ndarray, contract_axes, cfg: IntQuantConfig):
-  """The view of ``x`` its scales apply to, and the axes each scale covers.
-
-  * ``'tensor'``: ``x`` itself, all axes reduced.
-  * ``'channel'``: ``x``, the contracting axes reduced (one scale per output
-    channel).
-  * ``'group'``: the (single) contracting axis split into ``(n_groups,
-    group_size)``; the ``group_size`` axis reduced.
-
-  Scales have the view's shape with the reduced axes of size 1; fake-quantize
-  the view and reshape it back to ``x.shape``.
-
-  Raises:
-    ValueError: for ``'group'`` with several contracting axes or a size that
-      ``group_size`` does not divide.
+  Returns:
+    ``(q, s, a)``: the fp8 tensor, the scale used and the observed amax.
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from fp8_linen import numerics, recipes
-    >>> cfg = recipes.IntQuantConfig(granularity='group', group_size=2)
-    >>> v, axes = numerics.int_view(jnp.ones((4, 3)), (0,), cfg)
-    >>> v.shape, axes
-    ((2, 2, 3), (1,))
+    >>> from fp8_linen.core import numerics
+    >>> from fp8_linen.recipes import ScalingConfig
+    >>> q, s, a = numerics.quantize_with(ScalingConfig(), jnp.ones((1,)), jnp.zeros((4,)),
+    ...                                  jnp.array([896.0]))
+    >>> float(a), s.tolist()
+    (896.0, [2.0])
   """
-  contract_axes = tuple(a % x.ndim for a in contract_axes)
-  if cfg.granularity == "tensor":
-    return x, tuple(range(x.ndim))
-  if cfg.granularity == "channel":
-    return x, contract_axes
-  if len(contract_axes) != 1:
-    raise ValueError(f"granularity='group' needs exactly one contracting axis, got "
-                     f"{len(contract_axes)} (axes {contract_axes} of shape {x.shape})")
-  (a,) = contract_axes
-  if x.shape[a] % cfg.group_size:
-    raise ValueError(f"group_size={cfg.group_size} does not divide the contracting axis "
-                     f"(size {x.shape[a]}) of shape {x.shape}")
-  shape = x.shape[:a] + (x.shape[a] // cfg.group_size, cfg.group_size) + x.shape[a + 1:]
-  return x.reshape(shape), (a + 1,)
-
-
-def int_params_from_range(lo: jnp.ndarray, hi: jnp.ndarray, cfg: IntQuantConfig):
-  """Scale and zero point that map ``[lo, hi]`` onto the integer grid.
-
-  Symmetric: ``s = max(|lo|, |hi|) / qmax`` and ``z = 0``. Asymmetric: the
-  range is widened to contain 0 (so 0 is exact), ``s = (hi - lo) / (qmax -
-  qmin)`` and ``z = clamp(round(qmin - lo / s), qmin, qmax)``. With
-  ``power_of_two`` the scale is rounded up to ``2**k``. An empty range gives
-  ``s = 1``.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from fp8_linen import numerics, recipes
-    >>> s, z = numerics.int_params_from_range(jnp.array(-1.0), jnp.array(3.0),
-    ...                                       recipes.IntQuantConfig(bits=2, symmetric=False))
-    >>> float(s), float(z)
-    (1.3333333730697632, 1.0)
-  """
-  lo = jnp.minimum(jnp.asarray(lo, jnp.float32), 0.0)
-  hi = jnp.maximum(jnp.asarray(hi, jnp.float32), 0.0)
-  if cfg.symmetric:
-    s = jnp.maximum(-lo, hi) / cfg.qmax
-  else:
-    s = (hi - lo) / (cfg.qmax - cfg.qmin)
-  if cfg.power_of_two:
-    s = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(s, SCALE_FLOOR))))
-  s = jnp.where(jnp.isfinite(s) & (s > SCALE_FLOOR), s, jnp.ones_like(s))
-  if cfg.symmetric:
-    z = jnp.zeros_like(s)
-  else:
-    z = jnp.clip(jnp.round(cfg.qmin - lo / s), cfg.qmin, cfg.qmax)
-  return s, z
-
-
-def int_quantize(x, scale, zero_point, qmin: int, qmax: int) -> jnp.ndarray:
-  """``clamp(round(x / s) + z, qmin, qmax)`` as int32 (round half to even)."""
-  v = jnp.round(jnp.asarray(x, jnp.float32) / scale) + zero_point
-  return jnp.clip(v, qmin, qmax).astype(jnp.int32)
-
-
-def int_dequantize(q, scale, zero_point, dtype=jnp.float32) -> jnp.ndarray:
-  """``s * (q - z)`` in ``dtype``."""
-  return (scale * (q.astype(jnp.float32) - zero_point)).astype(dtype)
-
-
-def int_fake_quant(x, scale, zero_point, qmin: int, qmax: int) -> jnp.ndarray:
-  """Fake quantization ``s * (clamp(round(x / s) + z, qmin, qmax) - z)`` in ``x.dtype``.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from fp8_linen import numerics
-    >>> numerics.int_fake_quant(jnp.array([0.26, 9.0, -9.0]), 0.5, 0.0, -8, 7).tolist()
-    [0.5, 3.5, -4.0]
-  """
-  x = jnp.asarray(x)
-  v = jnp.clip(jnp.round(x.astype(jnp.float32) / scale) + zero_point, qmin, qmax)
-  return (scale * (v - zero_point)).astype(x.dtype)
-
-
-def lsq_init_step(x, reduce_axes, qmax: int) -> jnp.ndarray:
-  """LSQ's initial step ``2 * mean(|x|) / sqrt(Q_P)`` (over ``reduce_axes``, kept)."""
-  m = jnp.mean(jnp.abs(jnp.asarray(x, jnp.float32)), axis=tuple(reduce_axes), keepdims=True)
-  s = 2.0 * m / np.sqrt(qmax)
-  return jnp.where(s > 0, s, jnp.full_like(s, 1e-3))
-
-
-def lsq_plus_init(x, reduce_axes, qmin: int, qmax: int):
-  """LSQ+ initial ``(step, offset)`` from the min/max of ``x``.
-
-  ``s = (max - min) / (qmax - qmin)`` and ``beta = min - s * qmin``, so the grid
-  spans the observed range exactly.
-  """
-  x = jnp.asarray(x, jnp.float32)
-  lo = jnp.min(x, axis=tuple(reduce_axes), keepdims=True)
-  hi = jnp.max(x, axis=tuple(reduce_axes), keepdims=True)
-  s = (hi - lo) / (qmax - qmin)
-  s = jnp.where(s > 0, s, jnp.full_like(s, 1e-3))
-  return s, lo - s * qmin
+  a = amax(x)
+  s = select_scale(cfg, scale, history, a)
+  return quantize(x, cfg.jnp_dtype, s), s, a

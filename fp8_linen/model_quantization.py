@@ -6,9 +6,9 @@ run the model with:
 * ``flax.linen.intercept_methods``, which tells us which module is running
   (its path is matched against the :class:`QuantizationRule` list), and
 * ``jax.lax.dot_general``, ``jax.lax.conv_general_dilated`` and
-  ``jax.numpy.einsum`` replaced, for the duration of the call, by versions that
-  run the quantized op (:func:`fp8_linen.layers.quantized_dot_general_on`,
-  :func:`fp8_linen.conv.quantized_conv_on`) on that module's state.
+  ``jax.numpy.einsum`` intercepted (:mod:`fp8_linen.interception`) for the
+  duration of the call: they run the quantized product of
+  :mod:`fp8_linen.linen.dispatch` on that module's state.
 
 That covers ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Einsum``, ``nn.Conv``, flax's
 attention (its two ``jnp.einsum`` calls) and raw ``jax.lax.dot_general`` /
@@ -29,8 +29,8 @@ Limits (by construction):
   unquantized (a warning says so);
 * ops called outside any module method (plain functions at the top level of
   ``apply``) run unquantized: there is no module to hold their state;
-* the replacement is process-global while ``init``/``apply`` trace (guarded by
-  a lock): do not trace two models on different threads at once;
+* the interception is context-local: another thread tracing at the same time
+  sees the original functions (and its own quantization, if it has one);
 * under ``jax.jit`` the choice is made when tracing; jit the wrapper's
   ``apply`` (or a function calling it), as usual.
 
@@ -55,7 +55,6 @@ import contextlib
 import contextvars
 import dataclasses
 import re
-import threading
 import warnings
 from typing import Any, Sequence
 
@@ -63,10 +62,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fp8_linen.conv import conv_kwargs_from, quantized_conv_on
-from fp8_linen.general import einsum_plan, quantized_einsum_on
-from fp8_linen.layers import quantized_dot_general_on
-from fp8_linen.recipes import Fp8Recipe
+from fp8_linen import interception
+from fp8_linen.core.dims import einsum_plan
+from fp8_linen.linen.conv import conv_kwargs_from
+from fp8_linen.linen.dispatch import (quantized_conv_on, quantized_dot_general_on,
+                                      quantized_einsum_on)
+from fp8_linen.recipes.fp8 import Fp8Recipe
 
 __all__ = ["OPS", "QuantizationRule", "QuantizedModel", "quantize_model", "quantization"]
 
@@ -135,7 +136,6 @@ class _Session:
     self.recipe = recipe
     self.hits = [0] * len(rules)
     self.stack: list[_Frame] = []
-    self.busy = False  # inside a quantized op: pass everything through
 
   def recipe_for(self, module, op: str):
     path = "/".join(module.path)
@@ -147,15 +147,12 @@ class _Session:
 
 
 _SESSION: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_qm_session", default=None)
-_LOCK = threading.RLock()
-_PATCH_DEPTH = [0]
-_ORIG: dict[str, Any] = {}
 
 
 def _target(op: str):
   """(session, frame, recipe) when this op call should be quantized, else None."""
   sess = _SESSION.get()
-  if sess is None or sess.busy or not sess.stack:
+  if sess is None or not sess.stack:
     return None
   frame = sess.stack[-1]
   if op == "conv" and isinstance(frame.module, nn.ConvLocal):
@@ -164,26 +161,16 @@ def _target(op: str):
   return None if recipe is None else (sess, frame, recipe)
 
 
-@contextlib.contextmanager
-def _busy(sess):
-  sess.busy = True
-  try:
-    yield
-  finally:
-    sess.busy = False
-
-
-def _run(sess, frame, op: str, fn):
+def _run(frame, op: str, fn):
   """Runs ``fn(module)`` on the module's own state or on a per-call-site child."""
   module = frame.module
-  with _busy(sess):
-    if isinstance(module, _OWN_STATE_LAYERS) and not frame.own_used:
-      frame.own_used = True
-      return fn(module)
-    i = frame.counts.get(op, 0)
-    frame.counts[op] = i + 1
-    child = module.scope.push(f"{op}_{i}", reuse=True)
-    return _Holder(parent=child)(fn)
+  if isinstance(module, _OWN_STATE_LAYERS) and not frame.own_used:
+    frame.own_used = True
+    return fn(module)
+  i = frame.counts.get(op, 0)
+  frame.counts[op] = i + 1
+  child = module.scope.push(f"{op}_{i}", reuse=True)
+  return _Holder(parent=child)(fn)
 
 
 class _Holder(nn.Module):
@@ -194,20 +181,21 @@ class _Holder(nn.Module):
     return fn(self)
 
 
-def _dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-                 **kwargs):
+def _dot_general(orig, lhs, rhs, dimension_numbers, precision=None,
+                 preferred_element_type=None, **kwargs):
   t = _target("dot_general")
   if t is None or kwargs.get("out_sharding") is not None:
-    return _ORIG["dot_general"](lhs, rhs, dimension_numbers, precision=precision,
-                                preferred_element_type=preferred_element_type, **kwargs)
-  sess, frame, recipe = t
-  return _run(sess, frame, "dot_general", lambda m: quantized_dot_general_on(
+    return orig(lhs, rhs, dimension_numbers, precision=precision,
+                preferred_element_type=preferred_element_type, **kwargs)
+  _, frame, recipe = t
+  return _run(frame, "dot_general", lambda m: quantized_dot_general_on(
       m, lhs, rhs, dimension_numbers, recipe, out_dtype=preferred_element_type))
 
 
-def _einsum(subscripts, *operands, **kwargs):
+def _einsum(orig, subscripts, *operands, **kwargs):
   dg = kwargs.get("_dot_general")
-  plain = dg is None or dg is _dot_general or dg is _ORIG["dot_general"]
+  # flax's attention passes jax.lax.dot_general explicitly: still a plain einsum.
+  plain = dg is None or interception.is_target(dg, "jax.lax.dot_general")
   t = _target("einsum") if plain else None
   if t is not None and (not isinstance(subscripts, str) or len(operands) != 2
                         or kwargs.get("out") is not None
@@ -223,16 +211,14 @@ def _einsum(subscripts, *operands, **kwargs):
       warnings.warn(f"fp8_linen.quantize_model: {e}; running it unquantized", stacklevel=2)
       t = None
   if t is None:
-    if plain:
-      kwargs["_dot_general"] = _ORIG["dot_general"]
-    return _ORIG["einsum"](subscripts, *operands, **kwargs)
-  sess, frame, recipe = t
+    return orig(subscripts, *operands, **kwargs)
+  _, frame, recipe = t
   out_dtype = kwargs.get("preferred_element_type") or jnp.result_type(lhs, rhs)
-  return _run(sess, frame, "einsum", lambda m: quantized_einsum_on(
+  return _run(frame, "einsum", lambda m: quantized_einsum_on(
       m, subscripts, lhs, rhs, recipe, out_dtype=out_dtype))
 
 
-def _conv_general_dilated(lhs, rhs, *args, **kwargs):
+def _conv_general_dilated(orig, lhs, rhs, *args, **kwargs):
   t = _target("conv")
   if t is not None:
     try:
@@ -240,32 +226,15 @@ def _conv_general_dilated(lhs, rhs, *args, **kwargs):
     except (TypeError, NotImplementedError):
       t = None
   if t is None:
-    return _ORIG["conv"](lhs, rhs, *args, **kwargs)
-  sess, frame, recipe = t
+    return orig(lhs, rhs, *args, **kwargs)
+  _, frame, recipe = t
   out_dtype = kwargs.get("preferred_element_type") or jnp.result_type(lhs, rhs)
-  return _run(sess, frame, "conv", lambda m: quantized_conv_on(
+  return _run(frame, "conv", lambda m: quantized_conv_on(
       m, lhs, rhs, conv_kwargs, recipe, out_dtype=out_dtype))
 
 
-@contextlib.contextmanager
-def _patched():
-  with _LOCK:
-    if _PATCH_DEPTH[0] == 0:
-      _ORIG.update(dot_general=jax.lax.dot_general, einsum=jnp.einsum,
-                   conv=jax.lax.conv_general_dilated)
-      jax.lax.dot_general = _dot_general
-      jnp.einsum = _einsum
-      jax.lax.conv_general_dilated = _conv_general_dilated
-    _PATCH_DEPTH[0] += 1
-  try:
-    yield
-  finally:
-    with _LOCK:
-      _PATCH_DEPTH[0] -= 1
-      if _PATCH_DEPTH[0] == 0:
-        jax.lax.dot_general = _ORIG["dot_general"]
-        jnp.einsum = _ORIG["einsum"]
-        jax.lax.conv_general_dilated = _ORIG["conv"]
+_HANDLERS = {"jax.lax.dot_general": _dot_general, "jax.numpy.einsum": _einsum,
+             "jax.lax.conv_general_dilated": _conv_general_dilated}
 
 
 def _interceptor(next_fun, args, kwargs, context):
@@ -324,7 +293,7 @@ def quantization(recipe=None, rules: Sequence[QuantizationRule] | None = None, *
   sess = _Session(rules, recipe or Fp8Recipe())
   token = _SESSION.set(sess)
   try:
-    with _patched(), nn.intercept_methods(_interceptor):
+    with interception.intercept(_HANDLERS), nn.intercept_methods(_interceptor):
       yield
   finally:
     _SESSION.reset(token)

@@ -8,8 +8,8 @@ import pytest
 from jax import lax
 
 import fp8_linen as fl
-from fp8_linen import numerics, ops
-from fp8_linen.conv import fp8_conv_general_dilated
+from fp8_linen.core import numerics
+from fp8_linen import fp8_conv_general_dilated
 
 E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 F32 = fl.Fp8Recipe(gemm="f32")
@@ -25,7 +25,7 @@ def qdq(x, dtype):
 
 
 def fresh(n=8):
-  return ops.RoleState(jnp.ones((1,)), jnp.zeros((n,)))
+  return fl.RoleState(jnp.ones((1,)), jnp.zeros((n,)))
 
 
 CASES = [

@@ -7,8 +7,9 @@ import pytest
 
 import fp8_linen as fl
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHIPPED = sorted((ROOT / "configs" / "recipes").glob("*.yaml"))
+from fp8_linen.recipes import yaml as recipes_yaml
+
+SHIPPED = sorted(pathlib.Path(recipes_yaml.PRESETS_DIR).glob("*.yaml"))
 
 
 def test_there_are_shipped_recipes():
@@ -25,7 +26,7 @@ def test_every_shipped_yaml_loads_and_round_trips(path):
 
 
 def test_shipped_files_mean_what_they_say():
-  load = lambda n: fl.load_recipe(ROOT / "configs" / "recipes" / f"{n}.yaml")
+  load = fl.load_recipe  # shipped names resolve to the package presets
   assert load("fp8_delayed") == fl.delayed_scaling(1024)
   assert load("fp8_current") == fl.current_scaling()
   assert load("fp8_rowwise") == fl.rowwise_scaling()

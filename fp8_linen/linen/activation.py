@@ -1,14 +1,14 @@
 """An fp8 activation quantizer: keep activations in fp8 for the backward pass.
 
-:class:`Fp8Activation` passes a tensor through the card's quantize/dequantize
+:class:`Fp8Activation` passes a tensor through the quantize/dequantize
 pair: forward ``x -> x_fp8`` (e4m3, scale from the module's ``input`` state)
 ``-> x_fp8 * s``; backward: the incoming gradient is quantized to e5m2 (scale
 from the ``output_grad`` state), its scale travels back through the dummy
 ``scale_out`` cotangent and the gradient is dequantized with exactly that scale.
 
-The fp8 copy is named :data:`fp8_linen.ops.CHECKPOINT_NAME` with
+The fp8 copy is named :data:`fp8_linen.CHECKPOINT_NAME` with
 ``jax.ad_checkpoint.checkpoint_name``. Under ``nn.remat`` with
-``jax.checkpoint_policies.save_only_these_names(fp8_linen.ops.CHECKPOINT_NAME)``
+``jax.checkpoint_policies.save_only_these_names(fp8_linen.CHECKPOINT_NAME)``
 only the fp8 copies (1 byte per element, half of bfloat16) are kept between
 the forward and the backward pass; everything after the quantizer is
 recomputed from them.
@@ -24,60 +24,23 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-
 import flax.linen as nn
 import jax.numpy as jnp
 
-from fp8_linen import ops
-from fp8_linen.layers import chained, role_state
-from fp8_linen.recipes import ScalingConfig
+from fp8_linen.core.owg import CHECKPOINT_NAME, name_fp8_residual
+from fp8_linen.core.qdq import dequantize, quantize
+from fp8_linen.linen.state import with_role_states
+from fp8_linen.recipes.fp8 import ActivationRecipe
 
-__all__ = ["ActivationRecipe", "Fp8Activation", "fp8_activation", "name_fp8_residual"]
-
-
-# name_fp8_residual (the remat-safe residual name) lives with the other custom_vjps in ops.
-name_fp8_residual = ops.name_fp8_residual
-
-
-def _e4m3() -> ScalingConfig:
-  return ScalingConfig(dtype="float8_e4m3fn")
-
-
-def _e5m2() -> ScalingConfig:
-  return ScalingConfig(dtype="float8_e5m2")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ActivationRecipe:
-  """How an activation and its gradient are stored in fp8.
-
-  Attributes:
-    input: the activation's config (e4m3, delayed scaling by default).
-    output_grad: the gradient's config (e5m2, delayed scaling by default).
-
-  Example:
-    >>> import fp8_linen as fl
-    >>> fl.ActivationRecipe().output_grad.dtype
-    'float8_e5m2'
-  """
-
-  input: ScalingConfig = dataclasses.field(default_factory=_e4m3)
-  output_grad: ScalingConfig = dataclasses.field(default_factory=_e5m2)
-
-  def __post_init__(self):
-    for role in ("input", "output_grad"):
-      if not isinstance(getattr(self, role), ScalingConfig):
-        raise ValueError(f"ActivationRecipe.{role} must be a ScalingConfig, got "
-                         f"{type(getattr(self, role)).__name__}")
+__all__ = ["Fp8Activation", "fp8_activation"]
 
 
 def fp8_activation(module: nn.Module, x, recipe: ActivationRecipe | None = None,
-                   name: str = ops.CHECKPOINT_NAME):
+                   name: str = CHECKPOINT_NAME):
   """Quantizes ``x`` through fp8 with ``module``'s ``input``/``output_grad`` state.
 
   Uses of one module in a step are linked per role with
-  :func:`~fp8_linen.layers.chained`, so the recorded amax is the max over them.
+  :func:`~fp8_linen.linen.state.chained`, so the recorded amax is the max over them.
 
   Args:
     module: the Linen module that owns the state.
@@ -88,23 +51,24 @@ def fp8_activation(module: nn.Module, x, recipe: ActivationRecipe | None = None,
   Returns:
     ``x`` after the fp8 round trip, in ``x``'s dtype.
   """
-  recipe = recipe or ActivationRecipe()
+  recipe = ActivationRecipe() if recipe is None else recipe
+  if not isinstance(recipe, ActivationRecipe):
+    hint = " (call it: the function returns the recipe)" if callable(recipe) else ""
+    raise TypeError(f"Fp8Activation: recipe must be an ActivationRecipe, got {recipe!r}{hint}")
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"Fp8Activation: x must be a floating array, got dtype {x.dtype}")
-  st_in = role_state(module, "input", recipe.input)
-  st_g = role_state(module, "output_grad", recipe.output_grad)
 
-  def _q(chain):
-    xq, s, chain_out = ops.quantize(x, st_in.scale, st_in.amax_history, cfg=recipe.input,
-                                    chain=chain)
+  def _q(st, chain):
+    xq, s, chain_out = quantize(x, *st[0], cfg=recipe.input, chain=chain)
     return (xq, s), chain_out
 
-  xq, s = chained(module, "activation_input", _q)
+  xq, s = with_role_states(module, "activation_input", {"input": recipe.input}, _q)
   xq = name_fp8_residual(xq, name)
-  return chained(module, "activation_output_grad", lambda chain: ops.dequantize(
-      xq, s, st_g.scale, st_g.amax_history, grad_cfg=recipe.output_grad, dtype=x.dtype,
-      chain=chain))
+  return with_role_states(
+      module, "activation_output_grad", {"output_grad": recipe.output_grad},
+      lambda st, chain: dequantize(xq, s, *st[0], grad_cfg=recipe.output_grad, dtype=x.dtype,
+                                   chain=chain))
 
 
 class Fp8Activation(nn.Module):
@@ -112,7 +76,7 @@ class Fp8Activation(nn.Module):
 
   Put it where an activation is kept for the backward pass (before a layer,
   at the boundary of an ``nn.remat`` block) and use
-  ``jax.checkpoint_policies.save_only_these_names(fp8_linen.ops.CHECKPOINT_NAME)``
+  ``jax.checkpoint_policies.save_only_these_names(fp8_linen.CHECKPOINT_NAME)``
   as the remat policy: the saved residual is the fp8 copy, half the bytes of
   bfloat16. The state (``input_*``, ``output_grad_*``) lives in the
   :data:`~fp8_linen.OWG` collection.
@@ -133,7 +97,7 @@ class Fp8Activation(nn.Module):
   """
 
   recipe: ActivationRecipe = ActivationRecipe()
-  checkpoint_name: str = ops.CHECKPOINT_NAME
+  checkpoint_name: str = CHECKPOINT_NAME
 
   @nn.compact
   def __call__(self, x):

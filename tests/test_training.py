@@ -1,4 +1,4 @@
-"""Tests for fp8_linen.train_state: merging, accumulation, data parallel, checkpoints."""
+"""Tests for fp8_linen.training: merging, accumulation, data parallel, checkpoints."""
 
 import flax.linen as nn
 import jax

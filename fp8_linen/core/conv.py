@@ -1,0 +1,208 @@
+"""The fp8 convolution: ``lax.conv_general_dilated`` with fp8 operands and gradients.
+
+:func:`fp8_conv_general_dilated` is ``lax.conv_general_dilated`` with both
+operands quantized per tensor (``recipe.input`` / ``recipe.kernel``, e4m3 by
+default) and the output gradient quantized to ``recipe.output_grad`` (e5m2 by
+default) before the input-gradient and kernel-gradient convolutions. Only the
+fp8 copies of the operands are kept for the backward pass (named
+:data:`fp8_linen.CHECKPOINT_NAME` for remat policies). The state update
+and the *chain* that links several uses of one state in a step follow
+:mod:`fp8_linen.core.owg` exactly.
+
+Lowerings (``recipe.gemm``):
+
+* ``'fp8'`` (``'auto'`` on GPU): each fp8 operand is converted and multiplied by
+  its scalar scale right before the convolution (``conv(convert(x_f8) * s_x,
+  convert(w_f8) * s_w)``), the form XLA:GPU's cuDNN fp8 convolution rewrite
+  matches. The gradient convolutions take the same dequantized form.
+* ``'bf16'`` (``'auto'`` elsewhere): fp8 values are upcast exactly to bfloat16,
+  the forward convolution accumulates in float32, and the product of the two
+  scales multiplies the output. The gradient convolutions run in bfloat16.
+* ``'f32'``: as ``'bf16'`` with float32 convolutions (exact reference path).
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import fp8_linen as fl
+  >>> conv = fl.QConv(features=4, kernel_size=(3, 3))
+  >>> y, v = conv.init_with_output(jax.random.key(0), jnp.ones((1, 8, 8, 3)))
+  >>> y.shape, sorted(v['params'])
+  ((1, 8, 8, 4), ['bias', 'kernel'])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp8_linen.core import lowering, numerics, owg
+from fp8_linen.core.product import product
+from fp8_linen.recipes.fp8 import Fp8Recipe
+
+__all__ = ["ConvSpec", "fp8_conv_general_dilated"]
+
+
+def _conv(a, b, cfg, compute_dtype, preferred=None):
+  strides, padding, lhs_dil, rhs_dil, dn, groups = cfg
+  return lowering.lax_conv_general_dilated(
+      a.astype(compute_dtype), b.astype(compute_dtype), strides, padding, lhs_dilation=lhs_dil,
+      rhs_dilation=rhs_dil, dimension_numbers=dn, feature_group_count=groups,
+      preferred_element_type=preferred)
+
+
+def _deq(q, s):
+  return q.astype(jnp.float32) * jnp.reshape(s, ())
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvSpec:
+  """A per-tensor fp8 convolution (a spec of :func:`fp8_linen.core.product.product`)."""
+
+  conv_cfg: Any
+  recipe: Fp8Recipe
+  gemm: str
+  out_dtype: Any
+  lhs_dtype: Any
+  rhs_dtype: Any
+  first: bool
+
+  @property
+  def cfgs(self):
+    return (self.recipe.input, self.recipe.kernel, self.recipe.output_grad)
+
+  def forward(self, lhs, rhs, states):
+    c_l, c_r, _ = self.cfgs
+    q_l, s_l, a_l = numerics.quantize_with(c_l, *states[0], lhs)
+    q_r, s_r, a_r = numerics.quantize_with(c_r, *states[1], rhs)
+    if self.gemm == "fp8":  # dequantize-then-conv: the cuDNN fp8 graph form
+      y = _conv(_deq(q_l, s_l), _deq(q_r, s_r), self.conv_cfg, jnp.float32)
+      y = y.astype(self.out_dtype)
+    else:
+      up = jnp.bfloat16 if self.gemm == "bf16" else jnp.float32  # fp8 -> bf16 is exact
+      y = _conv(q_l, q_r, self.conv_cfg, up, preferred=jnp.float32)
+      y = (y * jnp.reshape(s_l * s_r, ())).astype(self.out_dtype)
+    return y, (q_l, q_r), (a_l, a_r), (s_l, s_r)
+
+  def backward(self, q_l, q_r, extras, states, g):
+    s_l, s_r = extras
+    q_g, s_g, a_g = numerics.quantize_with(self.cfgs[2], *states[2], g)
+    if self.gemm == "fp8":
+      _, vjp = jax.vjp(lambda a, b: _conv(a, b, self.conv_cfg, jnp.float32),
+                       _deq(q_l, s_l), _deq(q_r, s_r))
+      d_lhs, d_rhs = vjp(_deq(q_g, s_g))
+    else:
+      up = jnp.bfloat16 if self.gemm == "bf16" else jnp.float32
+      _, vjp = jax.vjp(lambda a, b: _conv(a, b, self.conv_cfg, up), q_l.astype(up),
+                       q_r.astype(up))
+      d_lhs, d_rhs = vjp(q_g.astype(up))
+      d_lhs = d_lhs.astype(jnp.float32) * jnp.reshape(s_g * s_r, ())
+      d_rhs = d_rhs.astype(jnp.float32) * jnp.reshape(s_g * s_l, ())
+    return d_lhs.astype(self.lhs_dtype), d_rhs.astype(self.rhs_dtype), a_g
+
+
+def _ints(name: str, value, n: int) -> tuple[int, ...]:
+  if value is None:
+    return (1,) * n
+  if isinstance(value, int):
+    value = (value,) * n
+  value = tuple(value)
+  if len(value) != n or not all(isinstance(v, int) and v >= 1 for v in value):
+    raise ValueError(f"fp8_conv_general_dilated: {name}={value!r} must be {n} positive ints "
+                     "(one per spatial dimension)")
+  return value
+
+
+def _padding(padding, n: int):
+  if isinstance(padding, str):
+    if padding.upper() not in ("SAME", "VALID", "SAME_LOWER"):
+      raise ValueError(f"fp8_conv_general_dilated: padding={padding!r} must be 'SAME', "
+                       "'SAME_LOWER', 'VALID' or a sequence of (low, high) pairs")
+    return padding.upper()
+  pads = tuple(tuple(int(v) for v in p) for p in padding)
+  if len(pads) != n or not all(len(p) == 2 for p in pads):
+    raise ValueError(f"fp8_conv_general_dilated: padding={padding!r} must have one (low, high) "
+                     f"pair per spatial dimension ({n})")
+  return pads
+
+
+def fp8_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None,
+                             rhs_dilation=None, dimension_numbers=None,
+                             feature_group_count: int = 1, *, input_state: owg.RoleState,
+                             kernel_state: owg.RoleState, output_grad_state: owg.RoleState,
+                             recipe: Fp8Recipe | None = None, out_dtype=None, chain=None):
+  """``lax.conv_general_dilated`` with fp8 operands and fp8 gradient convolutions.
+
+  Forward: ``lhs`` and ``rhs`` are quantized with per-tensor scalar scales and
+  convolved (see the module doc for the lowering). Backward: the output
+  gradient is quantized to ``recipe.output_grad`` with a scale from the
+  ``output_grad`` state (or from the gradient itself while the history is
+  empty) and both gradient convolutions use the fp8 values. The new state of
+  all three roles is returned as the cotangent of the state inputs.
+
+  Args:
+    lhs: floating input, layout given by ``dimension_numbers``.
+    rhs: floating kernel.
+    window_strides: one stride per spatial dimension.
+    padding: ``'SAME'``, ``'SAME_LOWER'``, ``'VALID'`` or ``(low, high)`` pairs.
+    lhs_dilation: input dilation per spatial dimension (default 1).
+    rhs_dilation: kernel dilation per spatial dimension (default 1).
+    dimension_numbers: as for ``lax.conv_general_dilated`` (default NC..., OI...).
+    feature_group_count: grouped convolution count.
+    input_state: :class:`~fp8_linen.RoleState` of ``lhs``.
+    kernel_state: :class:`~fp8_linen.RoleState` of ``rhs``.
+    output_grad_state: :class:`~fp8_linen.RoleState` of the output gradient.
+    recipe: the :class:`~fp8_linen.Fp8Recipe` (default: delayed e4m3/e5m2).
+    out_dtype: output dtype (default: the result type of ``lhs`` and ``rhs``).
+    chain: ``None`` for the first use of these states in a step, else the
+      previous use's ``chain_out``.
+
+  Returns:
+    ``(out, chain_out)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> st = lambda: fl.RoleState(jnp.ones((1,)), jnp.zeros((4,)))
+    >>> y, _ = fl.fp8_conv_general_dilated(
+    ...     jnp.ones((1, 1, 5)), jnp.ones((1, 1, 3)), (1,), 'VALID',
+    ...     input_state=st(), kernel_state=st(), output_grad_state=st())
+    >>> [round(v, 4) for v in y.ravel().tolist()]
+    [3.0, 3.0, 3.0]
+  """
+  recipe = recipe or Fp8Recipe()
+  if recipe.granularity != "tensor":
+    raise ValueError(
+        f"fp8_conv_general_dilated: recipe.granularity={recipe.granularity!r} is not "
+        "supported for convolutions (only 'tensor'); use current_scaling() or "
+        "delayed_scaling() for convolutions")
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  owg.check_float("lhs", lhs)
+  owg.check_float("rhs", rhs)
+  if lhs.ndim < 3 or lhs.ndim != rhs.ndim:
+    raise ValueError(f"fp8_conv_general_dilated: lhs (shape {lhs.shape}) and rhs (shape "
+                     f"{rhs.shape}) must have the same rank >= 3 (batch, feature, spatial...)")
+  n = lhs.ndim - 2
+  dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+  if not isinstance(feature_group_count, int) or feature_group_count < 1:
+    raise ValueError(f"fp8_conv_general_dilated: feature_group_count={feature_group_count!r} "
+                     "must be a positive int")
+  in_feat = lhs.shape[dn.lhs_spec[1]]
+  k_in, k_out = rhs.shape[dn.rhs_spec[1]], rhs.shape[dn.rhs_spec[0]]
+  if in_feat != k_in * feature_group_count or k_out % feature_group_count:
+    raise ValueError(
+        f"fp8_conv_general_dilated: lhs has {in_feat} input features but rhs expects "
+        f"{k_in} x feature_group_count={feature_group_count}; lhs.shape={lhs.shape}, "
+        f"rhs.shape={rhs.shape}")
+  conv_cfg = (_ints("window_strides", window_strides, n), _padding(padding, n),
+              _ints("lhs_dilation", lhs_dilation, n), _ints("rhs_dilation", rhs_dilation, n),
+              dn, feature_group_count)
+  states = tuple(owg.check_state(name, st) for name, st in zip(
+      owg.ROLES, (input_state, kernel_state, output_grad_state)))
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  first = chain is None
+  spec = ConvSpec(conv_cfg, recipe, lowering.resolve_gemm(recipe), out_dtype,
+                  jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), first)
+  return product(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)

@@ -1,0 +1,259 @@
+"""The direct fp8 ``dot_general``: per-tensor, row-wise and MX block scaling.
+
+:func:`fp8_dot_general` feeds fp8 operands straight into ``lax.dot_general`` and
+applies the scales to the output (the form flax and TransformerEngine moved
+to; a quantize-dequantize-then-bf16-dot form is silently undone by XLA). Its
+backward runs both gradient GEMMs with fp8 operands (e5m2 gradient x e4m3
+operand). Only the fp8 copies of the operands are kept for the backward pass.
+
+Each granularity is a spec of :func:`fp8_linen.core.product.product`:
+:class:`TensorDot`, :class:`RowDot`, :class:`BlockDot`.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> import fp8_linen as fl
+  >>> st = lambda: fl.RoleState(jnp.ones((1,)), jnp.zeros((16,)))
+  >>> y, _ = fl.fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 4)), (((1,), (0,)), ((), ())),
+  ...                           input_state=st(), kernel_state=st(), output_grad_state=st())
+  >>> y.shape
+  (2, 4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from fp8_linen.core import dims, lowering, numerics, owg
+from fp8_linen.core.product import product
+from fp8_linen.recipes.fp8 import Fp8Recipe
+
+__all__ = ["TensorDot", "RowDot", "BlockDot", "fp8_dot_general", "grad_gemm"]
+
+
+def grad_gemm(g, other, dn, lhs_ndim: int, rhs_ndim: int, wrt: str, how: str, out_dtype,
+              scale):
+  """One gradient GEMM of ``dot_general(lhs, rhs, dn)``: w.r.t. ``wrt``, given ``g``.
+
+  ``other`` is the operand that is not differentiated; ``scale`` (scalar)
+  multiplies the GEMM's output before the cast to ``out_dtype``.
+  """
+  gdn, g_first, perm = dims.grad_dims(dn, lhs_ndim, rhs_ndim, wrt)
+  a, b = (g, other) if g_first else (other, g)
+  y = lowering.scaled(lowering.gemm(a, b, gdn, how, out_dtype), scale, out_dtype)
+  return jnp.transpose(y, perm)
+
+
+def _relayout(t, pairs, dst_ndim: int):
+  squeeze, perm, shape = dims.relayout_axes(t.shape, pairs, dst_ndim)
+  return jnp.transpose(jnp.squeeze(t, axis=squeeze), perm).reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DotSpec:
+  """Static configuration shared by the fp8 GEMM specs."""
+
+  dn: dims.DimensionNumbers
+  recipe: Fp8Recipe
+  gemm: str
+  out_dtype: Any
+  lhs_dtype: Any
+  rhs_dtype: Any
+  first: bool
+
+  @property
+  def cfgs(self):
+    return (self.recipe.input, self.recipe.kernel, self.recipe.output_grad)
+
+
+class TensorDot(_DotSpec):
+  """Per-tensor scales: one scalar per operand and one for the gradient."""
+
+  def forward(self, lhs, rhs, states):
+    c_l, c_r, _ = self.cfgs
+    q_l, s_l, a_l = numerics.quantize_with(c_l, *states[0], lhs)
+    q_r, s_r, a_r = numerics.quantize_with(c_r, *states[1], rhs)
+    y = lowering.scaled(lowering.gemm(q_l, q_r, self.dn, self.gemm, self.out_dtype), s_l * s_r,
+                        self.out_dtype)
+    return y, (q_l, q_r), (a_l, a_r), (s_l, s_r)
+
+  def backward(self, q_l, q_r, extras, states, g):
+    s_l, s_r = extras
+    q_g, s_g, a_g = numerics.quantize_with(self.cfgs[2], *states[2], g)
+    nd = (q_l.ndim, q_r.ndim)
+    d_lhs = grad_gemm(q_g, q_r, self.dn, *nd, "lhs", self.gemm, self.lhs_dtype, s_g * s_r)
+    d_rhs = grad_gemm(q_g, q_l, self.dn, *nd, "rhs", self.gemm, self.rhs_dtype, s_g * s_l)
+    return d_lhs, d_rhs, a_g
+
+
+class RowDot(_DotSpec):
+  """Row-wise scales: ``lhs`` per row, ``rhs`` per output channel (see :func:`fp8_dot_general`)."""
+
+  def forward(self, lhs, rhs, states):
+    del states  # current scaling per row; the state only records the global amax
+    in_cfg, k_cfg, _ = self.cfgs
+    (lc, rc), _ = self.dn
+    lay = dims.layout(self.dn, lhs.ndim, rhs.ndim)
+    s_l = numerics.row_scale(lhs, lc, in_cfg)   # lhs layout, contracting axes size 1
+    s_r = numerics.row_scale(rhs, rc, k_cfg)    # rhs layout, contracting axes size 1
+    q_l = numerics.quantize(lhs, in_cfg.jnp_dtype, s_l)
+    q_r = numerics.quantize(rhs, k_cfg.jnp_dtype, s_r)
+    s_out = (_relayout(s_l, lay.lhs_to_out, lay.out_ndim)
+             * _relayout(s_r, lay.rhs_to_out, lay.out_ndim))
+    y = lowering.gemm(q_l, q_r, self.dn, self.gemm, self.out_dtype)
+    y = (y.astype(jnp.float32) * s_out).astype(self.out_dtype)
+    return y, (q_l, q_r), (numerics.amax(lhs), numerics.amax(rhs)), (s_l, s_r)
+
+  def backward(self, q_l, q_r, extras, states, g):
+    s_l, s_r = extras
+    g_cfg = self.cfgs[2]
+    lay = dims.layout(self.dn, q_l.ndim, q_r.ndim)
+    nd = (q_l.ndim, q_r.ndim)
+    one = jnp.ones((), jnp.float32)
+    g32 = g.astype(jnp.float32)
+    # Each operand's scale lies along the *contracted* axis of one gradient
+    # GEMM, so it is folded into g before g is quantized for that GEMM.
+    # dgrad contracts rhs's free axes: fold s_r into g, scale g per row.
+    g1 = g32 * _relayout(s_r, lay.rhs_to_out, lay.out_ndim)
+    s_g1 = numerics.row_scale(g1, lay.rhs_free_out, g_cfg)
+    q_g1 = numerics.quantize(g1, g_cfg.jnp_dtype, s_g1)
+    d_lhs = grad_gemm(q_g1, q_r, self.dn, *nd, "lhs", self.gemm, jnp.float32, one)
+    d_lhs = (d_lhs * _relayout(s_g1, dims.flip(lay.lhs_to_out), q_l.ndim)).astype(self.lhs_dtype)
+    # wgrad contracts lhs's free axes: fold s_l into g, scale g per column.
+    g2 = g32 * _relayout(s_l, lay.lhs_to_out, lay.out_ndim)
+    s_g2 = numerics.row_scale(g2, lay.lhs_free_out, g_cfg)
+    q_g2 = numerics.quantize(g2, g_cfg.jnp_dtype, s_g2)
+    d_rhs = grad_gemm(q_g2, q_l, self.dn, *nd, "rhs", self.gemm, jnp.float32, one)
+    d_rhs = (d_rhs * _relayout(s_g2, dims.flip(lay.rhs_to_out), q_r.ndim)).astype(self.rhs_dtype)
+    return d_lhs, d_rhs, numerics.amax(g)
+
+
+class BlockDot(_DotSpec):
+  """MX emulation: e8m0 scales per block of the last contracting axis."""
+
+  def _up(self):
+    return jnp.float32 if self.gemm == "f32" else jnp.bfloat16  # exact for fp8 * 2**e
+
+  def _axes(self):
+    (lc, rc), _ = self.dn
+    return lc[-1], rc[-1]  # blocks run along the last contracting axis
+
+  def forward(self, lhs, rhs, states):
+    del states
+    in_cfg, k_cfg, _ = self.cfgs
+    l_axis, r_axis = self._axes()
+    bs = self.recipe.block_size
+    q_l, e_l = numerics.mx_quantize(lhs, l_axis, bs, in_cfg.jnp_dtype)
+    q_r, e_r = numerics.mx_quantize(rhs, r_axis, bs, k_cfg.jnp_dtype)
+    up = self._up()
+    y = lowering.lax_dot_general(numerics.mx_dequantize(q_l, e_l, l_axis, bs, up),
+                                 numerics.mx_dequantize(q_r, e_r, r_axis, bs, up), self.dn,
+                                 preferred_element_type=jnp.float32).astype(self.out_dtype)
+    return y, (q_l, q_r), (numerics.amax(lhs), numerics.amax(rhs)), (e_l, e_r)
+
+  def backward(self, q_l, q_r, extras, states, g):
+    e_l, e_r = extras
+    l_axis, r_axis = self._axes()
+    bs, up = self.recipe.block_size, self._up()
+    q_g, s_g, a_g = numerics.quantize_with(self.cfgs[2], *states[2], g)
+    one = jnp.ones((), jnp.float32)
+    gg = q_g.astype(up)
+    nd = (q_l.ndim, q_r.ndim)
+    # "fp8" = feed the (already dequantized, bf16/f32) operands to the GEMM as is.
+    d_lhs = grad_gemm(gg, numerics.mx_dequantize(q_r, e_r, r_axis, bs, up), self.dn, *nd,
+                      "lhs", "fp8", jnp.float32, one)
+    d_rhs = grad_gemm(gg, numerics.mx_dequantize(q_l, e_l, l_axis, bs, up), self.dn, *nd,
+                      "rhs", "fp8", jnp.float32, one)
+    return (lowering.scaled(d_lhs, s_g, self.lhs_dtype),
+            lowering.scaled(d_rhs, s_g, self.rhs_dtype), a_g)
+
+
+_SPECS = {"tensor": TensorDot, "row": RowDot, "block": BlockDot}
+
+
+def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
+                    kernel_state: owg.RoleState, output_grad_state: owg.RoleState,
+                    recipe: Fp8Recipe | None = None, out_dtype=None, chain=None):
+  """``lax.dot_general`` with fp8 operands and fp8 gradient GEMMs.
+
+  Forward: ``lhs`` and ``rhs`` are quantized (``recipe.input`` /
+  ``recipe.kernel``, e4m3 by default) and multiplied directly in fp8; the
+  product of the two scalar scales multiplies the output. Backward: the output
+  gradient is quantized (``recipe.output_grad``, e5m2 by default) and both
+  gradient GEMMs run with fp8 operands. The new state of all three roles is
+  returned as the cotangent of the state inputs.
+
+  On GPU (``recipe.gemm='auto'``) the fp8 operands are fed to the GEMM directly,
+  the form XLA rewrites to a cuBLASLt fp8 matmul; on other backends they are
+  upcast exactly to bfloat16.
+
+  ``recipe.granularity`` selects finer scales (all from this step's values):
+
+  * ``'row'``: ``lhs`` is scaled per row (amax over its contracting axes) and
+    ``rhs`` per output channel. The GEMM runs on the unscaled fp8 operands and
+    the outer product of the two scale vectors multiplies its output. In the
+    backward pass each scale lies along the *contracted* axis of one gradient
+    GEMM, so it is folded into the gradient before that gradient is quantized:
+    dgrad quantizes ``g * s_rhs`` per row of ``g`` (amax over the rhs-free
+    axes), wgrad quantizes ``g * s_lhs`` per column (amax over the lhs-free
+    axes); each GEMM's output is multiplied by its gradient scales. The
+    gradient is therefore cast to e5m2 twice; only fp8 operands and the scale
+    vectors are kept as residuals.
+  * ``'block'``: MX emulation. ``lhs`` and ``rhs`` are quantized in blocks of
+    ``recipe.block_size`` along their last contracting axis with e8m0 scales
+    (:func:`~fp8_linen.numerics.mx_quantize`), dequantized exactly to bfloat16
+    (``gemm='f32'``: float32) and multiplied there. The output gradient is
+    quantized per tensor (its ``ScalingConfig``, delayed or current) and both
+    gradient GEMMs use the same emulation. Residuals: fp8 elements and e8m0
+    scales.
+
+  In both modes the OWG state records the per-tensor amax of each role
+  (monitoring); the stored scale is the per-tensor scale of that amax.
+
+  Args:
+    lhs: floating array (the activation).
+    rhs: floating array (the weight).
+    dimension_numbers: ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``
+      as for ``lax.dot_general``.
+    input_state: :class:`RoleState` of ``lhs``.
+    kernel_state: :class:`RoleState` of ``rhs``.
+    output_grad_state: :class:`RoleState` of the output gradient.
+    recipe: the :class:`~fp8_linen.Fp8Recipe` (default: delayed e4m3/e5m2).
+    out_dtype: output dtype (default: the result type of ``lhs`` and ``rhs``).
+    chain: ``None`` for the first use of these states in a step, else the
+      ``chain_out`` of the previous use.
+
+  Returns:
+    ``(out, chain_out)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> st = lambda: fl.RoleState(jnp.ones((1,)), jnp.zeros((16,)))
+    >>> y, _ = fl.fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 4)), (((1,), (0,)), ((), ())),
+    ...                           input_state=st(), kernel_state=st(), output_grad_state=st())
+    >>> [round(v, 4) for v in y[0].tolist()]
+    [3.0, 3.0, 3.0, 3.0]
+  """
+  recipe = recipe or Fp8Recipe()
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  owg.check_float("lhs", lhs)
+  owg.check_float("rhs", rhs)
+  dn = dims.canonical_dn(dimension_numbers, lhs.ndim, rhs.ndim)
+  (lc, rc), (lb, rb) = dn
+  for ld, rd in zip(lc + lb, rc + rb):
+    if lhs.shape[ld] != rhs.shape[rd]:
+      raise ValueError(
+          f"fp8_dot_general: lhs dimension {ld} (size {lhs.shape[ld]}) does not match rhs "
+          f"dimension {rd} (size {rhs.shape[rd]}); lhs.shape={lhs.shape}, rhs.shape={rhs.shape}")
+  if recipe.granularity == "block" and not lc:
+    raise ValueError("granularity='block' needs at least one contracting dimension")
+  states = tuple(owg.check_state(name, st) for name, st in zip(
+      owg.ROLES, (input_state, kernel_state, output_grad_state)))
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  first = chain is None
+  spec = _SPECS[recipe.granularity](dn, recipe, lowering.resolve_gemm(recipe), out_dtype,
+                                    jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), first)
+  return product(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)

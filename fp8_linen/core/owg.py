@@ -1,0 +1,224 @@
+"""The overwrite-with-gradient (OWG) protocol every op shares.
+
+A quantized op takes its state (per role: a ``scale`` and an
+``amax_history``) as ordinary inputs and returns the *new* state as the
+cotangent of those inputs, so ``jax.grad`` over a model's variables hands the
+train step the updated state in the ``_overwrite_with_gradient`` collection
+(:data:`OWG`), to be written over the old values, never optimised.
+
+**Several uses of one state in a step.** Autodiff *sums* the cotangents of a
+variable used twice, which would double scales and add amaxes. Every op
+therefore also takes and returns a *chain* array: the uses of one state are
+linked through it (use ``k`` takes use ``k-1``'s ``chain_out``). In the
+backward pass each later use sends its observation back along the chain
+(:func:`fold_chain`); only the first use (``chain=None`` at the call site)
+returns the new state, built from the max of all observations, and the other
+uses return zeros. The sum autodiff forms then has exactly one non-zero term.
+
+Inside ``shard_map`` a cotangent must vary over the same mesh axes as its
+primal (:func:`match_varying`): gradients are summed, state is max-reduced (the
+global amax, never a mean).
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from fp8_linen.core import owg
+  >>> st = owg.RoleState(jnp.ones((1,)), jnp.zeros((4,)))
+  >>> owg.state_shapes_ok(st, history_length=4)
+  True
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.ad_checkpoint
+import jax.numpy as jnp
+from jax import lax
+
+from fp8_linen.core import numerics
+from fp8_linen.recipes.fp8 import ScalingConfig
+
+__all__ = [
+    "OWG",
+    "ROLES",
+    "CHECKPOINT_NAME",
+    "RoleState",
+    "as_state",
+    "check_state",
+    "check_float",
+    "state_shapes_ok",
+    "chain_init",
+    "new_state",
+    "fold_chain",
+    "state_cotangents",
+    "match_varying",
+    "name_fp8_residual",
+]
+
+# The same string as flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT (a test keeps
+# them equal); spelled out so this pure-JAX layer never imports flax.
+OWG: str = "_overwrite_with_gradient"
+
+# The quantized tensor roles of a two-operand product, in operand order.
+ROLES = ("input", "kernel", "output_grad")
+
+# Name given (jax.ad_checkpoint.checkpoint_name) to the fp8 copies saved for the
+# backward pass, so a remat policy can keep exactly those.
+CHECKPOINT_NAME = "fp8_linen.fp8_residual"
+
+
+class RoleState(NamedTuple):
+  """The fp8 state of one tensor role: ``scale`` (1,) and ``amax_history`` (L,)."""
+
+  scale: jnp.ndarray
+  amax_history: jnp.ndarray
+
+
+def as_state(scale, amax_history) -> RoleState:
+  """A :class:`RoleState` of float32 arrays."""
+  return RoleState(jnp.asarray(scale, jnp.float32), jnp.asarray(amax_history, jnp.float32))
+
+
+def state_shapes_ok(state: RoleState, history_length: int | None = None) -> bool:
+  """Whether ``state`` has a ``(1,)`` scale and a non-empty 1-D history."""
+  h = state.amax_history
+  return (tuple(state.scale.shape) == (1,) and h.ndim == 1 and h.shape[0] >= 1
+          and (history_length is None or h.shape[0] == history_length))
+
+
+def check_state(name: str, state: RoleState) -> RoleState:
+  """Validates one role's state; errors name the role."""
+  state = as_state(*state)
+  if state.scale.shape != (1,):
+    raise ValueError(f"{name}_scale must have shape (1,), got {state.scale.shape}")
+  if state.amax_history.ndim != 1 or state.amax_history.shape[0] < 1:
+    raise ValueError(
+        f"{name}_amax_history must have shape (history_length,), got {state.amax_history.shape}")
+  return state
+
+
+def check_float(name: str, x) -> None:
+  """Raises ``TypeError`` naming ``name`` unless ``x`` is a floating array."""
+  if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+    raise TypeError(f"{name} must be a floating array, got dtype {jnp.result_type(x)}")
+
+
+def chain_init(n: int) -> jnp.ndarray:
+  """The chain value a first use starts from (ignored by the ops)."""
+  return jnp.zeros((n,), jnp.float32)
+
+
+def new_state(cfg: ScalingConfig, state: RoleState, observed_amax) -> RoleState:
+  """The state after a step that observed ``observed_amax`` (non-finite -> 0)."""
+  a = numerics.finite_or_zero(observed_amax)
+  scale = numerics.select_scale(cfg, state.scale, state.amax_history, a)
+  return RoleState(scale, numerics.roll_history(state.amax_history, a))
+
+
+def fold_chain(observed, ct_chain, first: bool):
+  """Folds this use's observation into the chain (see module doc).
+
+  Args:
+    observed: this use's observation (any array the chain carries).
+    ct_chain: cotangent of ``chain_out``: the max observation of later uses.
+    first: whether this use is the first (the one that returns the state).
+
+  Returns:
+    ``(combined, chain_ct)``: the elementwise max of all uses' observations
+    (``None`` for a later use, which returns no state) and the cotangent of
+    this use's chain input.
+  """
+  combined = jnp.maximum(observed, ct_chain)
+  if first:
+    return combined, jnp.zeros_like(ct_chain)
+  return None, combined
+
+
+def _varying_axes(x) -> frozenset:
+  """Mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(getattr(mat, "varying", ()) or ())
+  return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def match_varying(ct, like, reduce):
+  """Makes cotangent ``ct`` vary over exactly the mesh axes its primal ``like`` does.
+
+  Inside ``shard_map`` a replicated input's cotangent must be reduced over the
+  axes the cotangent varies on: gradients are summed (``lax.psum``, what JAX's
+  own autodiff does) and fp8 state is max-reduced (``lax.pmax``).
+  """
+  want, have = _varying_axes(like), _varying_axes(ct)
+  extra = tuple(sorted(have - want))
+  if extra:
+    ct = reduce(ct, extra)
+  missing = tuple(sorted(want - have))
+  if missing:
+    ct = lax.pcast(ct, missing, to="varying")
+  return ct
+
+
+def state_cotangents(cfgs, states, observed, ct_chain, first: bool):
+  """Cotangents for the state inputs and the chain input of one op use.
+
+  Args:
+    cfgs: scaling config per role.
+    states: :class:`RoleState` per role (the values read at the start of the step).
+    observed: this use's amax per role (float32 scalars).
+    ct_chain: cotangent of ``chain_out`` (one entry per role).
+    first: whether this use is the first.
+
+  Returns:
+    ``(state_cts, chain_ct)``: a tuple of :class:`RoleState` (the new state, or
+    zeros for a later use) and the chain cotangent, each varying over the same
+    ``shard_map`` axes as its primal.
+  """
+  combined, chain_ct = fold_chain(numerics.finite_or_zero(jnp.stack(observed)), ct_chain, first)
+  if combined is None:
+    cts = tuple(RoleState(jnp.zeros_like(s.scale), jnp.zeros_like(s.amax_history))
+                for s in states)
+  else:
+    cts = tuple(new_state(c, s, combined[i]) for i, (c, s) in enumerate(zip(cfgs, states)))
+  cts = tuple(RoleState(*(match_varying(c, l, lax.pmax) for c, l in zip(ct, like)))
+              for ct, like in zip(cts, states))
+  return cts, match_varying(chain_ct, ct_chain, lax.pmax)
+
+
+def _bits_named(q, name):
+  bits = jax.ad_checkpoint.checkpoint_name(lax.bitcast_convert_type(q, jnp.uint8), name)
+  return lax.bitcast_convert_type(bits, q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _named_fp8(q, name):
+  return _bits_named(q, name)
+
+
+def _named_fp8_fwd(q, name):
+  return _bits_named(q, name), None
+
+
+def _named_fp8_bwd(name, _, g):
+  del name
+  return (g,)
+
+
+_named_fp8.defvjp(_named_fp8_fwd, _named_fp8_bwd)
+
+
+def name_fp8_residual(q, name: str = CHECKPOINT_NAME):
+  """``checkpoint_name(q, name)`` for an fp8 array, safe under ``jax.checkpoint``.
+
+  jax 0.10's remat inserts ``reduce_precision(exponent_bits, mantissa_bits)`` on
+  every floating residual it saves; for ``float8_e4m3fn`` that is IEEE e4m3
+  (largest finite 240), so saved values of magnitude >= 256 come back as
+  inf/NaN. The fp8 bits are therefore named as ``uint8`` (same byte count,
+  never rounded) and bitcast back; the gradient passes straight through.
+  """
+  if jnp.issubdtype(q.dtype, jnp.floating) and jnp.dtype(q.dtype).itemsize == 1:
+    return _named_fp8(q, name)
+  return jax.ad_checkpoint.checkpoint_name(q, name)

@@ -1,0 +1,67 @@
+"""The custom_vjp skeleton every fp8 product (GEMM or convolution) shares.
+
+A product op takes ``(lhs, rhs, states, chain)`` with ``states`` three
+:class:`~fp8_linen.core.owg.RoleState` (``input``, ``kernel``,
+``output_grad``) and returns ``(y, chain_out)``. What differs between the
+tensor, row-wise and block GEMMs and the convolution is only the maths of the
+forward and of the two gradient products; each is a frozen, hashable *spec*
+(a static argument of :func:`product`) with two methods:
+
+* ``forward(lhs, rhs, states) -> (y, (q_lhs, q_rhs), (amax_lhs, amax_rhs), extras)``:
+  ``q_*`` are the fp8 operands (the only large residuals, named with
+  :func:`~fp8_linen.core.owg.name_fp8_residual`), ``extras`` small ones
+  (scales);
+* ``backward(q_lhs, q_rhs, extras, states, g) -> (d_lhs, d_rhs, amax_g)``.
+
+A spec also has ``cfgs`` (the three roles' :class:`~fp8_linen.ScalingConfig`)
+and ``first`` (whether this use returns the state; see
+:mod:`fp8_linen.core.owg`).
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from fp8_linen.core import dot_general, owg
+  >>> st = lambda: owg.RoleState(jnp.ones((1,)), jnp.zeros((4,)))
+  >>> y, _ = dot_general.fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 2)),
+  ...     (((1,), (0,)), ((), ())), input_state=st(), kernel_state=st(),
+  ...     output_grad_state=st())
+  >>> y.shape
+  (2, 2)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+
+from fp8_linen.core import owg
+
+__all__ = ["product"]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def product(spec, lhs, rhs, states, chain):
+  """Runs ``spec``'s product with the OWG state protocol (see module doc)."""
+  return spec.forward(lhs, rhs, states)[0], chain
+
+
+def _product_fwd(spec, lhs, rhs, states, chain):
+  y, (q_l, q_r), amaxes, extras = spec.forward(lhs, rhs, states)
+  # Residuals: the fp8 operands, a few scalars/scale vectors, and the state
+  # inputs (arguments of the step, alive anyway). No high-precision copy.
+  res = ((owg.name_fp8_residual(q_l), owg.name_fp8_residual(q_r)), amaxes, extras, states)
+  return (y, chain), res
+
+
+def _product_bwd(spec, res, cts):
+  (q_l, q_r), (a_l, a_r), extras, states = res
+  g, ct_chain = cts
+  d_l, d_r, a_g = spec.backward(q_l, q_r, extras, states, g)
+  state_cts, chain_ct = owg.state_cotangents(spec.cfgs, states, (a_l, a_r, a_g), ct_chain,
+                                             spec.first)
+  return (owg.match_varying(d_l, q_l, lax.psum), owg.match_varying(d_r, q_r, lax.psum),
+          state_cts, chain_ct)
+
+
+product.defvjp(_product_fwd, _product_bwd)

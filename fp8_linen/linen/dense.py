@@ -1,0 +1,223 @@
+"""Drop-in fp8 twins of ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Einsum``.
+
+Each layer keeps its flax twin's arguments and ``params`` tree and runs its
+product through :mod:`fp8_linen.linen.dispatch`, so every recipe works in it.
+The fp8 state lives in the ``_overwrite_with_gradient`` collection at the
+layer's own path. :class:`Fp8DotGeneral` serves flax's ``dot_general_cls``
+injection point instead (state in a child scope).
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import fp8_linen as fl
+  >>> layer = fl.QEinsum(shape=(3, 4), einsum_str='btd,dh->bth')
+  >>> y, v = layer.init_with_output(jax.random.key(0), jnp.ones((2, 5, 3)))
+  >>> y.shape, sorted(v['params'])
+  ((2, 5, 4), ['bias', 'kernel'])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+from flax.linen import module as nn_module
+
+from fp8_linen.core.dims import einsum_plan
+from fp8_linen.linen.dispatch import quantized_dot_general_on, quantized_einsum_on
+from fp8_linen.linen.seam import Seam
+from fp8_linen.recipes.fp8 import Fp8Recipe
+
+__all__ = ["Fp8DotGeneral", "QDense", "QDenseGeneral", "QEinsum"]
+
+
+def _check_inputs(owner: str, inputs) -> jnp.ndarray:
+  inputs = jnp.asarray(inputs)
+  if not jnp.issubdtype(inputs.dtype, jnp.floating):
+    raise TypeError(f"{owner}: inputs must be a floating array, got dtype {inputs.dtype}")
+  return inputs
+
+
+# The QDense/QDenseGeneral whose __call__ is running (read by _layer_dot_general).
+_DOT = Seam("dot_general")
+
+
+def _layer_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                       preferred_element_type=None, **unused):
+  """The ``dot_general`` a :class:`QDense` / :class:`QDenseGeneral` hands to flax's body."""
+  del precision, unused  # fp8 GEMMs run at DEFAULT precision.
+  module, recipe = _DOT.current("dot_general")
+  return quantized_dot_general_on(module, lhs, rhs, dimension_numbers, recipe,
+                                  out_dtype=preferred_element_type)
+
+
+class Fp8DotGeneral(nn.Module):
+  """A quantized ``dot_general`` with its own state, for flax's injection points.
+
+  Pass it as ``dot_general_cls`` to ``nn.Dense``/``nn.DenseGeneral``/``nn.Einsum``
+  (``functools.partial(Fp8DotGeneral, recipe=...)`` to choose a recipe). The
+  state lives in this submodule's scope (``Dense_0/Fp8DotGeneral_0/...``).
+
+  Attributes:
+    recipe: any recipe in :mod:`fp8_linen.linen.dispatch`'s table
+      (:class:`~fp8_linen.Fp8Recipe` by default).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import fp8_linen as fl
+    >>> layer = nn.Dense(4, dot_general_cls=fl.Fp8DotGeneral)
+    >>> v = layer.init(jax.random.key(0), jnp.ones((2, 3)))
+    >>> 'kernel_scale' in v[fl.OWG]['Fp8DotGeneral_0']
+    True
+  """
+
+  recipe: Any = Fp8Recipe()
+
+  @nn.compact
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    del precision  # fp8 GEMMs run at DEFAULT precision (fast accumulation).
+    return quantized_dot_general_on(self, lhs, rhs, dimension_numbers, self.recipe,
+                                    out_dtype=preferred_element_type)
+
+
+class QDense(nn.Dense):
+  """Drop-in for ``nn.Dense`` whose matmul runs in fp8.
+
+  Same arguments and the same ``params`` tree (``kernel``, ``bias``) as
+  ``nn.Dense``, so an ``nn.Dense`` checkpoint loads as is; the fp8 state is added
+  in the :data:`~fp8_linen.OWG` collection of the same path. ``precision`` is
+  accepted for compatibility; fp8 GEMMs always use DEFAULT precision.
+  ``dot_general`` and ``dot_general_cls`` must be left at their defaults (the
+  layer brings its own through flax's ``dot_general`` field).
+
+  Attributes:
+    recipe: any recipe in :mod:`fp8_linen.linen.dispatch`'s table (delayed
+      fp8 scaling by default).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> y, _ = fl.QDense(3).init_with_output(jax.random.key(0), jnp.ones((2, 5)))
+    >>> y.shape
+    (2, 3)
+  """
+
+  dot_general: Any = _layer_dot_general
+  recipe: Any = Fp8Recipe()
+
+  @nn.compact
+  def __call__(self, inputs: Any) -> Any:
+    if self.dot_general is not _layer_dot_general or self.dot_general_cls is not None:
+      raise ValueError("QDense brings its own fp8 dot_general; leave dot_general and "
+                       "dot_general_cls at their defaults (or use nn.Dense(dot_general_cls="
+                       "Fp8DotGeneral))")
+    if not isinstance(self.features, int) or self.features < 1:
+      raise ValueError(f"QDense.features must be a positive int, got {self.features!r}")
+    inputs = _check_inputs("QDense", inputs)
+    if inputs.ndim < 1:
+      raise ValueError("QDense inputs must have at least one dimension")
+    with _DOT.running((self, self.recipe)):
+      return super().__call__(inputs)
+
+
+class QDenseGeneral(nn.DenseGeneral):
+  """Drop-in for ``nn.DenseGeneral`` whose product runs in fp8.
+
+  Same arguments (``features``, ``axis``, ``batch_dims`` as ints or tuples) and
+  the same ``params`` tree (``kernel``, ``bias``) as ``nn.DenseGeneral``; the
+  fp8 state is added in the :data:`~fp8_linen.OWG` collection at the same path.
+  ``dot_general`` and ``dot_general_cls`` must be left at their defaults.
+
+  Attributes:
+    recipe: any recipe in :mod:`fp8_linen.linen.dispatch`'s table
+      (:class:`~fp8_linen.Fp8Recipe` by default).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> layer = fl.QDenseGeneral(features=(2, 3), axis=-1)
+    >>> y, v = layer.init_with_output(jax.random.key(0), jnp.ones((4, 5)))
+    >>> y.shape, v['params']['kernel'].shape
+    ((4, 2, 3), (5, 2, 3))
+  """
+
+  dot_general: Any = _layer_dot_general
+  recipe: Any = Fp8Recipe()
+
+  @nn.compact
+  def __call__(self, inputs):
+    if self.dot_general is not _layer_dot_general or self.dot_general_cls is not None:
+      raise ValueError("QDenseGeneral brings its own fp8 dot_general; leave dot_general and "
+                       "dot_general_cls at their defaults (or use nn.DenseGeneral("
+                       "dot_general_cls=Fp8DotGeneral))")
+    inputs = _check_inputs("QDenseGeneral", inputs)
+    for name in ("features", "axis", "batch_dims"):
+      val = getattr(self, name)
+      vals = val if isinstance(val, Sequence) else (val,)
+      if not all(isinstance(v, int) for v in vals):
+        raise ValueError(f"QDenseGeneral.{name} must be an int or a tuple of ints, got {val!r}")
+    axes = self.axis if isinstance(self.axis, Sequence) else (self.axis,)
+    bdims = self.batch_dims if isinstance(self.batch_dims, Sequence) else (self.batch_dims,)
+    for name, dims in (("axis", axes), ("batch_dims", bdims)):
+      for d in dims:
+        if not -inputs.ndim <= d < inputs.ndim:
+          raise ValueError(f"QDenseGeneral.{name}={getattr(self, name)!r} is out of range for "
+                           f"inputs of shape {inputs.shape}")
+    with _DOT.running((self, self.recipe)):
+      return super().__call__(inputs)
+
+
+class QEinsum(nn.Einsum):
+  """Drop-in for ``nn.Einsum`` whose product runs in fp8.
+
+  Same arguments (``shape``, ``einsum_str`` in the constructor or the call,
+  batch dimensions and ``...`` allowed) and the same ``params`` tree as
+  ``nn.Einsum``; the fp8 state is added in the :data:`~fp8_linen.OWG`
+  collection at the same path. The equation is lowered to one ``dot_general``
+  by :func:`einsum_plan` (the input is the ``input`` role, the kernel the
+  ``kernel`` role).
+
+  Attributes:
+    recipe: the recipe (:class:`~fp8_linen.Fp8Recipe` by default).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> layer = fl.QEinsum(shape=(4, 2, 3), einsum_str='bd,dhk->bhk', use_bias=False)
+    >>> y, _ = layer.init_with_output(jax.random.key(0), jnp.ones((5, 4)))
+    >>> y.shape
+    (5, 2, 3)
+  """
+
+  recipe: Any = Fp8Recipe()
+
+  @nn.compact
+  def __call__(self, inputs, einsum_str: str | None = None):
+    einsum_str = nn_module.merge_param("einsum_str", self.einsum_str, einsum_str)
+    if not isinstance(einsum_str, str):
+      raise ValueError(f"QEinsum.einsum_str must be a string, got {einsum_str!r}")
+    einsum_str = einsum_str.replace(" ", "")
+    if "->" not in einsum_str:
+      raise ValueError(f"QEinsum.einsum_str={einsum_str!r} must be explicit and include '->'")
+    if einsum_str.count(",") != 1:
+      raise ValueError(f"QEinsum.einsum_str={einsum_str!r} must have exactly two operands "
+                       "(the input and the kernel)")
+    inputs = _check_inputs("QEinsum", inputs)
+    shape = tuple(self.shape)
+    rhs_term = einsum_str.split("->")[0].split(",")[1]
+    if "..." not in rhs_term and len(rhs_term) != len(shape):
+      raise ValueError(f"QEinsum.shape={shape} has {len(shape)} dimensions but the kernel "
+                       f"subscripts {rhs_term!r} of einsum_str name {len(rhs_term)}")
+    kernel = self.param("kernel", self.kernel_init, shape, self.param_dtype)
+    # Validate the equation against the shapes before creating the bias.
+    einsum_plan(einsum_str, inputs.shape, shape)
+    bias = None
+    if self.use_bias:
+      bias_shape, bias_bshape = self._get_bias_shape(einsum_str, inputs, kernel)
+      bias = self.param("bias", self.bias_init, bias_shape, self.param_dtype)
+    inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+    y = quantized_einsum_on(self, einsum_str, inputs, kernel, self.recipe,
+                            out_dtype=self.preferred_element_type or inputs.dtype)
+    if bias is not None:
+      y += jnp.reshape(bias, bias_bshape)
+    return y

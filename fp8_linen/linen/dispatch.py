@@ -1,0 +1,145 @@
+"""THE table: which product a recipe type runs in a Linen module.
+
+Every layer (``QDense``, ``QDenseGeneral``, ``QEinsum``, ``QConv``,
+``Fp8DotGeneral``) and :func:`fp8_linen.quantize_model` run their products
+through :func:`quantized_dot_general_on`, :func:`quantized_einsum_on` and
+:func:`quantized_conv_on`, which look the recipe's type up here. A new recipe
+family plugs in with :func:`register_recipe` and then works in all of them.
+
+============== ======================================= ========================
+recipe type    dot_general / einsum                    convolution
+============== ======================================= ========================
+``Fp8Recipe``  :func:`fp8_dot_general_on`              :func:`fp8_conv_on`
+``IntRecipe``  :func:`~fp8_linen.linen.integer.        :func:`~fp8_linen.linen.
+               int_dot_general_on`                     integer.int_conv_on`
+============== ======================================= ========================
+
+Example:
+  >>> import fp8_linen as fl
+  >>> from fp8_linen.linen import dispatch
+  >>> dispatch.products_for(fl.int8_lsq()).dot_general.__name__
+  'int_dot_general_on'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from fp8_linen.core.conv import fp8_conv_general_dilated
+from fp8_linen.core.dims import einsum_plan
+from fp8_linen.core.dot_general import fp8_dot_general
+from fp8_linen.linen.integer import int_conv_on, int_dot_general_on
+from fp8_linen.linen.state import ROLES, with_role_states
+from fp8_linen.recipes.fp8 import Fp8Recipe
+from fp8_linen.recipes.integer import IntRecipe
+
+__all__ = ["Products", "register_recipe", "products_for", "fp8_dot_general_on", "fp8_conv_on",
+           "quantized_dot_general_on", "quantized_einsum_on", "quantized_conv_on"]
+
+
+def fp8_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe: Fp8Recipe,
+                       out_dtype=None, key: str = "dot"):
+  """:func:`~fp8_linen.fp8_dot_general` with ``module``'s OWG state."""
+  return with_role_states(module, key, {r: recipe.role(r) for r in ROLES},
+                          lambda st, chain: fp8_dot_general(
+                              lhs, rhs, dimension_numbers, input_state=st[0], kernel_state=st[1],
+                              output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype,
+                              chain=chain))
+
+
+def fp8_conv_on(module: nn.Module, lhs, rhs, conv_kwargs: dict, recipe: Fp8Recipe,
+                out_dtype=None, key: str = "conv"):
+  """:func:`~fp8_linen.fp8_conv_general_dilated` with ``module``'s OWG state."""
+  return with_role_states(module, key, {r: recipe.role(r) for r in ROLES},
+                          lambda st, chain: fp8_conv_general_dilated(
+                              lhs, rhs, **conv_kwargs, input_state=st[0], kernel_state=st[1],
+                              output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype,
+                              chain=chain))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Products:
+  """The products one recipe family runs in a module.
+
+  Attributes:
+    dot_general: ``fn(module, lhs, rhs, dimension_numbers, recipe, out_dtype,
+      key) -> out``; declares the state it needs on ``module``.
+    conv: ``fn(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key) -> out``
+      (``conv_kwargs`` as for ``lax.conv_general_dilated``), or ``None`` when
+      the family has no convolution.
+  """
+
+  dot_general: Callable
+  conv: Callable | None = None
+
+
+_TABLE: dict[type, Products] = {
+    Fp8Recipe: Products(dot_general=fp8_dot_general_on, conv=fp8_conv_on),
+    IntRecipe: Products(dot_general=int_dot_general_on, conv=int_conv_on),
+}
+
+
+def register_recipe(recipe_type: type, products: Products) -> None:
+  """Adds a recipe family to the table (see the module doc)."""
+  if not isinstance(recipe_type, type) or not isinstance(products, Products):
+    raise TypeError("register_recipe(recipe_type, products) takes a class and a Products")
+  _TABLE[recipe_type] = products
+
+
+def products_for(recipe) -> Products:
+  """The table entry of ``recipe``'s type (or of its nearest registered base)."""
+  for klass in type(recipe).__mro__:
+    if klass in _TABLE:
+      return _TABLE[klass]
+  hint = (" (a recipe value is needed, not the function that makes it: call it)"
+          if callable(recipe) else "")
+  raise TypeError(f"recipe: {recipe!r} is not a recipe{hint}; accepted recipe types: "
+                  f"{sorted(t.__name__ for t in _TABLE)}")
+
+
+def quantized_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe,
+                             out_dtype=None, key: str = "dot"):
+  """Runs ``recipe``'s quantized ``dot_general`` on ``module``'s state."""
+  return products_for(recipe).dot_general(module, lhs, rhs, dimension_numbers, recipe,
+                                          out_dtype, key)
+
+
+def quantized_conv_on(module: nn.Module, lhs, rhs, conv_kwargs: dict, recipe, out_dtype=None,
+                      key: str = "conv"):
+  """Runs ``recipe``'s quantized convolution on ``module``'s state."""
+  conv = products_for(recipe).conv
+  if conv is None:
+    raise TypeError(f"recipe: {type(recipe).__name__} has no quantized convolution")
+  return conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key)
+
+
+def quantized_einsum_on(module: nn.Module, equation: str, lhs, rhs, recipe, out_dtype=None,
+                        key: str = "dot"):
+  """Runs a two-operand einsum as one quantized ``dot_general`` on ``module``'s state.
+
+  Args:
+    module: the Linen module that owns the state (inside one of its methods).
+    equation: the einsum equation (see :func:`~fp8_linen.core.dims.einsum_plan`).
+    lhs: first operand (the ``input`` role).
+    rhs: second operand (the ``kernel`` role).
+    recipe: any recipe in the table.
+    out_dtype: output dtype (default: the result type of the operands).
+    key: chain key (uses of one state in a step with one key are linked).
+
+  Returns:
+    The einsum result.
+  """
+  plan = einsum_plan(equation, jnp.shape(lhs), jnp.shape(rhs))
+  if plan.lhs_sum_axes:
+    lhs = jnp.sum(lhs, axis=plan.lhs_sum_axes)
+  if plan.rhs_sum_axes:
+    rhs = jnp.sum(rhs, axis=plan.rhs_sum_axes)
+  y = quantized_dot_general_on(module, lhs, rhs, plan.dimension_numbers, recipe,
+                               out_dtype=out_dtype, key=key)
+  if plan.out_perm != tuple(range(len(plan.out_perm))):
+    y = jnp.transpose(y, plan.out_perm)
+  return y

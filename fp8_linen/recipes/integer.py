@@ -1,0 +1,179 @@
+"""Frozen configuration for integer fake quantization (STE, LSQ, LSQ+).
+
+Example:
+  >>> import fp8_linen as fl
+  >>> fl.int8_lsq().kernel.granularity
+  'channel'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from fp8_linen.recipes._validate import check_bool, check_choice, check_int
+
+__all__ = ["IntQuantConfig", "IntRecipe", "int8_lsq", "int4_lsq_plus"]
+
+_INT_GRANULARITIES = ("tensor", "channel", "group")
+_ESTIMATORS = ("ste", "lsq", "lsq+")
+_OBSERVERS = ("minmax", "moving_average")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IntQuantConfig:
+  """How one tensor role is fake-quantized to a ``bits``-bit integer grid.
+
+  Fake quantization: ``x_hat = s * (clamp(round(x / s) + z, qmin,
+  qmax) - z)``. Symmetric grids have ``z = 0`` and the signed range
+  ``[-2**(b-1), 2**(b-1) - 1]`` (``narrow_range``: ``±(2**(b-1) - 1)``);
+  asymmetric grids use ``[0, 2**b - 1]`` and a zero point (or, for LSQ+, a
+  learned float offset ``beta``: ``x_hat = s * clamp(round((x - beta) / s)) +
+  beta``).
+
+  Attributes:
+    bits: integer width, 2..8.
+    symmetric: signed grid without zero point (``True``) or unsigned grid with
+      a zero point / offset (``False``).
+    narrow_range: drop the most negative level of a symmetric grid.
+    power_of_two: round scales up to powers of two (bit-shift friendly). Only
+      for ``estimator='ste'`` (a learned step is a free float).
+    granularity: ``'tensor'`` (one scale), ``'channel'`` (one per output
+      channel: the weight's non-contracting axes) or ``'group'`` (one per
+      ``group_size`` elements of the contracting axis and per output channel).
+      Activations (the ``input`` role) support ``'tensor'`` only.
+    group_size: elements per group for ``granularity='group'``.
+    estimator: ``'ste'`` (straight-through; ranges from the data or an
+      observer), ``'lsq'`` (learned step size, Esser et al. 2020; symmetric) or
+      ``'lsq+'`` (learned step and offset, Bhalgat et al. 2020; asymmetric).
+      Learned values are ``params`` of the layer.
+    observer: for activations under ``'ste'``: ``'minmax'`` (running min/max
+      over all steps) or ``'moving_average'`` (EMA of each batch's min/max).
+      Weights under ``'ste'`` always use their current min/max.
+    momentum: EMA factor of the ``'moving_average'`` observer, in ``[0, 1)``.
+
+  Example:
+    >>> import fp8_linen as fl
+    >>> cfg = fl.IntQuantConfig(bits=4, narrow_range=True)
+    >>> cfg.qmin, cfg.qmax
+    (-7, 7)
+  """
+
+  bits: int = 8
+  symmetric: bool = True
+  narrow_range: bool = False
+  power_of_two: bool = False
+  granularity: Literal["tensor", "channel", "group"] = "tensor"
+  group_size: int | None = None
+  estimator: Literal["ste", "lsq", "lsq+"] = "ste"
+  observer: Literal["minmax", "moving_average"] = "minmax"
+  momentum: float = 0.9
+
+  def __post_init__(self):
+    o = "IntQuantConfig"
+    check_int(o, "bits", self.bits, 2, 8)
+    for f in ("symmetric", "narrow_range", "power_of_two"):
+      check_bool(o, f, getattr(self, f))
+    check_choice(o, "granularity", self.granularity, _INT_GRANULARITIES)
+    check_choice(o, "estimator", self.estimator, _ESTIMATORS)
+    check_choice(o, "observer", self.observer, _OBSERVERS)
+    if self.granularity == "group":
+      if self.group_size is None:
+        raise ValueError(f"{o}.group_size is required when granularity='group'")
+      check_int(o, "group_size", self.group_size, 1)
+    elif self.group_size is not None:
+      raise ValueError(f"{o}.group_size={self.group_size!r} is only allowed with "
+                       "granularity='group'; allowed values: [None]")
+    if (isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float))
+        or not 0.0 <= self.momentum < 1.0):
+      raise ValueError(f"{o}.momentum={self.momentum!r} must be a float in [0, 1)")
+    if self.narrow_range and not self.symmetric:
+      raise ValueError(f"{o}.narrow_range=True needs symmetric=True (an asymmetric grid "
+                       "is [0, 2**bits - 1])")
+    if self.estimator == "lsq" and not self.symmetric:
+      raise ValueError(f"{o}.estimator='lsq' learns a step on a symmetric grid; with "
+                       "symmetric=False use estimator='lsq+' (learned offset); allowed "
+                       "values for symmetric: [True]")
+    if self.estimator == "lsq+" and self.symmetric:
+      raise ValueError(f"{o}.estimator='lsq+' learns an offset (an asymmetric grid); "
+                       "allowed values for symmetric: [False]")
+    if self.power_of_two and self.estimator != "ste":
+      raise ValueError(f"{o}.power_of_two=True is only supported with estimator='ste' "
+                       f"(got estimator={self.estimator!r}); allowed values: [False]")
+
+  @property
+  def qmin(self) -> int:
+    """Lowest integer level of the grid."""
+    if not self.symmetric:
+      return 0
+    return -(2 ** (self.bits - 1)) + (1 if self.narrow_range else 0)
+
+  @property
+  def qmax(self) -> int:
+    """Highest integer level of the grid."""
+    return 2 ** self.bits - 1 if not self.symmetric else 2 ** (self.bits - 1) - 1
+
+  @property
+  def learned(self) -> bool:
+    """Whether the step size (and offset) are learned ``params``."""
+    return self.estimator in ("lsq", "lsq+")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IntRecipe:
+  """An integer QAT recipe for one GEMM: an :class:`IntQuantConfig` per role.
+
+  The GEMM runs on fake-quantized operands in float (``compute_dtype``);
+  gradients are not quantized. ``None`` leaves a role in float.
+
+  Attributes:
+    input: the activation (left operand); per-tensor only.
+    kernel: the weight (right operand).
+    compute_dtype: dtype the fake-quantized operands are multiplied in.
+
+  Example:
+    >>> import fp8_linen as fl
+    >>> fl.IntRecipe(kernel=fl.IntQuantConfig(bits=4)).kernel.qmax
+    7
+  """
+
+  input: IntQuantConfig | None = dataclasses.field(default_factory=IntQuantConfig)
+  kernel: IntQuantConfig | None = dataclasses.field(default_factory=IntQuantConfig)
+  compute_dtype: Literal["float32", "bfloat16"] = "float32"
+
+  def __post_init__(self):
+    for role in ("input", "kernel"):
+      cfg = getattr(self, role)
+      if cfg is not None and not isinstance(cfg, IntQuantConfig):
+        raise ValueError(
+            f"IntRecipe.{role} must be an IntQuantConfig or None, got {type(cfg).__name__}")
+    if self.input is not None and self.input.granularity != "tensor":
+      raise ValueError(
+          f"IntRecipe.input.granularity={self.input.granularity!r} is not supported: "
+          "activation scales are per tensor; allowed values: ['tensor']")
+    check_choice("IntRecipe", "compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
+
+
+def int8_lsq(*, granularity: str = "channel") -> IntRecipe:
+  """8-bit LSQ for activations (per tensor) and weights (per channel by default).
+
+  Example:
+    >>> import fp8_linen as fl
+    >>> fl.int8_lsq().kernel.estimator
+    'lsq'
+  """
+  return IntRecipe(input=IntQuantConfig(bits=8, estimator="lsq"),
+                   kernel=IntQuantConfig(bits=8, estimator="lsq", granularity=granularity))
+
+
+def int4_lsq_plus(*, granularity: str = "channel") -> IntRecipe:
+  """4-bit LSQ+ (learned step and offset) for activations and weights.
+
+  Example:
+    >>> import fp8_linen as fl
+    >>> fl.int4_lsq_plus().input.qmax
+    15
+  """
+  return IntRecipe(input=IntQuantConfig(bits=4, symmetric=False, estimator="lsq+"),
+                   kernel=IntQuantConfig(bits=4, symmetric=False, estimator="lsq+",
+                                         granularity=granularity))
