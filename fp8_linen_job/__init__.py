@@ -13,8 +13,8 @@ Run it with ``python -m fp8_linen`` (or the ``fp8-linen-train`` script); see
 * :mod:`~fp8_linen_job.tasks`: data + model + optimizer per task.
 * :mod:`~fp8_linen_job.train`: jit train step, evaluation, orbax checkpoints
   and exact resume.
-* :mod:`~fp8_linen.monitor`: traces and health checks of quantization
-  state.
+* :mod:`~fp8_linen_job.quant_state`: traces and health checks of the
+  quantization state, fp8 (via :mod:`fp8_linen.monitor`) and integer.
 * :mod:`~fp8_linen_job.report`: tables, plots and the JSON summary.
 
 """

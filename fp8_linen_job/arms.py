@@ -43,6 +43,8 @@ class Arm:
     notes: Short remarks for the results table.
     details: More facts for the JSON summary (e.g. the recipe's repr).
     dtype: Compute dtype of the models.
+    recipe: The ``fp8_linen`` recipe of a quantized arm (``None`` for
+      ``bf16``); a checkpoint is resumed only with the same recipe.
   """
 
   name: str
@@ -54,6 +56,7 @@ class Arm:
   notes: tuple[str, ...] = ()
   details: tuple[tuple[str, str], ...] = ()
   dtype: Any = jnp.bfloat16
+  recipe: Any = None
 
 
 def bf16_arm(cfg: config_lib.JobConfig) -> Arm:
@@ -67,33 +70,21 @@ def bf16_arm(cfg: config_lib.JobConfig) -> Arm:
   return Arm(name='bf16')
 
 
-def _recipe(kind: str, settings: dict[str, Any], key: str):
-  """Builds a recipe from a config mapping with the library's YAML schema.
-
-  Raises:
-    ConfigError: Naming ``key`` if the library rejects ``settings``.
-  """
-  try:
-    return fl.recipe_from_dict({'kind': kind, **settings}, source=f'config key {key}')
-  except (TypeError, ValueError) as e:
-    raise config_lib.ConfigError(f'key {key}: {e}') from e
-
-
 def _quantized_arm(name: str, recipe) -> Arm:
   """An arm with ``QDense`` and ``QConv`` using ``recipe``."""
   return Arm(name=name, dense_cls=functools.partial(fl.QDense, recipe=recipe),
              conv_cls=functools.partial(fl.QConv, recipe=recipe),
              train_state_cls=fl.TrainState, quantized=True,
-             details=(('recipe', repr(recipe)),))
+             details=(('recipe', repr(recipe)),), recipe=recipe)
 
 
 def fp8_arm(cfg: config_lib.JobConfig) -> Arm:
   """``fp8_linen.QDense`` and ``QConv`` with an fp8 recipe.
 
   Args:
-    cfg: The job config; ``cfg.fp8_recipe`` holds the recipe settings (the
-      schema of ``configs/recipes/*.yaml`` without ``kind``; empty: the
-      library default, delayed scaling).
+    cfg: The job config; ``cfg.fp8_recipe`` names the recipe (a shipped
+      name, a YAML path or a mapping; empty: the library default, delayed
+      scaling).
 
   Returns:
     The arm.
@@ -101,16 +92,17 @@ def fp8_arm(cfg: config_lib.JobConfig) -> Arm:
   Raises:
     ConfigError: If ``cfg.fp8_recipe`` is rejected by the library.
   """
-  return _quantized_arm('fp8', _recipe('fp8', cfg.fp8_recipe, 'fp8_recipe'))
+  return _quantized_arm(
+      'fp8', config_lib.build_recipe(cfg.fp8_recipe, 'fp8', 'fp8_recipe'))
 
 
 def int8_arm(cfg: config_lib.JobConfig) -> Arm:
   """``fp8_linen.QDense`` and ``QConv`` with an integer recipe.
 
   Args:
-    cfg: The job config; ``cfg.int8_recipe`` holds the recipe settings (the
-      schema of ``configs/recipes/int*.yaml`` without ``kind``; empty:
-      ``fp8_linen.IntRecipe()``, 8-bit).
+    cfg: The job config; ``cfg.int8_recipe`` names the recipe like
+      ``fp8_recipe`` (default ``int8_lsq``; empty mapping:
+      ``fp8_linen.IntRecipe()``, min/max observers).
 
   Returns:
     The arm.
@@ -118,7 +110,8 @@ def int8_arm(cfg: config_lib.JobConfig) -> Arm:
   Raises:
     ConfigError: If ``cfg.int8_recipe`` is rejected by the library.
   """
-  return _quantized_arm('int8', _recipe('int', cfg.int8_recipe, 'int8_recipe'))
+  return _quantized_arm(
+      'int8', config_lib.build_recipe(cfg.int8_recipe, 'int', 'int8_recipe'))
 
 
 BUILDERS: dict[str, Callable[[config_lib.JobConfig], Arm]] = {

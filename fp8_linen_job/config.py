@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from typing import Any, Mapping
@@ -46,6 +47,10 @@ def _at_least(low: float) -> dict[str, Any]:
 
 def _in_range(low: float, high: float) -> dict[str, Any]:
   return {'min': low, 'max': high}
+
+
+def _recipe_of(kind: str) -> dict[str, Any]:
+  return {'recipe': kind}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -150,11 +155,15 @@ class JobConfig:
     checkpoints_to_keep: Checkpoints kept per task and arm.
     trace_every: Record quantization scales every this many steps.
     trace_layers: How many quantized layers to trace per arm.
-    fp8_recipe: Recipe of the ``fp8`` arm in the schema of
-      ``configs/recipes/*.yaml`` without ``kind`` (empty: the library
-      default, delayed scaling).
-    int8_recipe: Recipe of the ``int8`` arm, same schema (empty:
-      ``fp8_linen.IntRecipe()``).
+    fp8_recipe: Recipe of the ``fp8`` arm: the name of a shipped recipe
+      (``fp8_linen.recipe_names()``, e.g. ``fp8_rowwise``), a recipe YAML
+      path (relative paths are also looked up next to the job config), or
+      a mapping in the schema of ``configs/recipes/*.yaml`` (``kind`` may be
+      left out). Empty mapping: the library default, delayed scaling.
+    int8_recipe: Recipe of the ``int8`` arm, given the same ways (default:
+      ``int8_lsq``, learned step sizes; empty mapping:
+      ``fp8_linen.IntRecipe()``, min/max observers with the straight-through
+      estimator).
     progress: Show a tqdm progress bar per arm.
     lm: Settings of the ``lm`` task.
     digits: Settings of the ``digits`` task.
@@ -163,15 +172,17 @@ class JobConfig:
   seed: int = dataclasses.field(default=0, metadata=_at_least(0))
   tasks: tuple[str, ...] = dataclasses.field(default=TASKS,
                                              metadata=_choices(*TASKS))
-  arms: tuple[str, ...] = dataclasses.field(default=('bf16', 'fp8'),
+  arms: tuple[str, ...] = dataclasses.field(default=ARMS,
                                             metadata=_choices(*ARMS))
   checkpoint_every: int = dataclasses.field(default=100, metadata=_at_least(1))
   checkpoints_to_keep: int = dataclasses.field(default=2,
                                                metadata=_at_least(1))
   trace_every: int = dataclasses.field(default=1, metadata=_at_least(1))
   trace_layers: int = dataclasses.field(default=3, metadata=_at_least(1))
-  fp8_recipe: dict[str, Any] = dataclasses.field(default_factory=dict)
-  int8_recipe: dict[str, Any] = dataclasses.field(default_factory=dict)
+  fp8_recipe: str | dict[str, Any] = dataclasses.field(
+      default_factory=dict, metadata=_recipe_of('fp8'))
+  int8_recipe: str | dict[str, Any] = dataclasses.field(
+      default='int8_lsq', metadata=_recipe_of('int'))
   progress: bool = True
   lm: LmConfig = dataclasses.field(default_factory=LmConfig)
   digits: DigitsConfig = dataclasses.field(default_factory=DigitsConfig)
@@ -183,10 +194,89 @@ class JobConfig:
         raise ConfigError(f'{name} must not be empty')
       if len(set(values)) != len(values):
         raise ConfigError(f'{name} has duplicates: {list(values)}')
+    # Every recipe is checked, also those of arms not run this time, so a
+    # typo surfaces when the config is loaded rather than in a later run.
+    for f in dataclasses.fields(self):
+      if 'recipe' in f.metadata:
+        build_recipe(getattr(self, f.name), f.metadata['recipe'], f.name)
 
   def task(self, name: str) -> LmConfig | DigitsConfig:
     """Returns the settings of task ``name``."""
     return getattr(self, name)
+
+
+# ---------------------------------------------------------------------------
+# Recipes.
+
+_RECIPE_SOURCE = '<job config>'
+_RECIPE_CLASSES = {'fp8': 'Fp8Recipe', 'int': 'IntRecipe'}
+
+
+def _shipped_recipes(kind: str) -> list[str]:
+  """Names of the shipped recipes of ``kind`` (for error messages)."""
+  import fp8_linen as fl  # pylint: disable=g-import-not-at-top
+  names = []
+  for name in fl.recipe_names():
+    try:
+      recipe = fl.load_recipe(name)
+    except (OSError, ValueError):
+      continue
+    if isinstance(recipe, getattr(fl, _RECIPE_CLASSES[kind])):
+      names.append(name)
+  return names
+
+
+def build_recipe(value: str | Mapping[str, Any], kind: str, key: str) -> Any:
+  """Builds the ``fp8_linen`` recipe a config value describes.
+
+  Args:
+    value: A shipped recipe name, a YAML path, or a mapping in the schema of
+      ``configs/recipes/*.yaml`` (``kind`` optional).
+    kind: ``'fp8'`` or ``'int'``: the kind the arm needs.
+    key: The config key, for error messages (e.g. ``'fp8_recipe'``).
+
+  Returns:
+    An ``fp8_linen.Fp8Recipe`` or ``fp8_linen.IntRecipe``.
+
+  Raises:
+    ConfigError: Naming ``key`` (and the recipe file, if any) when the
+      library rejects the recipe or it is of the other kind.
+  """
+  # Imported here, not at the top: this module must import without jax and
+  # the library, so that `fp8-linen-train --help` is quick.
+  import fp8_linen as fl  # pylint: disable=g-import-not-at-top
+  if isinstance(value, str):
+    try:
+      recipe = fl.load_recipe(value)
+    except (OSError, ValueError) as e:
+      raise ConfigError(f'key {key!r}: {e}') from None
+  elif isinstance(value, Mapping):
+    given = value.get('kind', kind)
+    if given != kind:
+      raise ConfigError(f'key {key + ".kind"!r}: {given!r} is not allowed '
+                        f'here; allowed values: {kind}')
+    try:
+      recipe = fl.recipe_from_dict({**value, 'kind': kind},
+                                   source=_RECIPE_SOURCE)
+    except (TypeError, ValueError) as e:
+      # The library names its own source and key; re-root the key under
+      # the config key so that the message names each only once.
+      m = re.match(rf"{re.escape(_RECIPE_SOURCE)}: key '([^']*)': (.*)", str(e),
+                   re.S)
+      if m is None:
+        raise ConfigError(f'key {key!r}: {e}') from None
+      inner = m.group(1)
+      full = key if inner.startswith('<') else f'{key}.{inner}'
+      raise ConfigError(f'key {full!r}: {m.group(2)}') from None
+  else:
+    raise ConfigError(f'key {key!r}: expected a recipe name, a YAML path or '
+                      f'a mapping, got {value!r}')
+  if not isinstance(recipe, getattr(fl, _RECIPE_CLASSES[kind])):
+    raise ConfigError(
+        f'key {key!r}: {value!r} is a {type(recipe).__name__}, but this arm '
+        f'needs a {_RECIPE_CLASSES[kind]}; shipped ones: '
+        f'{", ".join(_shipped_recipes(kind))}')
+  return recipe
 
 
 # ---------------------------------------------------------------------------
@@ -268,6 +358,43 @@ def _coerce(value: Any, tp: Any, where: str, key: str) -> Any:
   return _coerce_scalar(value, tp, where, key)
 
 
+def _suggest(name: str, hints: Mapping[str, Any], prefix: str) -> str:
+  """A "did you mean" hint for an unknown key, or ``''``.
+
+  A key that exists one level down (``steps`` for ``lm.steps``) is suggested
+  with its full dotted path; otherwise the closest key of this level.
+  """
+  nested = [f'{prefix}{field}.{name}' for field, tp in hints.items()
+            if dataclasses.is_dataclass(tp)
+            and name in {f.name for f in dataclasses.fields(tp)}]
+  if nested:
+    return (f' at this level (did you mean {" or ".join(map(repr, nested))}? '
+            'it is set per task)')
+  close = difflib.get_close_matches(name, list(hints), n=1)
+  return f' (did you mean {close[0]!r}?)' if close else ''
+
+
+def _coerce_recipe(value: Any, where: str, key: str) -> str | dict[str, Any]:
+  """Checks the form of a recipe value (its content is checked on build).
+
+  A relative YAML path that does not exist from the working directory is
+  looked up next to the config file ``where``, so a config and its recipe
+  can sit side by side.
+  """
+  if value is None:
+    return {}
+  if isinstance(value, Mapping):
+    return dict(value)
+  if isinstance(value, str):
+    beside = os.path.join(os.path.dirname(where), value)
+    if (not os.path.isabs(value) and not os.path.exists(value)
+        and os.path.isfile(where) and os.path.isfile(beside)):
+      return beside
+    return value
+  raise _bad(where, key, 'expected a shipped recipe name, a YAML path or a '
+             f'mapping, got {value!r} ({type(value).__name__})')
+
+
 def merge(base: Any, overrides: Mapping[str, Any], where: str = '<overrides>',
           prefix: str = '') -> Any:
   """Returns ``base`` (a config dataclass) with ``overrides`` applied.
@@ -293,14 +420,15 @@ def merge(base: Any, overrides: Mapping[str, Any], where: str = '<overrides>',
   for name, value in overrides.items():
     key = f'{prefix}{name}'
     if name not in fields:
-      close = difflib.get_close_matches(str(name), fields, n=1)
-      hint = f' (did you mean {close[0]!r}?)' if close else ''
-      raise _bad(where, key, f'unknown key{hint}; allowed keys: '
-                 f'{", ".join(fields)}')
+      raise _bad(where, key, f'unknown key{_suggest(str(name), hints, prefix)}'
+                 f'; allowed keys: {", ".join(fields)}')
     tp = hints[name]
     if dataclasses.is_dataclass(tp):
       changes[name] = merge(getattr(base, name), value or {}, where,
                             prefix=f'{key}.')
+      continue
+    if 'recipe' in fields[name].metadata:
+      changes[name] = _coerce_recipe(value, where, key)
       continue
     coerced = _coerce(value, tp, where, key)
     _check_bounds(coerced, fields[name].metadata, where, key)
@@ -311,16 +439,33 @@ def merge(base: Any, overrides: Mapping[str, Any], where: str = '<overrides>',
     raise ConfigError(f'{where}: {e}') from None
 
 
+def config_names() -> tuple[str, ...]:
+  """Names of the shipped job configs (``configs/job/<name>.yaml``).
+
+  Example:
+    >>> config_names()
+    ('default', 'large', 'tiny')
+  """
+  return tuple(sorted(f[:-len('.yaml')] for f in os.listdir(CONFIG_DIR)
+                      if f.endswith('.yaml')))
+
+
 def resolve_path(path: str) -> str:
   """Finds a config by path, or by bare name in ``configs/job/``."""
-  if os.path.exists(path):
+  if os.path.isfile(path):
     return path
-  for candidate in (os.path.join(CONFIG_DIR, path),
-                    os.path.join(CONFIG_DIR, f'{path}.yaml')):
-    if os.path.exists(candidate):
+  # A bare name, or a path written for a source checkout
+  # (`configs/job/tiny.yaml`) used where only the installed package is.
+  name = path
+  if path.replace(os.sep, '/').startswith('configs/job/'):
+    name = os.path.basename(path)
+  for candidate in (os.path.join(CONFIG_DIR, name),
+                    os.path.join(CONFIG_DIR, f'{name}.yaml')):
+    if os.path.isfile(candidate):
       return candidate
-  raise ConfigError(f'config file {path!r} not found (also looked in '
-                    f'{CONFIG_DIR})')
+  raise ConfigError(f'config {path!r} not found: no such file, and not a '
+                    f'shipped config; shipped configs: '
+                    f'{", ".join(config_names())}')
 
 
 def load_config(path: str | None = None) -> JobConfig:

@@ -2,10 +2,15 @@
 
 With no arguments it trains a byte-level transformer LM on the Python
 standard library's source and a CNN on scikit-learn's digits, each in a
-``bf16`` and an ``fp8`` arm, then prints a table per task and writes
-``results.txt``, ``loss_curves.png``, ``scales.png``, ``summary.json`` and
-checkpoints to ``runs/latest``. It uses whatever device JAX picks (CPU by
-default, a GPU or TPU when there is one).
+``bf16``, an ``fp8`` and an ``int8`` arm, then prints a table per task and
+writes ``results.txt``, ``loss_curves.png``, ``scales.png``,
+``summary.json`` and checkpoints to ``runs/latest``. It uses whatever device
+JAX picks (CPU by default, a GPU or TPU when there is one).
+
+Only the config module is imported up front, so ``--help`` and
+``--print-config`` work without the ``[job]`` extra; a training run first
+checks that the extra's packages are there and says how to install them if
+not.
 
 Examples::
 
@@ -18,20 +23,48 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import shlex
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
-import jax
+import yaml
 
-from fp8_linen_job import arms as arms_lib
 from fp8_linen_job import config as config_lib
-from fp8_linen_job import report
-from fp8_linen_job import tasks as tasks_lib
-from fp8_linen_job import train as train_lib
 
 DEFAULT_OUT = os.path.join('runs', 'latest')
+
+JOB_EXTRA = {'tqdm': 'tqdm', 'matplotlib': 'matplotlib',
+             'sklearn': 'scikit-learn', 'orbax.checkpoint': 'orbax-checkpoint'}
+"""Modules a training run needs from the ``[job]`` extra -> their packages."""
+
+INSTALL_HINT = 'pip install "fp8_linen[job]"'
+
+EXIT_MISSING = 1
+EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C, as a shell reports a process killed by SIGINT."""
+
+
+def missing_job_dependencies() -> list[str]:
+  """Packages of the ``[job]`` extra whose modules cannot be imported."""
+  missing = []
+  for module, package in JOB_EXTRA.items():
+    try:
+      found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # A missing parent package.
+      found = False
+    if not found:
+      missing.append(package)
+  return missing
+
+
+def _missing_message(packages: Sequence[str]) -> str:
+  return (f'error: the training job needs {", ".join(packages)} (the [job] '
+          f'extra), which cannot be imported here; install it with:\n'
+          f'  {INSTALL_HINT}\n(in a source checkout: pip install ".[job]")')
 
 
 def _names(values: Sequence[str] | None) -> tuple[str, ...] | None:
@@ -44,13 +77,13 @@ def _names(values: Sequence[str] | None) -> tuple[str, ...] | None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   """Parses the command line."""
   p = argparse.ArgumentParser(
-      prog='python -m fp8_linen',
+      prog='python -m fp8_linen', allow_abbrev=False,
       description='Train small models in bf16 and quantized arms on data '
       'that ships with Python and scikit-learn; compare loss, speed and '
       'quantization state.')
-  p.add_argument('--config', help='YAML config: a path, or a name in '
-                 'configs/job/ (default, tiny, large). Default: built-in '
-                 'defaults (same as configs/job/default.yaml).')
+  p.add_argument('--config', help='YAML config: a path, or the name of a '
+                 f'shipped one ({", ".join(config_lib.config_names())}). '
+                 'Default: the built-in defaults (same as "default").')
   p.add_argument('--out', default=DEFAULT_OUT,
                  help=f'output directory (default: {DEFAULT_OUT})')
   p.add_argument('--steps', type=int,
@@ -68,6 +101,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  'without changing the schedule; continue with --resume')
   p.add_argument('--no-progress', action='store_true',
                  help='no progress bars')
+  p.add_argument('--print-config', action='store_true',
+                 help='print the resolved config (YAML, with the overrides '
+                 'applied) and exit without training')
   return p.parse_args(argv)
 
 
@@ -94,20 +130,33 @@ def config_from_args(args: argparse.Namespace) -> config_lib.JobConfig:
 
 
 def run_job(cfg: config_lib.JobConfig, out_dir: str, *, resume: bool = False,
-            stop_after: int | None = None) -> tuple[list[train_lib.ArmResult],
-                                                      dict[str, str]]:
+            stop_after: int | None = None) -> tuple[list[Any], dict[str, str]]:
   """Trains every task in every arm, then writes the report.
 
   Args:
     cfg: The job config.
     out_dir: Output directory for checkpoints, plots, table and JSON.
     resume: Continue from the latest checkpoints in ``out_dir``.
-    stop_after: Stop each arm at this step (see :func:`train_lib.train_arm`).
+    stop_after: Stop each arm at this step (see
+      :func:`fp8_linen_job.train.train_arm`).
 
   Returns:
-    ``(results, paths)``: the per-arm results and the report files
+    ``(results, paths)``: the per-arm
+    :class:`~fp8_linen_job.train.ArmResult` list and the report files
     (``paths['text']`` is the table text).
+
+  Raises:
+    fp8_linen_job.train.Interrupted: On Ctrl-C during training.
   """
+  # Here rather than at the top: these need the [job] extra (see main).
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from fp8_linen_job import arms as arms_lib
+  from fp8_linen_job import report
+  from fp8_linen_job import tasks as tasks_lib
+  from fp8_linen_job import train as train_lib
+  # pylint: enable=g-import-not-at-top
+
   t0 = time.perf_counter()
   arms = [arms_lib.build_arm(name, cfg) for name in cfg.arms]  # Fail early.
   results, descriptions = [], {}
@@ -127,30 +176,104 @@ def run_job(cfg: config_lib.JobConfig, out_dir: str, *, resume: bool = False,
   return results, paths
 
 
+def resume_command(argv: Sequence[str]) -> str:
+  """The command that continues a run started with ``argv``.
+
+  The same options, without ``--stop-after`` and with ``--resume``.
+
+  Example:
+    >>> resume_command(['--config', 'tiny', '--stop-after', '4'])
+    'python -m fp8_linen --config tiny --resume'
+  """
+  kept, skip = [], False
+  for arg in argv:
+    if skip:
+      skip = False
+    elif arg == '--stop-after':
+      skip = True
+    elif not arg.startswith('--stop-after=') and arg != '--resume':
+      kept.append(arg)
+  return shlex.join(['python', '-m', 'fp8_linen', *kept, '--resume'])
+
+
+def stop_message(what: str, step: int | None, checkpoint: int | None) -> str:
+  """``'interrupted at step 7, last checkpoint at 4; rerun with --resume'``.
+
+  Args:
+    what: ``'interrupted'`` or ``'stopped'``.
+    step: Steps done (``None``: before training started).
+    checkpoint: Latest checkpoint step (``None``: none yet).
+  """
+  at = 'before training started' if step is None else f'at step {step}'
+  ckpt = ('no checkpoint yet' if checkpoint is None
+          else f'last checkpoint at {checkpoint}')
+  return f'{what} {at}, {ckpt}; rerun with --resume'
+
+
+def _stopped_lines(results: Sequence[Any], stop_after: int) -> list[str]:
+  """One line per group of arms that ``--stop-after`` stopped early."""
+  groups: dict[tuple[int, int | None], list[str]] = {}
+  for r in results:
+    if r.steps_done < r.total_steps:
+      groups.setdefault((r.steps_done, r.checkpoint_step), []).append(
+          f'{r.task}/{r.arm}')
+  return [f'{", ".join(names)}: '
+          f'{stop_message(f"stopped (--stop-after {stop_after})", *key)}'
+          for key, names in groups.items()]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-  """Entry point of ``python -m fp8_linen`` and ``fp8-linen-train``."""
+  """Entry point of ``python -m fp8_linen`` and ``fp8-linen-train``.
+
+  Returns:
+    The exit status: 0 on success, 1 if a package of the ``[job]`` extra is
+    missing, 2 on a bad config, 130 after Ctrl-C.
+  """
+  argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
   try:
     cfg = config_from_args(args)
   except config_lib.ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
-    return 2
-  print(f'fp8_linen job: tasks {", ".join(cfg.tasks)}; arms '
-        f'{", ".join(cfg.arms)}; device {jax.devices()[0]}; out {args.out}',
-        file=sys.stderr)
+    return EXIT_CONFIG
+  if args.print_config:
+    print(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False), end='')
+    return 0
+  missing = missing_job_dependencies()
+  if missing:
+    print(_missing_message(missing), file=sys.stderr)
+    return EXIT_MISSING
+  # pylint: disable-next=g-import-not-at-top
+  from fp8_linen_job import train as train_lib
   t0 = time.perf_counter()
   try:
-    _, paths = run_job(cfg, args.out, resume=args.resume,
-                       stop_after=args.stop_after)
-  except (config_lib.ConfigError,
-          train_lib.ResumeError) as e:
+    import jax  # pylint: disable=g-import-not-at-top
+    print(f'fp8_linen job: tasks {", ".join(cfg.tasks)}; arms '
+          f'{", ".join(cfg.arms)}; device {jax.devices()[0]}; out {args.out}',
+          file=sys.stderr)
+    results, paths = run_job(cfg, args.out, resume=args.resume,
+                             stop_after=args.stop_after)
+  except (config_lib.ConfigError, train_lib.ResumeError) as e:
     print(f'error: {e}', file=sys.stderr)
-    return 2
+    return EXIT_CONFIG
+  except train_lib.Interrupted as e:
+    print(f'\n{e.task}/{e.arm}: '
+          f'{stop_message("interrupted", e.step, e.checkpoint)}:\n'
+          f'  {resume_command(argv)}', file=sys.stderr)
+    return EXIT_INTERRUPTED
+  except KeyboardInterrupt:
+    print(f'\ninterrupted; rerun with --resume:\n  {resume_command(argv)}',
+          file=sys.stderr)
+    return EXIT_INTERRUPTED
   print()
   print(paths['text'])
   print(f'\nwrote {paths["table"]}, {paths["loss_png"]}, '
         f'{paths["scales_png"]}, {paths["json"]} '
         f'({time.perf_counter() - t0:.0f} s)')
+  if args.stop_after is not None:
+    lines = _stopped_lines(results, args.stop_after)
+    if lines:
+      print('\n'.join(lines) + f':\n  {resume_command(argv)}')
   return 0
 
 

@@ -11,6 +11,10 @@ the full variables dict including the ``_overwrite_with_gradient``
 collection, ``opt_state``, and any field a train-state subclass adds) plus the
 metric history so far, under
 ``<out>/checkpoints/<task>/<arm>/<step>``.
+
+Ctrl-C (SIGINT) stops training after the step in flight, writes a checkpoint
+and raises :class:`Interrupted`, which says where to resume; a second Ctrl-C
+stops at once.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -29,9 +35,11 @@ import optax
 import orbax.checkpoint as ocp
 import tqdm
 
+import fp8_linen as fl
+from fp8_linen import monitor
 from fp8_linen_job import arms as arms_lib
 from fp8_linen_job import config as config_lib
-from fp8_linen import monitor as qstate
+from fp8_linen_job import quant_state
 from fp8_linen_job import tasks as tasks_lib
 
 History = dict[str, Any]
@@ -57,12 +65,15 @@ class ArmResult:
     val_acc: Accuracy on the held-out data after the last step.
     median_step_s: Median wall time of one train step (compile excluded).
     compile_s: Seconds spent compiling the train step (last session).
-    health: :func:`qstate.state_health` of the final state (``None`` for
+    health: :func:`quant_state.health` of the final state (``None`` for
       unquantized arms).
     history: Curves: per-step ``loss``, ``acc``, ``grad_norm``,
       ``step_time``; ``eval`` records; ``trace`` of quantization scales.
     notes: Remarks of the arm (e.g. which layers are quantized).
     details: More facts about the arm (e.g. the recipe).
+    total_steps: Steps the schedule runs to (``steps_done`` is less when the
+      run was stopped early with ``stop_after``).
+    checkpoint_step: Step of the latest checkpoint (``None``: none).
   """
 
   task: str
@@ -79,10 +90,69 @@ class ArmResult:
   history: History
   notes: tuple[str, ...] = ()
   details: dict[str, str] = dataclasses.field(default_factory=dict)
+  total_steps: int = 0
+  checkpoint_step: int | None = None
 
 
 class ResumeError(ValueError):
   """A checkpoint cannot be resumed with the current settings."""
+
+
+class Interrupted(KeyboardInterrupt):
+  """Training of one task and arm was interrupted (Ctrl-C).
+
+  A subclass of ``KeyboardInterrupt``, so code that does not catch it stops
+  as on any Ctrl-C.
+
+  Attributes:
+    task: Task name.
+    arm: Arm name.
+    step: Steps done when training stopped (``None``: interrupted before
+      the state was built).
+    checkpoint: Step of the latest checkpoint (``None``: there is none).
+    directory: The checkpoint directory of this task and arm.
+  """
+
+  def __init__(self, *, task: str, arm: str, step: int | None,
+               checkpoint: int | None, directory: str):
+    super().__init__(f'{task}/{arm}: interrupted at step {step}, last '
+                     f'checkpoint at {checkpoint}')
+    self.task, self.arm, self.step = task, arm, step
+    self.checkpoint, self.directory = checkpoint, directory
+
+
+class _StopRequest:
+  """While active, turns the first Ctrl-C into a request to stop.
+
+  A ``KeyboardInterrupt`` raised wherever Python happens to be (usually deep
+  inside jax, waiting for the device) leaves the train state and the history
+  out of step and prints a long traceback. With the flag, the loop finishes
+  the step in flight, checkpoints and stops. A second Ctrl-C raises
+  ``KeyboardInterrupt`` at once. Only Python's default handler is replaced
+  (and only in the main thread, the only one that receives signals).
+  """
+
+  def __init__(self):
+    self.requested = False
+    self._installed = False
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    if self.requested:
+      raise KeyboardInterrupt
+    self.requested = True
+
+  def __enter__(self) -> '_StopRequest':
+    if (threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+      signal.signal(signal.SIGINT, self._handle)
+      self._installed = True
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    if self._installed:
+      signal.signal(signal.SIGINT, signal.default_int_handler)
+      self._installed = False
 
 
 def new_history(fingerprint: dict[str, Any]) -> History:
@@ -95,10 +165,11 @@ def new_history(fingerprint: dict[str, Any]) -> History:
 def fingerprint(cfg: config_lib.JobConfig, task: tasks_lib.Task,
                 arm: arms_lib.Arm) -> dict[str, Any]:
   """Settings that must match for a checkpoint to be resumed."""
+  # The recipe itself, not how the config named it: a shipped name and the
+  # same recipe written out are the same run.
+  recipe = fl.recipe_to_dict(arm.recipe) if arm.recipe is not None else {}
   return {'task': task.name, 'arm': arm.name, 'seed': cfg.seed,
-          'settings': config_lib.to_dict(task.settings),
-          'recipe': {'fp8': cfg.fp8_recipe,
-                     'int8': cfg.int8_recipe}.get(arm.name, {})}
+          'settings': config_lib.to_dict(task.settings), 'recipe': recipe}
 
 
 def check_resumable(saved: dict[str, Any], current: dict[str, Any],
@@ -156,7 +227,7 @@ def make_train_step(modules: list[tuple[str, ...]]):
     new_state = state.apply_gradients(grads=grads)
     metrics = {'loss': loss, 'acc': acc,
                'grad_norm': optax.tree.norm(grads['params']),
-               'trace': qstate.trace_values(new_state.params, modules)}
+               'trace': quant_state.trace_values(new_state.params, modules)}
     return new_state, metrics
   return train_step
 
@@ -284,11 +355,28 @@ def _record_eval(history: History, step: int, loss: float, acc: float) -> None:
   history['eval'].append({'step': step, 'loss': loss, 'acc': acc})
 
 
+BAR_FORMAT = ('{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} '
+              '[{elapsed}<{remaining}{postfix}]')
+"""Progress bar layout: tqdm's own rate is left out; the postfix shows ours
+(:func:`bar_postfix`), the same measure as the table's ms/step."""
+
+
+def bar_postfix(loss: float, step_times: list[float]) -> str:
+  """``'loss 2.345, 12.3 step/s'``: the latest loss and the train-step rate.
+
+  The rate is ``1 / median`` of the last 20 step times: compilation,
+  evaluation and checkpoints excluded, as in the results table.
+  """
+  rate = 1.0 / float(np.median(step_times[-20:])) if step_times else 0.0
+  return f'loss {loss:.3f}, {rate:.1f} step/s'
+
+
 def _progress(task: tasks_lib.Task, arm: arms_lib.Arm, start: int,
               enabled: bool) -> tqdm.tqdm:
   return tqdm.tqdm(total=task.steps, initial=start, unit='step',
                    desc=f'{task.name}/{arm.name}', disable=not enabled,
-                   dynamic_ncols=True, file=sys.stderr, leave=True)
+                   dynamic_ncols=True, file=sys.stderr, leave=True,
+                   bar_format=BAR_FORMAT)
 
 
 def train_arm(task: tasks_lib.Task, arm: arms_lib.Arm,
@@ -313,11 +401,34 @@ def train_arm(task: tasks_lib.Task, arm: arms_lib.Arm,
 
   Raises:
     ResumeError: If resuming a checkpoint written with other settings.
+    Interrupted: On Ctrl-C; the state is checkpointed first when the
+      interrupt came during the training loop.
   """
   ckpt_dir = os.path.join(out_dir, 'checkpoints', task.name, arm.name)
   if not resume and os.path.isdir(ckpt_dir):
     shutil.rmtree(ckpt_dir)
   manager = _manager(ckpt_dir, cfg)
+  where = {'step': None}  # Steps done so far, for an interrupt's message.
+  try:
+    state, history, compile_s = _train(task, arm, cfg, manager, ckpt_dir,
+                                       resume, stop_after, where)
+    checkpoint = manager.latest_step()
+  except KeyboardInterrupt as e:
+    if isinstance(e, Interrupted):
+      raise
+    # A Ctrl-C outside the loop (data, compilation, a second Ctrl-C).
+    raise Interrupted(task=task.name, arm=arm.name, step=where['step'],
+                      checkpoint=manager.latest_step(),
+                      directory=ckpt_dir) from None
+  finally:
+    manager.close()
+  return summarize(task, arm, state, history, compile_s, checkpoint)
+
+
+def _train(task: tasks_lib.Task, arm: arms_lib.Arm, cfg: config_lib.JobConfig,
+           manager: ocp.CheckpointManager, ckpt_dir: str, resume: bool,
+           stop_after: int | None, where: dict[str, Any]):
+  """The body of :func:`train_arm`: returns ``(state, history, compile_s)``."""
   state = init_state(task, arm, cfg.seed)
   print_ = tqdm.tqdm.write
   history = None
@@ -332,10 +443,11 @@ def train_arm(task: tasks_lib.Task, arm: arms_lib.Arm,
   if history is None:
     history = new_history(fingerprint(cfg, task, arm))
 
-  modules = qstate.pick_evenly(qstate.quantized_modules(state.params),
-                               cfg.trace_layers)
+  modules = monitor.pick_evenly(quant_state.quantized_modules(state.params),
+                                cfg.trace_layers)
   last = task.steps if stop_after is None else min(task.steps, stop_after)
   start = int(state.step)
+  where['step'] = start
   eval_fn = jax.jit(make_eval_step(state.apply_fn))
 
   compile_s = 0.0
@@ -349,40 +461,39 @@ def train_arm(task: tasks_lib.Task, arm: arms_lib.Arm,
 
   bar = _progress(task, arm, start, cfg.progress)
   try:
-    for step in range(start, last):
-      batch = jax.device_put(task.train_batch(step))
-      t0 = time.perf_counter()
-      state, metrics = step_fn(state, batch)
-      metrics = jax.device_get(metrics)
-      step_time = time.perf_counter() - t0
-      _record_step(history, step + 1, metrics, step_time, cfg.trace_every)
-      bar.update(1)
-      if bar.n % 10 == 0 or bar.n == last:
-        recent = np.median(history['step_time'][-20:])
-        bar.set_postfix(loss=f'{history["loss"][-1]:.4f}',
-                        steps_per_s=f'{1.0 / recent:.1f}')
-      done = step + 1
-      if done == task.steps or (task.eval_every and
-                                done % task.eval_every == 0):
-        _record_eval(history, done, *evaluate(eval_fn, state.params,
-                                               task.eval_batches))
-      if done % cfg.checkpoint_every == 0 or done == last:
-        save_checkpoint(manager, state, history)
-  except KeyboardInterrupt:
+    with _StopRequest() as stop:
+      for step in range(start, last):
+        batch = jax.device_put(task.train_batch(step))
+        t0 = time.perf_counter()
+        new_state, metrics = step_fn(state, batch)
+        metrics = jax.device_get(metrics)
+        step_time = time.perf_counter() - t0
+        _record_step(history, step + 1, metrics, step_time, cfg.trace_every)
+        # Only now: the state never runs ahead of the recorded history.
+        state = new_state
+        done = where['step'] = step + 1
+        bar.set_postfix_str(bar_postfix(history['loss'][-1],
+                                        history['step_time']), refresh=False)
+        bar.update(1)
+        if done == task.steps or (task.eval_every and
+                                  done % task.eval_every == 0):
+          _record_eval(history, done, *evaluate(eval_fn, state.params,
+                                                 task.eval_batches))
+        if (done % cfg.checkpoint_every == 0 or done == last
+            or stop.requested):
+          save_checkpoint(manager, state, history)
+        if stop.requested and done < last:
+          raise Interrupted(task=task.name, arm=arm.name, step=done,
+                            checkpoint=manager.latest_step(),
+                            directory=ckpt_dir)
+  finally:
     bar.close()
-    if history['step'] and history['step'][-1] == int(state.step):
-      save_checkpoint(manager, state, history)  # State and history agree.
-    print_(f'interrupted: latest checkpoint is step {manager.latest_step()} '
-           f'in {ckpt_dir}; continue with --resume')
-    manager.close()
-    raise
-  bar.close()
-  manager.close()
-  return summarize(task, arm, state, history, compile_s)
+  return state, history, compile_s
 
 
 def summarize(task: tasks_lib.Task, arm: arms_lib.Arm, state,
-              history: History, compile_s: float) -> ArmResult:
+              history: History, compile_s: float,
+              checkpoint_step: int | None = None) -> ArmResult:
   """Condenses a finished (or stopped) run into an :class:`ArmResult`."""
   steps_done = int(state.step)
   losses = history['loss'][-TRAIN_LOSS_WINDOW:]
@@ -396,6 +507,7 @@ def summarize(task: tasks_lib.Task, arm: arms_lib.Arm, state,
       val_acc=final_eval.get('acc', float('nan')),
       median_step_s=float(np.median(times)) if times else float('nan'),
       compile_s=compile_s,
-      health=(qstate.state_health(state.params, steps_done)
+      health=(quant_state.health(state.params, steps_done)
               if arm.quantized else None),
-      history=history, notes=arm.notes, details=dict(arm.details))
+      history=history, notes=arm.notes, details=dict(arm.details),
+      total_steps=task.steps, checkpoint_step=checkpoint_step)

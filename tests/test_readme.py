@@ -1,25 +1,92 @@
-"""The README's quick start must keep running as written."""
+"""Every python snippet of the README must run as written.
 
+Each ```python block runs on its own, in a fresh namespace, with the
+repository root as working directory (as a reader who copies it would run
+it). Shell commands are in ```bash blocks and are not run here.
+"""
+
+import functools
+import os
 import pathlib
 import re
 
+import jax
 import jax.numpy as jnp
+import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+import fp8_linen as fl
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+def python_snippets(text: str) -> list[tuple[str, int, str]]:
+  """``(section, index within the section, code)`` of every ```python block."""
+  snippets, section, counts = [], "", {}
+  for m in re.finditer(r"^#+ ([^\n]*)$|^```python\n(.*?)^```", text, re.S | re.M):
+    if m.group(1) is not None:
+      section = m.group(1).strip()
+      continue
+    counts[section] = counts.get(section, 0) + 1
+    snippets.append((section, counts[section], m.group(2)))
+  return snippets
+
+
+SNIPPETS = python_snippets(README.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def _run(section: str, index: int) -> dict:
+  """Runs one snippet (once per test session) and returns its namespace."""
+  (code,) = [c for s, i, c in SNIPPETS if (s, i) == (section, index)]
+  scope = {"__name__": "__readme__"}
+  cwd = os.getcwd()
+  os.chdir(ROOT)
+  try:
+    exec(compile(code, f"{README}: {section} #{index}", "exec"), scope)  # noqa: S102
+  finally:
+    os.chdir(cwd)
+  return scope
+
+
+def test_snippets_are_found():
+  sections = {s for s, _, _ in SNIPPETS}
+  assert len(SNIPPETS) >= 7
+  assert {"Quick start", "Integer QAT", "Quantizing a model you did not write"} <= sections
+
+
+@pytest.mark.parametrize(
+    "section,index", [pytest.param(s[0], s[1], id=f"{s[0]}#{s[1]}") for s in SNIPPETS])
+def test_snippet_runs_as_written(section, index):
+  _run(section, index)
 
 
 def test_quick_start_runs_and_updates_fp8_state():
-  text = README.read_text()
-  quick = text[text.index("## Quick start"):]
-  code = re.search(r"```python\n(.*?)```", quick, re.S).group(1)
+  (code,) = [c for s, _, c in SNIPPETS if s == "Quick start"]
   assert len([l for l in code.splitlines() if l.strip()]) <= 15  # "a 15-line quick start"
-  scope = {}
-  exec(compile(code, str(README), "exec"), scope)  # noqa: S102 - our own README
-  state = scope["state"]
+  state = _run("Quick start", 1)["state"]
   assert int(state.step) == 1
   owg = state.params["_overwrite_with_gradient"]
   # QDense(10) is built first (QDense_0); QDense_1 is the layer that sees x (all ones).
   assert float(jnp.max(owg["QDense_1"]["input_amax_history"])) == 1.0
+
+
+def test_integer_qat_snippet_adds_lsq_params():
+  params = _run("Integer QAT", 1)["variables"]["params"]
+  assert set(params) == {"kernel", "bias", "input_step", "kernel_step"}
+  assert params["kernel_step"].shape == (1, 256)  # per output channel
+
+
+def test_quantize_model_snippet_follows_its_rules():
+  scope = _run("Quantizing a model you did not write", 1)
+  owg = scope["variables"][fl.OWG]
+  assert "logits" not in owg                      # rule 1: not quantized
+  assert set(owg["attn_0"]) == {"query", "key", "value", "out"}  # rule 2: no einsum_*
+  assert "kernel_scale" in owg["Dense_0"]         # rule 3: everything else
+  # The params are those of the unquantized model.
+  plain = jax.eval_shape(scope["model"].init, jax.random.key(0),
+                         scope["tokens"])["params"]
+  assert (jax.tree.map(jnp.shape, scope["variables"]["params"])
+          == jax.tree.map(jnp.shape, plain))
 
 
 def test_readme_names_the_two_commands():

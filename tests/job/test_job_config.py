@@ -4,6 +4,7 @@ import dataclasses
 import os
 
 import pytest
+import yaml
 
 from fp8_linen_job import config as config_lib
 from fp8_linen_job import main as main_lib
@@ -112,3 +113,100 @@ def test_cli_bad_value_exits_with_message(capsys):
   assert main_lib.main(['--arms', 'fp4', '--out', 'unused']) == 2
   err = capsys.readouterr().err
   assert "'fp4'" in err and 'allowed values: bf16, fp8, int8' in err
+
+
+def test_default_run_has_all_three_arms():
+  cfg = config_lib.JobConfig()
+  assert cfg.arms == ('bf16', 'fp8', 'int8')
+  assert config_lib.load_config('default').arms == cfg.arms
+
+
+@pytest.mark.parametrize('value', ['fp8_rowwise',
+                                   'configs/recipes/fp8_rowwise.yaml',
+                                   {'kind': 'fp8', 'granularity': 'row',
+                                    'defaults': {'scaling': 'current'}}])
+def test_fp8_recipe_by_name_path_or_mapping(tmp_path, value):
+  path = _write(tmp_path, yaml.safe_dump({'fp8_recipe': value}))
+  cfg = config_lib.load_config(path)
+  assert cfg.fp8_recipe == value
+  recipe = config_lib.build_recipe(cfg.fp8_recipe, 'fp8', 'fp8_recipe')
+  assert recipe.granularity == 'row'
+
+
+def test_recipe_path_next_to_the_config(tmp_path):
+  (tmp_path / 'mine.yaml').write_text('kind: int\nkernel: {bits: 4}\n')
+  path = _write(tmp_path, 'int8_recipe: mine.yaml\n')
+  cfg = config_lib.load_config(path)
+  recipe = config_lib.build_recipe(cfg.int8_recipe, 'int', 'int8_recipe')
+  assert recipe.kernel.bits == 4
+
+
+def test_bad_recipe_names_file_and_full_key_once(tmp_path):
+  path = _write(tmp_path, 'arms: [bf16]\nfp8_recipe:\n  input: {bogus: 1}\n')
+  # Checked although the fp8 arm does not run.
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.load_config(path)
+  msg = str(e.value)
+  assert msg.startswith(f"{path}: key 'fp8_recipe.input.bogus': unknown key")
+  assert msg.count(path) == 1 and msg.count('fp8_recipe') == 1
+  assert 'history_length' in msg  # The allowed keys.
+
+
+def test_bad_recipe_file_names_both_files(tmp_path):
+  (tmp_path / 'bad.yaml').write_text('kind: fp8\ninput: {scaling: sometimes}\n')
+  path = _write(tmp_path, f'fp8_recipe: {tmp_path / "bad.yaml"}\n')
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.load_config(path)
+  msg = str(e.value)
+  assert msg.startswith(f"{path}: key 'fp8_recipe': ")
+  assert str(tmp_path / 'bad.yaml') in msg and 'sometimes' in msg
+
+
+def test_unknown_recipe_name_lists_shipped_ones(tmp_path):
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.load_config(_write(tmp_path, 'fp8_recipe: fp8_rowwize\n'))
+  assert "'fp8_recipe'" in str(e.value) and 'fp8_rowwise' in str(e.value)
+
+
+def test_recipe_of_the_other_kind(tmp_path):
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.load_config(_write(tmp_path, 'fp8_recipe: int8_lsq\n'))
+  msg = str(e.value)
+  assert "'fp8_recipe'" in msg and 'IntRecipe' in msg and 'fp8_delayed' in msg
+  with pytest.raises(config_lib.ConfigError, match=r"'int8_recipe\.kind'"):
+    config_lib.load_config(_write(tmp_path, 'int8_recipe: {kind: fp8}\n'))
+
+
+def test_recipe_checked_on_construction_too():
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"^key 'int8_recipe\.kernel': .*bits"):
+    config_lib.JobConfig(int8_recipe={'kernel': {'bits': 9}})
+
+
+def test_top_level_task_key_suggests_the_nested_key(tmp_path):
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.load_config(_write(tmp_path, 'steps: 50\n'))
+  msg = str(e.value)
+  assert "'steps'" in msg and "'lm.steps' or 'digits.steps'" in msg
+
+
+def test_unknown_config_name_lists_shipped_names():
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.load_config('nosuch')
+  assert "'nosuch' not found" in str(e.value)
+  assert 'shipped configs: default, large, tiny' in str(e.value)
+
+
+def test_checkout_style_config_path_resolves_from_anywhere(tmp_path,
+                                                           monkeypatch):
+  monkeypatch.chdir(tmp_path)  # No configs/ here, as after a wheel install.
+  assert config_lib.load_config('configs/job/tiny.yaml').lm.steps == 8
+
+
+def test_print_config(capsys):
+  assert main_lib.main(['--config', 'tiny', '--steps', '3',
+                        '--print-config']) == 0
+  out = capsys.readouterr().out
+  assert config_lib.merge(config_lib.JobConfig(), yaml.safe_load(out)) == (
+      config_lib.merge(config_lib.load_config('tiny'),
+                       {'lm': {'steps': 3}, 'digits': {'steps': 3}}))

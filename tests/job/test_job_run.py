@@ -8,6 +8,11 @@ import dataclasses
 import functools
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
+import time
 
 import flax.linen as nn
 import jax
@@ -164,8 +169,9 @@ def test_fp8_arm_tiny_run(tmp_path):
   assert np.isfinite(fp8.final_train_loss) and np.isfinite(fp8.val_loss)
   # Same init and data: the first-step losses of the arms are close.
   assert abs(fp8.history['loss'][0] - bf16.history['loss'][0]) < 0.1
-  row = next(l for l in paths['text'].splitlines() if l.startswith('fp8'))
-  assert row.split()[-3] == f'0/{fp8.health["scales"]}'
+  # The second fp8 row is the quantization-state table: nothing wrong.
+  row = [l for l in paths['text'].splitlines() if l.startswith('fp8')][1]
+  assert row.split()[2:] == ['0', '0']
   assert os.path.getsize(os.path.join(str(tmp_path), report.SCALES_PNG)) > 1000
 
 
@@ -175,16 +181,137 @@ def test_resume_equals_straight_fp8(tiny_cfg, tmp_path):
   _resume_matches_straight(cfg, tmp_path)
 
 
-def test_int8_arm_tiny_run(tiny_cfg, tmp_path):
+def test_int8_arm_tiny_run_traces_lsq_steps(tiny_cfg, tmp_path):
+  # The default int8 recipe: LSQ, whose learned step sizes are params.
+  cfg = dataclasses.replace(tiny_cfg, tasks=('digits',), arms=('int8',))
+  (result,) = _train_all(cfg, str(tmp_path))
+  assert result.quantized and np.isfinite(result.final_train_loss)
+  assert result.health['int_values'] > 0
+  assert result.health['nonfinite_int_values'] == 0
+  trace = result.history['trace']
+  assert {k.rsplit('/', 1)[1] for k in trace} == {'input_step', 'kernel_step'}
+  assert all(len(v) == 8 and min(v) > 0 for v in trace.values())
+  # The steps are trained: they move.
+  assert any(v[0] != v[-1] for v in trace.values())
+
+
+def test_int8_arm_with_observers_traces_ranges(tiny_cfg, tmp_path):
   cfg = dataclasses.replace(tiny_cfg, tasks=('digits',), arms=('int8',),
                             int8_recipe={'kernel': {'granularity': 'channel'}})
   (result,) = _train_all(cfg, str(tmp_path))
   assert result.quantized and np.isfinite(result.final_train_loss)
   assert result.health['scales'] > 0  # The observers' input ranges.
   assert result.health['nonfinite_scales'] == 0
+  assert {k.rsplit('/', 1)[1] for k in result.history['trace']} == {
+      'input_range'}
 
 
 def test_bad_recipe_names_config_key(tiny_cfg):
-  cfg = dataclasses.replace(tiny_cfg, fp8_recipe={'input': {'bogus': 1}})
-  with pytest.raises(ValueError, match='fp8_recipe'):
-    arms_lib.build_arm('fp8', cfg)
+  with pytest.raises(config_lib.ConfigError, match='fp8_recipe'):
+    dataclasses.replace(tiny_cfg, fp8_recipe={'input': {'bogus': 1}})
+
+
+def _signal_at(monkeypatch, step):
+  """Sends this process SIGINT while the batch of ``step`` is built."""
+  real_build = tasks_lib.build_task
+
+  def build(name, cfg):
+    task = real_build(name, cfg)
+    clean = task.train_batch
+
+    def train_batch(i):
+      if i == step:
+        signal.raise_signal(signal.SIGINT)
+      return clean(i)
+
+    return dataclasses.replace(task, train_batch=train_batch)
+
+  monkeypatch.setattr(tasks_lib, 'build_task', build)
+
+
+def test_ctrl_c_checkpoints_and_says_how_to_resume(tmp_path, monkeypatch,
+                                                   capsys):
+  out = str(tmp_path / 'run')
+  args = ['--config', 'tiny', '--tasks', 'digits', '--arms', 'bf16', '--out',
+          out]
+  _signal_at(monkeypatch, 5)  # During step 6: it completes, then stops.
+  assert main_lib.main(args) == main_lib.EXIT_INTERRUPTED == 130
+  err = capsys.readouterr().err
+  assert ('digits/bf16: interrupted at step 6, last checkpoint at 6; rerun '
+          f'with --resume:\n  python -m fp8_linen {" ".join(args)} --resume'
+          in err)
+  assert 'Traceback' not in err
+  step, state, history = _final_checkpoint(out, 'digits', 'bf16')
+  assert step == int(state['step']) == 6 and len(history['loss']) == 6
+  # The handler is gone again: a later Ctrl-C is an ordinary one.
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  monkeypatch.undo()
+  assert main_lib.main(args + ['--resume']) == 0
+  assert _final_checkpoint(out, 'digits', 'bf16')[0] == 8
+
+
+def test_ctrl_c_before_the_loop_names_the_last_checkpoint(tiny_cfg, tmp_path,
+                                                          monkeypatch):
+  cfg = dataclasses.replace(tiny_cfg, tasks=('digits',))
+  out = str(tmp_path / 'run')
+  _train_all(cfg, out, stop_after=4)
+
+  def interrupted_compile(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(train_lib, 'make_train_step', interrupted_compile)
+  with pytest.raises(train_lib.Interrupted) as e:
+    _train_all(cfg, out, resume=True)
+  assert (e.value.task, e.value.arm) == ('digits', 'bf16')
+  assert e.value.step == 4 and e.value.checkpoint == 4
+  assert main_lib.stop_message('interrupted', 4, 4) == (
+      'interrupted at step 4, last checkpoint at 4; rerun with --resume')
+  assert main_lib.stop_message('interrupted', None, None) == (
+      'interrupted before training started, no checkpoint yet; rerun with '
+      '--resume')
+
+
+def test_stop_after_says_how_to_resume(tmp_path, capsys):
+  out = str(tmp_path / 'run')
+  args = ['--config', 'tiny', '--tasks', 'digits', '--arms', 'bf16', '--out',
+          out, '--stop-after', '4']
+  assert main_lib.main(args) == 0
+  stdout = capsys.readouterr().out
+  assert ('digits/bf16: stopped (--stop-after 4) at step 4, last checkpoint '
+          'at 4; rerun with --resume:\n  python -m fp8_linen --config tiny '
+          f'--tasks digits --arms bf16 --out {out} --resume') in stdout
+
+
+def test_sigint_in_a_real_run(tmp_path):
+  """The whole command: Ctrl-C arrives while jax computes, no traceback."""
+  out = tmp_path / 'run'
+  # `python -m fp8_linen ...`, except that a shell starts background jobs
+  # (such as this test run, maybe) with SIGINT ignored, which Python keeps:
+  # restore Python's own handler first.
+  cmd = [sys.executable, '-c',
+         'import runpy, signal; '
+         'signal.signal(signal.SIGINT, signal.default_int_handler); '
+         'runpy.run_module("fp8_linen", run_name="__main__", alter_sys=True)',
+         '--config', 'tiny', '--tasks', 'digits', '--arms', 'bf16', '--steps',
+         '100000', '--out', str(out)]
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env)
+  ckpt = out / 'checkpoints' / 'digits' / 'bf16'
+  deadline = time.monotonic() + 120
+  try:
+    # Training runs once the first checkpoint (step 4) is there.
+    while not (ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())):
+      assert proc.poll() is None, proc.communicate()
+      assert time.monotonic() < deadline, 'training did not start'
+      time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 130, stderr
+  m = re.search(r'digits/bf16: interrupted at step (\d+), last checkpoint at '
+                r'(\d+); rerun with --resume', stderr)
+  assert m and m.group(1) == m.group(2), stderr
+  assert 'Traceback' not in stderr
