@@ -14,7 +14,9 @@ Lowerings (``recipe.gemm``):
 * ``'fp8'`` (``'auto'`` on GPU): each fp8 operand is converted and multiplied by
   its scalar scale right before the convolution (``conv(convert(x_f8) * s_x,
   convert(w_f8) * s_w)``), the form XLA:GPU's cuDNN fp8 convolution rewrite
-  matches. The gradient convolutions take the same dequantized form.
+  matches. The input gradient is a convolution of the same form (e5m2 gradient x
+  e4m3 kernel); the kernel gradient runs as fp8 GEMMs, one per kernel offset
+  (see :func:`_fp8_wgrad`).
 * ``'bf16'`` (``'auto'`` elsewhere): fp8 values are upcast exactly to bfloat16,
   the forward convolution accumulates in float32, and the product of the two
   scales multiplies the output. The gradient convolutions run in bfloat16.
@@ -32,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import jax
@@ -55,6 +58,66 @@ def _conv(a, b, cfg, compute_dtype, preferred=None):
 
 def _deq(q, s):
   return q.astype(jnp.float32) * jnp.reshape(s, ())
+
+
+def _fp8_dgrad(q_l, q_r, q_g, s_r, s_g, cfg):
+  """The input gradient as a convolution whose operands are ``convert(fp8) * scale``.
+
+  XLA:GPU's cuDNN fp8 rewrite matches only forward convolutions whose operands
+  are directly ``convert(f8) * scalar``. Differentiating the dequantized
+  kernel puts a reversal between the dequantize and the convolution, so the
+  kernel is reversed in fp8 first and reversed back inside the differentiated
+  function: autodiff's own reversal cancels it and XLA folds the pair.
+  """
+  spatial = tuple(cfg[4].rhs_spec[2:])
+  r_rev = lax.rev(q_r, spatial)
+  _, vjp = jax.vjp(lambda a: _conv(a, lax.rev(_deq(r_rev, s_r), spatial), cfg, jnp.float32),
+                   jnp.zeros(q_l.shape, jnp.float32))
+  return vjp(_deq(q_g, s_g))[0]
+
+
+def _fp8_wgrad(q_l, q_g, rhs_shape, cfg):
+  """The kernel gradient as one fp8 GEMM per kernel offset (``None`` where unsupported).
+
+  XLA classifies a kernel-gradient convolution as a backward-filter
+  convolution, which its fp8 rewrite never matches; as GEMMs of fp8 slices of
+  the padded input by the fp8 gradient (which XLA merges into one cuBLASLt fp8
+  matmul) it runs in fp8. The slices cost one fp8 copy of the input per kernel
+  offset. Grouped and input-dilated convolutions return ``None``.
+  """
+  strides, padding, lhs_dil, rhs_dil, dn, groups = cfg
+  if groups != 1 or any(d != 1 for d in lhs_dil):
+    return None
+  lhs_spec, rhs_spec, out_spec = dn
+  n = len(lhs_spec) - 2
+  ks = [rhs_shape[d] for d in rhs_spec[2:]]
+  in_sp = [q_l.shape[d] for d in lhs_spec[2:]]
+  out_sp = [q_g.shape[d] for d in out_spec[2:]]
+  if isinstance(padding, str):
+    eff = [(k - 1) * d + 1 for k, d in zip(ks, rhs_dil)]
+    padding = lax.padtype_to_pads(in_sp, eff, strides, padding)
+  pads = [(0, 0, 0)] * q_l.ndim
+  for i, d in enumerate(lhs_spec[2:]):
+    pads[d] = (padding[i][0], padding[i][1], 0)
+  xp = lax.pad(q_l, jnp.zeros((), q_l.dtype), pads)
+  l_con = (lhs_spec[0],) + tuple(lhs_spec[2:])
+  g_con = (out_spec[0],) + tuple(out_spec[2:])
+  outs = []
+  for k in itertools.product(*[range(x) for x in ks]):
+    start, limit, step = [0] * xp.ndim, list(xp.shape), [1] * xp.ndim
+    for i, d in enumerate(lhs_spec[2:]):
+      start[d] = k[i] * rhs_dil[i]
+      limit[d] = start[d] + (out_sp[i] - 1) * strides[i] + 1
+      step[d] = strides[i]
+    xk = lax.slice(xp, start, limit, step)
+    outs.append(lowering.lax_dot_general(xk, q_g, ((l_con, g_con), ((), ())),
+                                         preferred_element_type=jnp.float32))  # (C_in, C_out)
+  w = jnp.stack(outs).reshape(tuple(ks) + outs[0].shape)  # (k..., I, O)
+  perm = [0] * (n + 2)
+  perm[rhs_spec[0]], perm[rhs_spec[1]] = n + 1, n
+  for i, d in enumerate(rhs_spec[2:]):
+    perm[d] = i
+  return jnp.transpose(w, perm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +153,14 @@ class ConvSpec:
     s_l, s_r = extras
     q_g, s_g, a_g = numerics.quantize_with(self.cfgs[2], *states[2], g)
     if self.gemm == "fp8":
-      _, vjp = jax.vjp(lambda a, b: _conv(a, b, self.conv_cfg, jnp.float32),
-                       _deq(q_l, s_l), _deq(q_r, s_r))
-      d_lhs, d_rhs = vjp(_deq(q_g, s_g))
+      d_lhs = _fp8_dgrad(q_l, q_r, q_g, s_r, s_g, self.conv_cfg)
+      d_rhs = _fp8_wgrad(q_l, q_g, q_r.shape, self.conv_cfg)
+      if d_rhs is None:  # grouped / input-dilated: the dequantized (non-fp8) form
+        _, vjp = jax.vjp(lambda b: _conv(_deq(q_l, s_l), b, self.conv_cfg, jnp.float32),
+                         _deq(q_r, s_r))
+        d_rhs = vjp(_deq(q_g, s_g))[0]
+      else:
+        d_rhs = d_rhs * jnp.reshape(s_l * s_g, ())
     else:
       up = jnp.bfloat16 if self.gemm == "bf16" else jnp.float32
       _, vjp = jax.vjp(lambda a, b: _conv(a, b, self.conv_cfg, up), q_l.astype(up),

@@ -39,6 +39,7 @@ from jax.lax import dot_general as lax_dot_general
 __all__ = [
     "GEMMS",
     "target_backend",
+    "current_backend",
     "resolve_gemm",
     "gemm",
     "scaled",
@@ -59,6 +60,9 @@ def target_backend(backend: str):
   Args:
     backend: ``'gpu'``, ``'cpu'`` or ``'tpu'``.
 
+  Every choice the library makes per backend while tracing (the GEMM form,
+  the fp8 encoder) follows it.
+
   Example:
     >>> import fp8_linen as fl
     >>> with fl.target_backend('gpu'):
@@ -73,12 +77,16 @@ def target_backend(backend: str):
     _TARGET.reset(token)
 
 
+def current_backend() -> str:
+  """The backend products are traced for: :func:`target_backend`'s, else JAX's default."""
+  return _TARGET.get() or jax.default_backend()
+
+
 def resolve_gemm(recipe) -> str:
   """Resolves ``recipe.gemm='auto'`` against the target backend."""
   if recipe.gemm != "auto":
     return recipe.gemm
-  backend = _TARGET.get() or jax.default_backend()
-  return "fp8" if backend == "gpu" else "bf16"
+  return "fp8" if current_backend() == "gpu" else "bf16"
 
 
 def _as_matmul_operand(x, contract, batch, contract_last: bool):

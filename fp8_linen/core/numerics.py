@@ -26,6 +26,7 @@ import ml_dtypes
 from jax import lax
 import numpy as np
 
+from fp8_linen.core import lowering
 from fp8_linen.recipes.fp8 import ScalingConfig
 
 __all__ = [
@@ -63,8 +64,16 @@ def fp8_max(dtype) -> float:
 
 
 def amax(x: jnp.ndarray) -> jnp.ndarray:
-  """``max(|x|)`` over all elements, as a float32 scalar (NaN if any is NaN)."""
-  return jnp.max(jnp.abs(x)).astype(jnp.float32)
+  """``max(|x|)`` over all elements, as a float32 scalar (NaN if any is NaN).
+
+  Written as ``max(max(x), -min(x))``: XLA:GPU fuses a ``max(|y|)`` of an fp8
+  GEMM's output ``y`` into the cuBLASLt call as a second output, and when ``y``
+  is then quantized with a scale computed from that amax (a gradient fed to
+  the next fp8 GEMM) the fused call depends on itself and compilation fails
+  ("cycle detected"). This form is not fused.
+  """
+  x = jnp.asarray(x)
+  return jnp.maximum(jnp.max(x), -jnp.min(x)).astype(jnp.float32)
 
 
 def finite_or_zero(a: jnp.ndarray) -> jnp.ndarray:
@@ -111,7 +120,7 @@ def encode_fp8(y: jnp.ndarray, dtype) -> jnp.ndarray:
     [0.3125, 16.0, -448.0]
   """
   spec = _ENCODERS.get(np.dtype(dtype))
-  if spec is None or jax.default_backend() != "cpu":
+  if spec is None or lowering.current_backend() != "cpu":
     return y.astype(dtype)
   mant, bias, nan_code = spec
   drop = 23 - mant

@@ -1,0 +1,220 @@
+"""fp8 GEMMs and convolutions of training steps compiled for an H100, without a GPU.
+
+Every step returns the loss, dL/dx and the gradients of all variables, so each
+quantized layer has three products: forward, dgrad and wgrad. Its loss is
+``sum(y * r)`` with a random cotangent ``r`` passed as an argument, and the
+variables (params, fp8 scales and amax histories) are jit arguments. Recipes
+say ``gemm='fp8'`` (the direct fp8 GEMM form a GPU traces) and the step is
+traced under ``gpu_compile.gpu_tracing()``.
+
+What passing proves: XLA:GPU selected cuBLASLt fp8 GEMMs
+(``__cublas$lt$matmul$f8``) / cuDNN fp8 convolutions for those products, i.e.
+their inputs are fp8. Not speed.
+"""
+
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax.numpy as jnp
+import pytest
+
+import fp8_linen as fl
+from fp8_linen.testing import gpu_compile
+
+# The default gemm='auto': compile_for_h100 traces for a GPU (fl.target_backend('gpu')),
+# so these are exactly the recipes a GPU user gets.
+DELAYED = fl.Fp8Recipe()
+CURRENT = fl.current_scaling()
+ROWWISE = fl.rowwise_scaling()
+D = 256
+TOKENS = (128, D)
+
+
+@pytest.fixture(autouse=True)
+def _needs_h100(h100):
+  """Every test here needs the deviceless compile (fails with the reason if absent)."""
+  del h100
+
+
+def compile_step(model, x=TOKENS, dtype=jnp.bfloat16, **kw):
+  return gpu_compile.compile_train_step(model, x, dtype, **kw)
+
+
+def assert_all_fp8(report, products):
+  """``products`` products, every one an fp8 GEMM/conv, none left to another route."""
+  assert (report.fp8_products, report.products) == (products, products), report.summary()
+  assert report.other_dots == 0, report.summary()
+
+
+# ----------------------------------------------------------------------------
+# One layer: 3 of 3 products in fp8.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT, ROWWISE], ids=["delayed", "current", "rowwise"])
+def test_qdense_three_fp8_gemms(recipe):
+  r = compile_step(fl.QDense(D, recipe=recipe))
+  assert (r.fp8_gemms, r.gemms) == (3, 3), r.summary()
+  assert_all_fp8(r, 3)
+
+
+def test_qdensegeneral_3d_kernel():
+  layer = fl.QDenseGeneral(features=(8, 32), recipe=DELAYED)  # kernel (256, 8, 32)
+  r = compile_step(layer, (4, 32, D))
+  assert (r.fp8_gemms, r.gemms) == (3, 3), r.summary()
+  assert_all_fp8(r, 3)
+
+
+def test_qeinsum():
+  layer = fl.QEinsum(shape=(D, 8, 32), einsum_str="btd,dhk->bthk", recipe=DELAYED)
+  r = compile_step(layer, (4, 32, D))
+  assert_all_fp8(r, 3)
+
+
+def test_flax_dense_with_fp8_dot_general():
+  layer = nn.Dense(D, dot_general_cls=functools.partial(fl.Fp8DotGeneral, recipe=DELAYED))
+  r = compile_step(layer)
+  assert_all_fp8(r, 3)
+
+
+def test_fp8_activation_around_a_dense():
+  model = nn.Sequential([fl.Fp8Activation(), fl.QDense(D, recipe=DELAYED), fl.Fp8Activation()])
+  r = compile_step(model)
+  assert_all_fp8(r, 3)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_mlp_fp8_gemms_scale_with_depth(depth):
+  layers = []
+  for _ in range(depth):
+    layers += [fl.QDense(D, recipe=DELAYED), nn.gelu]
+  r = compile_step(nn.Sequential(layers[:-1]))
+  assert_all_fp8(r, 3 * depth)
+
+
+def test_bf16_dense_control_has_no_fp8():
+  r = compile_step(nn.Dense(D, dtype=jnp.bfloat16))
+  assert r.fp8_products == 0, r.summary()
+  assert r.gemms == 3, r.summary()
+
+
+def test_mx_block_scaling_is_an_emulation():
+  """MX block scaling is emulated: fp8 blocks are dequantized to bf16 and multiplied there.
+
+  No XLA backend has a block-scaled fp8 GEMM for it, so its three GEMMs are
+  bf16 GEMMs on exactly dequantized operands: 0 fp8 products is the correct
+  figure (the memory win is real, the fp8-GEMM speed-up is not).
+  """
+  r = compile_step(fl.QDense(D, recipe=fl.mx_block_scaling()))
+  assert (r.fp8_products, r.gemms) == (0, 3), r.summary()
+
+
+def test_triton_route_counts_fp8_dots():
+  r = compile_step(fl.QDense(D, recipe=DELAYED),
+                   compiler_options={"xla_gpu_enable_triton_gemm": True})
+  assert (r.fp8_triton_gemms, r.triton_gemms, r.gemms) == (3, 3, 0), r.summary()
+
+
+def test_memory_figures():
+  r = compile_step(fl.QDense(D, recipe=DELAYED))
+  assert r.temp_bytes > 0 and r.argument_bytes > 0 and r.output_bytes > 0, r
+  # The parameters' gradients, dL/dx and the new fp8 state are outputs.
+  assert r.output_bytes >= D * D * 4 + TOKENS[0] * D * 2, r
+
+
+# ----------------------------------------------------------------------------
+# Convolutions.
+# ----------------------------------------------------------------------------
+
+
+def test_qconv_forward_dgrad_and_wgrad_are_fp8():
+  """QConv's forward, input-gradient and kernel-gradient products are all fp8.
+
+  Forward and dgrad must be cuDNN fp8 convolutions. XLA:GPU's cuDNN fp8 graph
+  rewrite only matches *forward* convolutions and XLA always classifies a
+  kernel-gradient convolution as backward-filter, so the wgrad may instead be
+  fp8 cuBLASLt GEMM(s); either way no product of the step may run in
+  f32/bf16. (Today: 1 of 3, the backward convolutions get dequantized f32
+  operands.)
+  """
+  r = compile_step(fl.QConv(64, (3, 3), recipe=DELAYED), (8, 16, 16, 64))
+  assert r.fp8_convs == r.convs, f"not every convolution is fp8: {r.summary()}"
+  assert r.fp8_convs >= 2, f"forward + dgrad fp8 convolutions expected: {r.summary()}"
+  assert r.fp8_gemms == r.gemms and r.other_dots == 0, r.summary()
+  assert r.fp8_products == r.products >= 3, r.summary()
+
+
+# ----------------------------------------------------------------------------
+# An unmodified model through quantize_model.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:SelfAttention will be deprecated:DeprecationWarning")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, None], ids=["bfloat16", "float32"])
+def test_decoder_block_through_quantize_model(dtype):
+  """Pre-LN block (SelfAttention(8 heads) + GELU MLP): every product fp8.
+
+  8 products (query, key, value, out projections, the two attention einsums,
+  two MLP layers) x 3 = 24. float32 fails today: XLA reports "A cycle is
+  detected ... get-tuple-element(%cublas-gemm...), index=1".
+  """
+  block = gpu_compile.DecoderBlock(num_heads=8, qkv_features=128, mlp=512, dtype=dtype)
+  model = fl.quantize_model(block, DELAYED)
+  r = compile_step(model, (2, 64, 128), dtype or jnp.float32)
+  assert_all_fp8(r, 24)
+
+
+def test_fp8_layers_back_to_back_compile():
+  """Smallest form of the same "cycle detected" failure: two fp8 layers, no bias between.
+
+  In the backward pass the second layer's dgrad GEMM output is, alone, the
+  first layer's output gradient, which is reduced to its amax and quantized
+  with a scale from that amax; XLA fuses both into that fp8 GEMM. Fails today.
+  """
+  model = nn.Sequential([fl.QDense(D, use_bias=False, recipe=CURRENT), fl.QDense(D, recipe=CURRENT)])
+  r = compile_step(model)
+  assert_all_fp8(r, 6)
+
+
+# ----------------------------------------------------------------------------
+# The module itself.
+# ----------------------------------------------------------------------------
+
+
+def _python(code, **env):
+  full = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  full.update(env)
+  return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full,
+                        timeout=300)
+
+
+def test_unavailable_with_another_platform_says_why():
+  out = _python("from fp8_linen.testing import gpu_compile as g\n"
+                "print('REASON:', g.availability().reason)\n"
+                "try:\n  g.use_cpu_platform()\nexcept g.GpuCompileUnavailable as e:\n"
+                "  print('RAISED:', e)\n", JAX_PLATFORMS="cuda")
+  assert "REASON: jax.config.jax_platforms='cuda', not 'cpu'" in out.stdout, out
+  assert "RAISED: jax.config.jax_platforms='cuda'" in out.stdout, out
+
+
+def test_unavailable_after_backends_started_says_why():
+  out = _python("import jax.numpy as jnp\n(jnp.ones(2) + 1).block_until_ready()\n"
+                "from fp8_linen.testing import gpu_compile as g\ng.use_cpu_platform()\n"
+                "print('REASON:', g.availability().reason)\n")
+  assert "not registered in this process" in out.stdout, out
+
+
+def test_cli_prints_the_table():
+  out = subprocess.run(
+      [sys.executable, "-m", "fp8_linen.testing.gpu_compile", "--only", "qdense-delayed",
+       "--only", "bf16-dense", "--no-triton"],
+      capture_output=True, text=True, timeout=300,
+      env={k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"})
+  assert out.returncode == 0, out
+  rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.strip()}
+  assert rows["qdense-delayed"][1] == "3/3", out.stdout
+  assert rows["bf16-dense"][1] == "0/3", out.stdout
