@@ -25,10 +25,11 @@ Lowerings (``recipe.gemm``):
 Example:
   >>> import jax, jax.numpy as jnp
   >>> import fp8_linen as fl
-  >>> conv = fl.QConv(features=4, kernel_size=(3, 3))
-  >>> y, v = conv.init_with_output(jax.random.key(0), jnp.ones((1, 8, 8, 3)))
-  >>> y.shape, sorted(v['params'])
-  ((1, 8, 8, 4), ['bias', 'kernel'])
+  >>> st = lambda: fl.RoleState(jnp.ones((1,)), jnp.zeros((4,)))
+  >>> f = lambda x, w: fl.fp8_conv_general_dilated(x, w, (1, 1), 'SAME', input_state=st(),
+  ...     kernel_state=st(), output_grad_state=st(), recipe=fl.Fp8Recipe(gemm='fp8'))[0]
+  >>> jax.grad(lambda w: f(jnp.ones((1, 2, 4, 4)), w).sum())(jnp.ones((3, 2, 3, 3))).shape
+  (3, 2, 3, 3)
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8_linen.core import lowering, numerics, owg
-from fp8_linen.core.product import product
+from fp8_linen.core.product import ProductSpec, product
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
 __all__ = ["ConvSpec", "fp8_conv_general_dilated"]
@@ -120,21 +121,11 @@ def _fp8_wgrad(q_l, q_g, rhs_shape, cfg):
   return jnp.transpose(w, perm)
 
 
-@dataclasses.dataclass(frozen=True)
-class ConvSpec:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConvSpec(ProductSpec):
   """A per-tensor fp8 convolution (a spec of :func:`fp8_linen.core.product.product`)."""
 
   conv_cfg: Any
-  recipe: Fp8Recipe
-  gemm: str
-  out_dtype: Any
-  lhs_dtype: Any
-  rhs_dtype: Any
-  first: bool
-
-  @property
-  def cfgs(self):
-    return (self.recipe.input, self.recipe.kernel, self.recipe.output_grad)
 
   def forward(self, lhs, rhs, states):
     c_l, c_r, _ = self.cfgs
@@ -271,6 +262,7 @@ def fp8_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=Non
       owg.ROLES, (input_state, kernel_state, output_grad_state)))
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
   first = chain is None
-  spec = ConvSpec(conv_cfg, recipe, lowering.resolve_gemm(recipe), out_dtype,
-                  jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), first)
+  spec = ConvSpec(conv_cfg=conv_cfg, recipe=recipe, gemm=lowering.resolve_gemm(recipe),
+                  out_dtype=out_dtype, lhs_dtype=jnp.dtype(lhs.dtype),
+                  rhs_dtype=jnp.dtype(rhs.dtype), first=first)
   return product(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)

@@ -10,24 +10,19 @@ Each granularity is a spec of :func:`fp8_linen.core.product.product`:
 :class:`TensorDot`, :class:`RowDot`, :class:`BlockDot`.
 
 Example:
-  >>> import jax.numpy as jnp
   >>> import fp8_linen as fl
-  >>> st = lambda: fl.RoleState(jnp.ones((1,)), jnp.zeros((16,)))
-  >>> y, _ = fl.fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 4)), (((1,), (0,)), ((), ())),
-  ...                           input_state=st(), kernel_state=st(), output_grad_state=st())
-  >>> y.shape
-  (2, 4)
+  >>> from fp8_linen.core import dot_general
+  >>> dot_general._SPECS[fl.rowwise_scaling().granularity].__name__
+  'RowDot'
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
 import jax.numpy as jnp
 
 from fp8_linen.core import dims, lowering, numerics, owg
-from fp8_linen.core.product import product
+from fp8_linen.core.product import ProductSpec, product
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
 __all__ = ["TensorDot", "RowDot", "BlockDot", "fp8_dot_general", "grad_gemm"]
@@ -51,21 +46,11 @@ def _relayout(t, pairs, dst_ndim: int):
   return jnp.transpose(jnp.squeeze(t, axis=squeeze), perm).reshape(shape)
 
 
-@dataclasses.dataclass(frozen=True)
-class _DotSpec:
-  """Static configuration shared by the fp8 GEMM specs."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _DotSpec(ProductSpec):
+  """A GEMM spec: :class:`~fp8_linen.core.product.ProductSpec` plus dimension numbers."""
 
   dn: dims.DimensionNumbers
-  recipe: Fp8Recipe
-  gemm: str
-  out_dtype: Any
-  lhs_dtype: Any
-  rhs_dtype: Any
-  first: bool
-
-  @property
-  def cfgs(self):
-    return (self.recipe.input, self.recipe.kernel, self.recipe.output_grad)
 
 
 class TensorDot(_DotSpec):
@@ -254,6 +239,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
       owg.ROLES, (input_state, kernel_state, output_grad_state)))
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
   first = chain is None
-  spec = _SPECS[recipe.granularity](dn, recipe, lowering.resolve_gemm(recipe), out_dtype,
-                                    jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), first)
+  spec = _SPECS[recipe.granularity](
+      dn=dn, recipe=recipe, gemm=lowering.resolve_gemm(recipe), out_dtype=out_dtype,
+      lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first)
   return product(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)

@@ -13,9 +13,10 @@ forward and of the two gradient products; each is a frozen, hashable *spec*
   (scales);
 * ``backward(q_lhs, q_rhs, extras, states, g) -> (d_lhs, d_rhs, amax_g)``.
 
-A spec also has ``cfgs`` (the three roles' :class:`~fp8_linen.ScalingConfig`)
-and ``first`` (whether this use returns the state; see
-:mod:`fp8_linen.core.owg`).
+Specs derive from :class:`ProductSpec`, which holds what every product needs:
+the recipe (``cfgs`` gives the three roles' :class:`~fp8_linen.ScalingConfig`),
+the GEMM lowering, the dtypes and ``first`` (whether this use returns the
+state; see :mod:`fp8_linen.core.owg`).
 
 Example:
   >>> import jax.numpy as jnp
@@ -30,14 +31,42 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 from jax import lax
 
 from fp8_linen.core import owg
 
-__all__ = ["product"]
+__all__ = ["ProductSpec", "product"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProductSpec:
+  """Static configuration every fp8 product spec carries (hashable).
+
+  Attributes:
+    recipe: the :class:`~fp8_linen.Fp8Recipe`.
+    gemm: the resolved lowering (``'fp8'``, ``'bf16'`` or ``'f32'``).
+    out_dtype: dtype of the product.
+    lhs_dtype: dtype of the ``lhs`` gradient.
+    rhs_dtype: dtype of the ``rhs`` gradient.
+    first: whether this use returns the state.
+  """
+
+  recipe: Any
+  gemm: str
+  out_dtype: Any
+  lhs_dtype: Any
+  rhs_dtype: Any
+  first: bool
+
+  @property
+  def cfgs(self):
+    """The ``input``, ``kernel`` and ``output_grad`` configs."""
+    return (self.recipe.input, self.recipe.kernel, self.recipe.output_grad)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
