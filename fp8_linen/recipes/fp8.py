@@ -159,7 +159,7 @@ class Fp8Recipe:
         on unscaled fp8 operands and the outer product of the two scale vectors
         multiplies its output, so it stays a plain fp8 GEMM. The gradient is
         scaled per row of each backward GEMM (see
-        :func:`~fp8_linen.ops.fp8_dot_general`).
+        :func:`~fp8_linen.fp8_dot_general`).
       * ``'block'``: MX-style block scaling: blocks of ``block_size`` elements
         along the (last) contracting axis share a power-of-two (e8m0) scale.
         No XLA backend has a block-scaled GEMM, so it is emulated: the blocks
