@@ -1,0 +1,37 @@
+"""fp8 and integer quantization-aware training for Flax NNX.
+
+Layers (drop-ins for their ``flax.nnx`` twins): :class:`Linear`,
+:class:`LinearGeneral`, :class:`Einsum`, :class:`Conv`; the activation
+:class:`Quantizer`. Their state is :class:`QuantState`; it leaves a step as
+its gradient and :class:`Optimizer` writes it back (see :mod:`.training`).
+
+Example:
+  >>> import jax.numpy as jnp, optax
+  >>> from flax import nnx
+  >>> import fp8_linen as fl
+  >>> model = fl.nnx.Linear(16, 4, rngs=nnx.Rngs(0))
+  >>> opt = fl.nnx.Optimizer(model, optax.adam(1e-3))
+  >>> loss, grads = fl.nnx.value_and_grad(lambda m: (m(jnp.ones((8, 16))) ** 2).mean())(model)
+  >>> opt.update(model, grads)
+"""
+
+from fp8_linen.nnx.activation import Quantizer
+from fp8_linen.nnx.layers import Conv, Einsum, Linear, LinearGeneral
+from fp8_linen.nnx.products import calibrate
+from fp8_linen.nnx.state import DIFF, QuantState
+from fp8_linen.nnx.training import Optimizer, grad, update_state, value_and_grad
+
+__all__ = [
+    "Linear",
+    "LinearGeneral",
+    "Einsum",
+    "Conv",
+    "Quantizer",
+    "QuantState",
+    "DIFF",
+    "Optimizer",
+    "value_and_grad",
+    "grad",
+    "update_state",
+    "calibrate",
+]

@@ -1,0 +1,82 @@
+"""An fp8 activation quantizer for NNX: keep activations in fp8 for the backward pass.
+
+:class:`Quantizer` runs the core ``quantize``/``dequantize`` pair: forward
+``x -> x_fp8`` (e4m3, scale from ``input_*``) ``-> x_fp8 * s``; backward: the
+incoming gradient is quantized to e5m2 (scale from ``output_grad_*``) and
+dequantized with exactly the scale it was quantized with. The new state of
+both roles leaves the step as the gradient of its :class:`QuantState`
+variables (nothing is written during the step). The fp8 copy is named
+:data:`fp8_linen.CHECKPOINT_NAME`, so under ``nnx.remat`` with
+``jax.checkpoint_policies.save_only_these_names(fp8_linen.CHECKPOINT_NAME)``
+only the fp8 copies are saved.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> import fp8_linen as fl
+  >>> q = fl.nnx.Quantizer()
+  >>> q(jnp.array([1.0, -2.0, 448.0])).tolist()
+  [1.0, -2.0, 448.0]
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from fp8_linen.core.owg import CHECKPOINT_NAME, name_fp8_residual
+from fp8_linen.core.qdq import dequantize, quantize
+from fp8_linen.nnx.state import chained, declare_role, read_role
+from fp8_linen.recipes.fp8 import ActivationRecipe
+
+__all__ = ["Quantizer"]
+
+
+class Quantizer(nnx.Module):
+  """Stores an activation in fp8: e4m3 forward, e5m2 gradient.
+
+  Args:
+    recipe: an :class:`~fp8_linen.ActivationRecipe` (default e4m3 / e5m2,
+      delayed scaling).
+    checkpoint_name: the ``checkpoint_name`` of the fp8 copy.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import fp8_linen as fl
+    >>> q = fl.nnx.Quantizer()
+    >>> grads, dx = nnx.grad(lambda q, x: (1000.0 * q(x)).sum(), argnums=(
+    ...     nnx.DiffState(0, fl.nnx.QuantState), 1))(q, jnp.array([5.0]))
+    >>> dx.tolist(), grads['output_grad_amax_history'][...][0].tolist()
+    ([1000.0], 1000.0)
+  """
+
+  def __init__(self, recipe: ActivationRecipe | None = None, *,
+               checkpoint_name: str = CHECKPOINT_NAME):
+    recipe = ActivationRecipe() if recipe is None else recipe
+    if not isinstance(recipe, ActivationRecipe):
+      hint = " (call it: the function returns the recipe)" if callable(recipe) else ""
+      raise TypeError(f"Quantizer: recipe must be an ActivationRecipe, got {recipe!r}{hint}")
+    self.recipe = recipe
+    self.checkpoint_name = checkpoint_name
+    declare_role(self, "input", recipe.input)
+    declare_role(self, "output_grad", recipe.output_grad)
+
+  def __call__(self, x):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"Quantizer: x must be a floating array, got dtype {x.dtype}")
+    rec = self.recipe
+    st_in = read_role(self, "input", rec.input)
+    st_g = read_role(self, "output_grad", rec.output_grad)
+
+    def _q(chain):
+      xq, s, chain_out = quantize(x, *st_in, cfg=rec.input, chain=chain)
+      return (xq, s), chain_out
+
+    # The two roles are separate states, each chained over the uses in a step.
+    xq, s = chained(self, "activation_input", _q)
+    xq = name_fp8_residual(xq, self.checkpoint_name)
+    return chained(self, "activation_output_grad",
+                   lambda chain: dequantize(xq, s, *st_g, grad_cfg=rec.output_grad,
+                                            dtype=x.dtype, chain=chain))

@@ -1,0 +1,245 @@
+"""Drop-in quantized twins of ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``.
+
+Each layer subclasses its flax twin, takes the same constructor arguments
+(plus ``recipe``) and has the same ``nnx.Param`` names and shapes, so a float
+NNX model's parameters load into it. Flax's own forward runs; its product is
+the layer's injection point (``dot_general``, ``einsum_op``,
+``conv_general_dilated``), set to a module-level function that runs the
+quantized product (:mod:`fp8_linen.nnx.products`) on the state of the layer
+whose ``__call__`` is running. The state is added as
+:class:`~fp8_linen.nnx.QuantState` variables under the Linen layers' names.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> import fp8_linen as fl
+  >>> layer = fl.nnx.Einsum('btd,dh->bth', (3, 4), (4,), rngs=nnx.Rngs(0))
+  >>> layer(jnp.ones((2, 5, 3))).shape, layer.kernel[...].shape
+  ((2, 5, 4), (3, 4))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from fp8_linen.nnx import products
+from fp8_linen.recipes.fp8 import Fp8Recipe
+from fp8_linen.recipes.integer import IntRecipe
+
+__all__ = ["Linear", "LinearGeneral", "Einsum", "Conv"]
+
+# The layer whose __call__ is running, read by the injected product functions
+# (module-level functions keep the layers' static attributes hashable).
+_RUNNING: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_nnx_layer", default=None)
+
+
+@contextlib.contextmanager
+def _running(layer):
+  token = _RUNNING.set(layer)
+  try:
+    yield
+  finally:
+    _RUNNING.reset(token)
+
+
+def _current(what: str):
+  layer = _RUNNING.get()
+  if layer is None:
+    raise RuntimeError(f"fp8_linen: this {what} only runs inside its layer's __call__")
+  return layer
+
+
+def _layer_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                       preferred_element_type=None, out_sharding=None):
+  """The ``dot_general`` a quantized layer hands to flax's forward."""
+  del precision, out_sharding  # fp8 GEMMs run at DEFAULT precision; layout left to XLA.
+  layer = _current("dot_general")
+  return products.dot_general(layer, lhs, rhs, dimension_numbers, layer.recipe,
+                              out_dtype=preferred_element_type)
+
+
+def _layer_einsum(equation, lhs, rhs, precision=None, preferred_element_type=None,
+                  out_sharding=None):
+  """The ``einsum_op`` :class:`Einsum` hands to flax's forward."""
+  del precision, out_sharding
+  layer = _current("einsum")
+  return products.einsum(layer, equation.replace(" ", ""), lhs, rhs, layer.recipe,
+                         out_dtype=preferred_element_type or jnp.result_type(lhs, rhs))
+
+
+def _layer_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                dimension_numbers=None, feature_group_count=1, batch_group_count=1,
+                precision=None, preferred_element_type=None, **unused):
+  """The ``conv_general_dilated`` :class:`Conv` hands to flax's forward."""
+  del precision, unused
+  if batch_group_count != 1:
+    raise NotImplementedError("quantized convolutions do not support batch_group_count != 1")
+  layer = _current("convolution")
+  kw = dict(window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
+            rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+            feature_group_count=feature_group_count)
+  return products.conv(layer, lhs, rhs, kw, layer.recipe,
+                       out_dtype=preferred_element_type or jnp.result_type(lhs, rhs))
+
+
+def _no_override(owner: str, kwargs: dict, *names: str) -> None:
+  for name in names:
+    if kwargs.get(name) is not None:
+      raise ValueError(f"{owner} brings its own quantized {name}; leave {name} unset")
+
+
+def _check_floating(owner: str, inputs):
+  inputs = jnp.asarray(inputs)
+  if not jnp.issubdtype(inputs.dtype, jnp.floating):
+    raise TypeError(f"{owner}: inputs must be a floating array, got dtype {inputs.dtype}")
+  return inputs
+
+
+class Linear(nnx.Linear):
+  """Drop-in for ``nnx.Linear`` whose matmul is quantized (fp8 by default).
+
+  Same arguments and ``nnx.Param`` s (``kernel``, ``bias``) as ``nnx.Linear``;
+  the state is added as :class:`~fp8_linen.nnx.QuantState`. Every recipe works:
+  fp8 (delayed, current, row-wise, MX) and integer (STE, LSQ, LSQ+; LSQ adds
+  ``input_step``/``kernel_step`` params — :func:`~fp8_linen.nnx.calibrate`
+  initialises the activation's from data).
+
+  Args:
+    in_features: input features.
+    out_features: output features.
+    recipe: an :class:`~fp8_linen.Fp8Recipe` (default) or
+      :class:`~fp8_linen.IntRecipe`.
+    rngs: the ``nnx.Rngs``.
+    **kwargs: ``nnx.Linear``'s other arguments (not ``dot_general``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import fp8_linen as fl
+    >>> layer = fl.nnx.Linear(5, 3, rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((2, 5))).shape
+    (2, 3)
+  """
+
+  def __init__(self, in_features: int, out_features: int, *, recipe: Any = Fp8Recipe(),
+               rngs: nnx.Rngs, **kwargs):
+    _no_override("Linear", kwargs, "dot_general")
+    products.check_recipe("Linear", recipe)
+    super().__init__(in_features, out_features, dot_general=_layer_dot_general, rngs=rngs,
+                     **kwargs)
+    self.recipe = recipe
+    products.declare(self, recipe, self.kernel[...], (0,))
+
+  def __call__(self, inputs, *args, **kwargs):
+    inputs = _check_floating("Linear", inputs)
+    with _running(self):
+      return super().__call__(inputs, *args, **kwargs)
+
+
+class LinearGeneral(nnx.LinearGeneral):
+  """Drop-in for ``nnx.LinearGeneral`` whose product is quantized.
+
+  Same arguments (``in_features``, ``out_features``, ``axis``, ``batch_axis``)
+  and ``nnx.Param`` s as ``nnx.LinearGeneral``; every recipe works.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import fp8_linen as fl
+    >>> layer = fl.nnx.LinearGeneral(5, (2, 3), rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((4, 5))).shape, layer.kernel[...].shape
+    ((4, 2, 3), (5, 2, 3))
+  """
+
+  def __init__(self, in_features, out_features, *, recipe: Any = Fp8Recipe(),
+               rngs: nnx.Rngs, **kwargs):
+    _no_override("LinearGeneral", kwargs, "dot_general", "dot_general_cls")
+    products.check_recipe("LinearGeneral", recipe)
+    super().__init__(in_features, out_features, dot_general=_layer_dot_general, rngs=rngs,
+                     **kwargs)
+    self.recipe = recipe
+    n_batch = len(self.batch_axis)
+    n_in = len(self.in_features)
+    products.declare(self, recipe, self.kernel[...], tuple(range(n_batch, n_batch + n_in)))
+
+  def __call__(self, inputs, *args, **kwargs):
+    inputs = _check_floating("LinearGeneral", inputs)
+    with _running(self):
+      return super().__call__(inputs, *args, **kwargs)
+
+
+class Einsum(nnx.Einsum):
+  """Drop-in for ``nnx.Einsum`` whose product is quantized.
+
+  Same arguments and ``nnx.Param`` s as ``nnx.Einsum``; the equation is
+  lowered to one ``dot_general`` (the input is the ``input`` role, the kernel
+  the ``kernel`` role). fp8 recipes and integer recipes whose weight quantizer
+  is not learned (LSQ weight steps need the kernel's contracting axes, which
+  depend on the input) work.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import fp8_linen as fl
+    >>> layer = fl.nnx.Einsum('bd,dhk->bhk', (4, 2, 3), rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((5, 4))).shape
+    (5, 2, 3)
+  """
+
+  def __init__(self, einsum_str: str, kernel_shape, bias_shape=None, *,
+               recipe: Any = Fp8Recipe(), rngs: nnx.Rngs, **kwargs):
+    _no_override("Einsum", kwargs, "einsum_op")
+    products.check_recipe("Einsum", recipe)
+    if isinstance(recipe, IntRecipe) and recipe.kernel is not None and recipe.kernel.learned:
+      raise NotImplementedError("Einsum: learned (LSQ) weight quantizers are not supported; "
+                                "use an STE weight quantizer or LinearGeneral")
+    super().__init__(einsum_str, kernel_shape, bias_shape, einsum_op=_layer_einsum, rngs=rngs,
+                     **kwargs)
+    self.recipe = recipe
+    products.declare(self, recipe, None, None)
+
+  def __call__(self, inputs, *args, **kwargs):
+    inputs = _check_floating("Einsum", inputs)
+    with _running(self):
+      return super().__call__(inputs, *args, **kwargs)
+
+
+class Conv(nnx.Conv):
+  """Drop-in for ``nnx.Conv`` whose convolution is quantized.
+
+  Same arguments (kernel sizes, strides, paddings incl. ``'CAUSAL'``,
+  dilations, ``feature_group_count``) and ``nnx.Param`` s as ``nnx.Conv``.
+  fp8 recipes need ``granularity='tensor'``; integer recipes (STE, LSQ, LSQ+)
+  work.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import fp8_linen as fl
+    >>> conv = fl.nnx.Conv(3, 4, (3, 3), rngs=nnx.Rngs(0))
+    >>> conv(jnp.ones((1, 8, 8, 3))).shape
+    (1, 8, 8, 4)
+  """
+
+  def __init__(self, in_features: int, out_features: int, kernel_size, strides=1, *,
+               recipe: Any = Fp8Recipe(), rngs: nnx.Rngs, **kwargs):
+    _no_override("Conv", kwargs, "conv_general_dilated")
+    products.check_recipe("Conv", recipe)
+    if kwargs.get("mask") is not None:
+      raise NotImplementedError("Conv: masked kernels have no quantized path")
+    super().__init__(in_features, out_features, kernel_size, strides,
+                     conv_general_dilated=_layer_conv, rngs=rngs, **kwargs)
+    self.recipe = recipe
+    kernel = self.kernel[...]
+    # The kernel's output-feature axis is its last; every other axis is contracted.
+    products.declare(self, recipe, kernel, tuple(range(kernel.ndim - 1)))
+
+  def __call__(self, inputs, *args, **kwargs):
+    inputs = _check_floating("Conv", inputs)
+    with _running(self):
+      return super().__call__(inputs, *args, **kwargs)

@@ -1,0 +1,231 @@
+"""The quantized products of the NNX layers, per recipe family.
+
+Each layer declares its recipe's variables once, in its constructor
+(:func:`declare`), and runs its product through :func:`dot_general`,
+:func:`einsum` or :func:`conv` (which read them and call the core ops). The
+numerics are the core ops' (``fp8_dot_general``, ``fp8_conv_general_dilated``,
+the integer fake-quant ops), exactly as the Linen layers run them.
+
+What each recipe declares on the layer:
+
+* :class:`~fp8_linen.Fp8Recipe`: ``<role>_scale`` and ``<role>_amax_history``
+  (:class:`QuantState`) for ``input``, ``kernel``, ``output_grad``.
+* :class:`~fp8_linen.IntRecipe`, STE activation: ``input_range``
+  (:class:`QuantState`, ``[-min, max]``); STE weight: nothing.
+* LSQ / LSQ+: ``<role>_step`` (and ``<role>_offset``) as ``nnx.Param``. The
+  weight's are initialised from the initial kernel; the activation's need data:
+  run :func:`calibrate` on a representative batch before training.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> import fp8_linen as fl
+  >>> layer = fl.nnx.Linear(8, 4, recipe=fl.int8_lsq(), rngs=nnx.Rngs(0))
+  >>> fl.nnx.calibrate(layer, jnp.ones((2, 8)))
+  >>> layer.input_step[...].tolist(), layer.kernel_step[...].shape
+  ([0.0157...], (1, 4))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from fp8_linen.core import int_numerics, int_ops, lowering
+from fp8_linen.core.conv import fp8_conv_general_dilated
+from fp8_linen.core.dims import einsum_plan
+from fp8_linen.core.dot_general import fp8_dot_general
+from fp8_linen.nnx.state import ROLES, QuantState, chained, declare_role, read_role
+from fp8_linen.recipes.fp8 import Fp8Recipe
+from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
+
+__all__ = ["declare", "dot_general", "einsum", "conv", "calibrate", "check_recipe"]
+
+_CALIBRATING: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_nnx_calibrating",
+                                                               default=False)
+
+
+def check_recipe(owner: str, recipe, conv: bool = False) -> None:
+  """Raises ``TypeError`` unless ``recipe`` is a recipe the NNX layers run."""
+  if isinstance(recipe, (Fp8Recipe, IntRecipe)):
+    return
+  hint = " (call it: the function returns the recipe)" if callable(recipe) else ""
+  raise TypeError(f"{owner}: recipe must be an Fp8Recipe or an IntRecipe, got {recipe!r}{hint}")
+
+
+def _step_shape(role: str, view, axes) -> tuple:
+  if role == "input":
+    return (1,)
+  return tuple(1 if i in axes else d for i, d in enumerate(view.shape))
+
+
+def _lsq_init(cfg: IntQuantConfig, view, red, shape):
+  if cfg.estimator == "lsq":
+    return jnp.reshape(int_numerics.lsq_init_step(view, red, cfg.qmax), shape), None
+  s, b = int_numerics.lsq_plus_init(view, red, cfg.qmin, cfg.qmax)
+  return jnp.reshape(s, shape), jnp.reshape(b, shape)
+
+
+def _declare_int(module, role: str, cfg: IntQuantConfig | None, kernel, kernel_contract):
+  if cfg is None:
+    return
+  if not cfg.learned:
+    if role == "input":  # the observer range; weights take their range from themselves
+      module.input_range = QuantState(jnp.zeros((2,), jnp.float32))
+    return
+  if role == "input":
+    # Data-dependent init: placeholders until calibrate() sees a batch.
+    module.input_step = nnx.Param(jnp.ones((1,), jnp.float32))
+    if cfg.estimator == "lsq+":
+      module.input_offset = nnx.Param(jnp.zeros((1,), jnp.float32))
+    return
+  view, axes = int_numerics.int_view(kernel, kernel_contract, cfg)
+  step, offset = _lsq_init(cfg, view, axes, _step_shape(role, view, axes))
+  module.kernel_step = nnx.Param(step)
+  if offset is not None:
+    module.kernel_offset = nnx.Param(offset)
+
+
+def declare(module: nnx.Module, recipe, kernel, kernel_contract) -> None:
+  """Creates ``recipe``'s state and learned quantization parameters on ``module``.
+
+  Args:
+    module: the layer (called from its constructor).
+    recipe: an :class:`~fp8_linen.Fp8Recipe` or :class:`~fp8_linen.IntRecipe`.
+    kernel: the layer's initial kernel (LSQ weight steps start from it).
+    kernel_contract: the kernel's contracting axes in the product.
+  """
+  if isinstance(recipe, Fp8Recipe):
+    for role in ROLES:
+      declare_role(module, role, recipe.role(role))
+  elif isinstance(recipe, IntRecipe):
+    _declare_int(module, "input", recipe.input, None, None)
+    _declare_int(module, "kernel", recipe.kernel, kernel, kernel_contract)
+  else:
+    check_recipe(type(module).__name__, recipe)
+
+
+def _lsq(module, role: str, view, axes, cfg: IntQuantConfig, n: int):
+  step_var = getattr(module, f"{role}_step")
+  off_var = getattr(module, f"{role}_offset", None)
+  shape = _step_shape(role, view, axes)
+  if _CALIBRATING.get() and role == "input":
+    step, offset = _lsq_init(cfg, view, tuple(range(view.ndim)), shape)
+    step_var[...] = step
+    if off_var is not None:
+      off_var[...] = offset
+  step = step_var[...]
+  if step.shape != shape:
+    raise ValueError(f"{type(module).__name__}: {role}_step has shape {step.shape}, the "
+                     f"recipe ({cfg.granularity}) asks for {shape}")
+  bstep = step.reshape(()) if role == "input" else step
+  g = 1.0 / math.sqrt(n * cfg.qmax)
+  if cfg.estimator == "lsq":
+    return int_ops.lsq_fake_quant(view, bstep, qmin=cfg.qmin, qmax=cfg.qmax, grad_scale=g)
+  offset = off_var[...]
+  boff = offset.reshape(()) if role == "input" else offset
+  return int_ops.lsq_plus_fake_quant(view, bstep, boff, qmin=cfg.qmin, qmax=cfg.qmax,
+                                     grad_scale=g)
+
+
+def _int_operand(module, role: str, x, contract_axes, cfg: IntQuantConfig | None, key: str):
+  """Fake-quantizes one operand as ``cfg`` says (same estimators as the Linen layers)."""
+  if cfg is None:
+    return x
+  view, axes = int_numerics.int_view(x, contract_axes, cfg)
+  if cfg.learned:
+    n = (x.size // x.shape[0] if x.ndim > 1 else x.size) if role == "input" else \
+        max(1, math.prod(view.shape[a] for a in axes))
+    return _lsq(module, role, view, axes, cfg, n).reshape(x.shape)
+  if role == "input":
+    rng = module.input_range[...]
+    return chained(module, f"{key}/{role}_observer",
+                   lambda chain: int_ops.observed_fake_quant(x, rng, cfg=cfg, chain=chain))
+  lo = lax.stop_gradient(jnp.min(view, axis=axes, keepdims=True))
+  hi = lax.stop_gradient(jnp.max(view, axis=axes, keepdims=True))
+  s, z = int_numerics.int_params_from_range(lo, hi, cfg)
+  return int_ops.fake_quant_ste(view, s, z, qmin=cfg.qmin, qmax=cfg.qmax).reshape(x.shape)
+
+
+def _fp8_states(module, recipe: Fp8Recipe):
+  return tuple(read_role(module, r, recipe.role(r)) for r in ROLES)
+
+
+def dot_general(module: nnx.Module, lhs, rhs, dimension_numbers, recipe, out_dtype=None,
+                key: str = "dot"):
+  """``recipe``'s quantized ``dot_general`` of ``lhs`` (input) and ``rhs`` (kernel).
+
+  Reads the state :func:`declare` created on ``module``; uses of ``module`` in
+  one trace are chained.
+  """
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  if isinstance(recipe, Fp8Recipe):
+    st = _fp8_states(module, recipe)
+    return chained(module, key, lambda chain: fp8_dot_general(
+        lhs, rhs, dimension_numbers, input_state=st[0], kernel_state=st[1],
+        output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain))
+  check_recipe(type(module).__name__, recipe)
+  (lc, rc), _ = dimension_numbers
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  xq = _int_operand(module, "input", lhs, lc, recipe.input, key)
+  wq = _int_operand(module, "kernel", rhs, rc, recipe.kernel, key)
+  cd = jnp.dtype(recipe.compute_dtype)
+  y = lowering.lax_dot_general(xq.astype(cd), wq.astype(cd), dimension_numbers,
+                               preferred_element_type=jnp.float32)
+  return y.astype(out_dtype)
+
+
+def einsum(module: nnx.Module, equation: str, lhs, rhs, recipe, out_dtype=None,
+           key: str = "dot"):
+  """A two-operand einsum as one quantized ``dot_general`` (see :func:`einsum_plan`)."""
+  plan = einsum_plan(equation, jnp.shape(lhs), jnp.shape(rhs))
+  if plan.lhs_sum_axes:
+    lhs = jnp.sum(lhs, axis=plan.lhs_sum_axes)
+  if plan.rhs_sum_axes:
+    rhs = jnp.sum(rhs, axis=plan.rhs_sum_axes)
+  y = dot_general(module, lhs, rhs, plan.dimension_numbers, recipe, out_dtype=out_dtype, key=key)
+  if plan.out_perm != tuple(range(len(plan.out_perm))):
+    y = jnp.transpose(y, plan.out_perm)
+  return y
+
+
+def conv(module: nnx.Module, lhs, rhs, conv_kwargs: dict, recipe, out_dtype=None,
+         key: str = "conv"):
+  """``recipe``'s quantized convolution (``conv_kwargs`` as for ``lax.conv_general_dilated``)."""
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  if isinstance(recipe, Fp8Recipe):
+    st = _fp8_states(module, recipe)
+    return chained(module, key, lambda chain: fp8_conv_general_dilated(
+        lhs, rhs, **conv_kwargs, input_state=st[0], kernel_state=st[1],
+        output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain))
+  check_recipe(type(module).__name__, recipe)
+  dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, conv_kwargs["dimension_numbers"])
+  l_contract = [d for d in range(lhs.ndim) if d != dn.lhs_spec[0]]
+  r_contract = [d for d in range(rhs.ndim) if d != dn.rhs_spec[0]]
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  xq = _int_operand(module, "input", lhs, l_contract, recipe.input, key)
+  wq = _int_operand(module, "kernel", rhs, r_contract, recipe.kernel, key)
+  cd = jnp.dtype(recipe.compute_dtype)
+  y = lowering.lax_conv_general_dilated(xq.astype(cd), wq.astype(cd), **conv_kwargs,
+                                        preferred_element_type=jnp.float32)
+  return y.astype(out_dtype)
+
+
+def calibrate(model: nnx.Module, *args, **kwargs) -> None:
+  """Initialises the LSQ/LSQ+ activation steps (and offsets) from one batch.
+
+  Runs ``model(*args, **kwargs)`` eagerly (not under a transform); every layer
+  with a learned activation quantizer sets ``input_step``/``input_offset`` from
+  the activations it sees, as the Linen layers do at ``init``. Other state is
+  left as it was.
+  """
+  token = _CALIBRATING.set(True)
+  try:
+    model(*args, **kwargs)
+  finally:
+    _CALIBRATING.reset(token)

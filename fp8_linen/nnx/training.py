@@ -1,0 +1,146 @@
+"""The NNX train step: differentiate for the new state, write it after the optimizer.
+
+The NNX mirror of :class:`fp8_linen.TrainState`. The layers' backward rules
+return the new quantization state as the gradient of its
+:class:`~fp8_linen.nnx.QuantState` variables, so a train step differentiates
+with respect to ``(nnx.Param, QuantState)`` (:data:`DIFF`, or
+:func:`value_and_grad`) and :class:`Optimizer` then optimises the ``Param`` s
+and *writes* the ``QuantState`` "gradients" over the state (never optimising
+them). With ``optax.MultiSteps`` the state is held fixed over the
+micro-batches, their updates are max-reduced, and the result is written once
+per optimizer step (the history advances once, with the max amax).
+
+Example:
+  >>> import jax.numpy as jnp, optax
+  >>> from flax import nnx
+  >>> import fp8_linen as fl
+  >>> model = fl.nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  >>> opt = fl.nnx.Optimizer(model, optax.sgd(0.1))
+  >>> loss, grads = fl.nnx.value_and_grad(lambda m: m(jnp.full((4, 3), 2.0)).sum())(model)
+  >>> opt.update(model, grads)
+  >>> model.input_amax_history[...][0].tolist()
+  2.0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from fp8_linen.nnx.state import DIFF, QuantState
+
+__all__ = ["DIFF", "Optimizer", "value_and_grad", "grad", "update_state"]
+
+
+def value_and_grad(f, argnums: int = 0, *, has_aux: bool = False):
+  """``nnx.value_and_grad`` of ``f`` w.r.t. the params and the state of argument ``argnums``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import fp8_linen as fl
+    >>> m = fl.nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    >>> _, g = fl.nnx.value_and_grad(lambda m: m(jnp.ones((1, 3))).sum())(m)
+    >>> g['input_amax_history'][...][0].tolist()
+    1.0
+  """
+  return nnx.value_and_grad(f, argnums=nnx.DiffState(argnums, DIFF), has_aux=has_aux)
+
+
+def grad(f, argnums: int = 0, *, has_aux: bool = False):
+  """``nnx.grad`` of ``f`` w.r.t. the params and the state of argument ``argnums``."""
+  return nnx.grad(f, argnums=nnx.DiffState(argnums, DIFF), has_aux=has_aux)
+
+
+def _new_state(model, grads) -> nnx.State:
+  """The new :class:`QuantState` values carried by ``grads`` (checked against ``model``)."""
+  old = nnx.as_pure(nnx.state(model, QuantState))
+  new = nnx.as_pure(nnx.state(grads, QuantState))
+  if jax.tree.structure(old) != jax.tree.structure(new):
+    if not jax.tree.leaves(new) and jax.tree.leaves(old):
+      raise ValueError(
+          "the gradients carry no QuantState: differentiate with respect to "
+          "(nnx.Param, fl.nnx.QuantState) (fl.nnx.value_and_grad, or "
+          "nnx.value_and_grad(..., argnums=nnx.DiffState(0, fl.nnx.DIFF)))")
+    raise ValueError("the gradients' QuantState tree does not match the model's "
+                     f"({jax.tree.structure(new)} vs {jax.tree.structure(old)})")
+  return jax.tree.map(lambda o, n: jnp.asarray(n, o.dtype), old, new)
+
+
+def update_state(model: nnx.Module, grads) -> None:
+  """Writes the new quantization state in ``grads`` over ``model``'s (hand-written loops).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import fp8_linen as fl
+    >>> m = fl.nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    >>> fl.nnx.update_state(m, fl.nnx.grad(lambda m: m(jnp.ones((1, 3))).sum())(m))
+    >>> m.kernel_amax_history[...][0].tolist() > 0
+    True
+  """
+  nnx.update(model, _new_state(model, grads))
+
+
+class Optimizer(nnx.Optimizer):
+  """``nnx.Optimizer`` that also writes the new quantization state.
+
+  ``update(model, grads)`` runs the optax step on the variables ``wrt`` selects
+  (``nnx.Param`` by default) and writes the :class:`QuantState` entries of
+  ``grads`` over the model's state. ``grads`` must come from differentiating
+  with respect to ``(nnx.Param, QuantState)`` (:func:`value_and_grad`). With a
+  transformation that accumulates (``optax.MultiSteps``: it has
+  ``has_updated``) the state updates of the micro-batches are max-reduced and
+  written when the optimizer steps.
+
+  Args:
+    model: the NNX model.
+    tx: the optax transformation.
+    wrt: the variables the optimizer updates (never :class:`QuantState`).
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import fp8_linen as fl
+    >>> model = fl.nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    >>> opt = fl.nnx.Optimizer(model, optax.MultiSteps(optax.sgd(0.1), 2))
+    >>> for a in (3.0, 5.0):
+    ...   opt.update(model, fl.nnx.grad(lambda m: m(jnp.full((1, 3), a)).sum())(model))
+    >>> model.input_amax_history[...][:2].tolist()
+    [5.0, 0.0]
+  """
+
+  def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *,
+               wrt: Any = nnx.Param, graph: bool | None = None):
+    if nnx.filterlib.to_predicate(wrt)(("x",), QuantState(jnp.zeros(()))):
+      raise ValueError("Optimizer: wrt must not select QuantState (its gradient is its new "
+                       "value; it is written, not optimised)")
+    super().__init__(model, tx, wrt=wrt, graph=graph)
+    if hasattr(tx, "has_updated"):
+      # Max over the micro-batches' state updates, written when the optimizer steps.
+      self.quant_acc = nnx.data(jax.tree.map(
+          lambda a: nnx.OptState(jnp.zeros_like(a)),
+          nnx.as_pure(nnx.state(model, QuantState))))
+    else:
+      self.quant_acc = None
+
+  def update(self, model: nnx.Module, grads, /, **kwargs):  # pylint: disable=arguments-differ
+    """Optimises the params and writes the new quantization state (see the class doc)."""
+    new = _new_state(model, grads)
+    if self.quant_acc is None:
+      updates = super().update(model, grads, **kwargs)
+      nnx.update(model, new)
+      return updates
+    first = nnx.as_pure(self.opt_state).mini_step == 0
+    acc = nnx.as_pure(self.quant_acc)
+    acc = jax.tree.map(lambda a, n: jnp.where(first, n, jnp.maximum(a, n)), acc, new)
+    updates = super().update(model, grads, **kwargs)
+    stepped = self.tx.has_updated(nnx.as_pure(self.opt_state))
+    old = nnx.as_pure(nnx.state(model, QuantState))
+    nnx.update(model, jax.tree.map(lambda o, a: jnp.where(stepped, a, o), old, acc))
+    nnx.update(self.quant_acc, acc)
+    return updates
