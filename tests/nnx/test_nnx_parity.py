@@ -1,0 +1,81 @@
+"""fl.nnx layers and their Linen twins agree bit for bit: outputs, gradients, new state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import fp8_linen as fl
+import fp8_linen.nnx as fnnx
+
+RECIPES = {
+    "delayed": fl.Fp8Recipe(),
+    "current": fl.current_scaling(),
+    "rowwise": fl.rowwise_scaling(),
+    "mx": fl.mx_block_scaling(),
+    "int_ste": fl.IntRecipe(),
+    "int8_lsq": fl.int8_lsq(),
+}
+CONV_RECIPES = ["delayed", "current", "int_ste", "int8_lsq"]
+
+
+def _used_state(owg):
+  """A non-trivial state (histories with values) so delayed scaling reads them."""
+  out = {}
+  for k, v in owg.items():
+    if k.endswith("amax_history"):
+      v = jnp.linspace(0.5, 2.0, v.shape[0], dtype=jnp.float32)
+    out[k] = v
+  return out
+
+
+def _check(linen_model, nnx_model, x):
+  variables = linen_model.init(jax.random.key(0), x)
+  variables = {"params": variables["params"], fl.OWG: _used_state(variables.get(fl.OWG, {}))}
+  nnx.update(nnx_model, nnx.State(dict(variables["params"])))
+  for k, v in variables[fl.OWG].items():
+    getattr(nnx_model, k)[...] = v
+  r = jax.random.normal(jax.random.key(5), linen_model.apply(variables, x).shape)
+
+  y_l, (g_l, dx_l) = jax.value_and_grad(
+      lambda v, x: (linen_model.apply(v, x) * r).sum(), argnums=(0, 1))(variables, x)
+  y_n, (g_n, dx_n) = nnx.value_and_grad(
+      lambda m, x: (m(x) * r).sum(), argnums=(nnx.DiffState(0, fnnx.DIFF), 1))(nnx_model, x)
+  np.testing.assert_array_equal(y_l, y_n)
+  np.testing.assert_array_equal(dx_l, dx_n)
+  g_n = nnx.to_pure_dict(g_n)
+  for k, v in {**g_l["params"], **g_l.get(fl.OWG, {})}.items():
+    np.testing.assert_array_equal(v, g_n[k], err_msg=k)
+  assert set(g_n) == set(g_l["params"]) | set(g_l.get(fl.OWG, {}))
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_linear_matches_qdense(name):
+  recipe = RECIPES[name]
+  x = jax.random.normal(jax.random.key(1), (8, 64))
+  _check(fl.QDense(16, recipe=recipe), fnnx.Linear(64, 16, recipe=recipe, rngs=nnx.Rngs(0)), x)
+
+
+@pytest.mark.parametrize("name", CONV_RECIPES)
+def test_conv_matches_qconv(name):
+  recipe = RECIPES[name]
+  x = jax.random.normal(jax.random.key(1), (2, 6, 6, 3))
+  _check(fl.QConv(4, (3, 3), recipe=recipe),
+         fnnx.Conv(3, 4, (3, 3), recipe=recipe, rngs=nnx.Rngs(0)), x)
+
+
+def test_quantizer_matches_fp8_activation():
+  x = 3.0 * jax.random.normal(jax.random.key(1), (4, 8))
+  lin = fl.Fp8Activation()
+  v = lin.init(jax.random.key(0), x)
+  v = {fl.OWG: _used_state(v[fl.OWG])}
+  q = fnnx.Quantizer()
+  for k, val in v[fl.OWG].items():
+    getattr(q, k)[...] = val
+  g_l = jax.grad(lambda v, x: (100.0 * lin.apply(v, x)).sum(), argnums=(0, 1))(v, x)
+  g_n = nnx.grad(lambda q, x: (100.0 * q(x)).sum(),
+                 argnums=(nnx.DiffState(0, fnnx.DIFF), 1))(q, x)
+  np.testing.assert_array_equal(g_l[1], g_n[1])
+  for k, val in g_l[0][fl.OWG].items():
+    np.testing.assert_array_equal(val, nnx.to_pure_dict(g_n[0])[k], err_msg=k)
