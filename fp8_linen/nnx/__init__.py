@@ -12,7 +12,7 @@ Example:
   >>> model = fl.nnx.Linear(16, 4, rngs=nnx.Rngs(0))
   >>> opt = fl.nnx.Optimizer(model, optax.adam(1e-3))
   >>> loss, grads = fl.nnx.value_and_grad(lambda m: (m(jnp.ones((8, 16))) ** 2).mean())(model)
-  >>> opt.update(model, grads)
+  >>> _ = opt.update(model, grads)
 """
 
 from fp8_linen.nnx.activation import Quantizer

@@ -17,7 +17,7 @@ Example:
   >>> model = fl.nnx.Linear(3, 2, rngs=nnx.Rngs(0))
   >>> opt = fl.nnx.Optimizer(model, optax.sgd(0.1))
   >>> loss, grads = fl.nnx.value_and_grad(lambda m: m(jnp.full((4, 3), 2.0)).sum())(model)
-  >>> opt.update(model, grads)
+  >>> _ = opt.update(model, grads)
   >>> model.input_amax_history[...][0].tolist()
   2.0
 """
@@ -109,7 +109,7 @@ class Optimizer(nnx.Optimizer):
     >>> model = fl.nnx.Linear(3, 2, rngs=nnx.Rngs(0))
     >>> opt = fl.nnx.Optimizer(model, optax.MultiSteps(optax.sgd(0.1), 2))
     >>> for a in (3.0, 5.0):
-    ...   opt.update(model, fl.nnx.grad(lambda m: m(jnp.full((1, 3), a)).sum())(model))
+    ...   _ = opt.update(model, fl.nnx.grad(lambda m: m(jnp.full((1, 3), a)).sum())(model))
     >>> model.input_amax_history[...][:2].tolist()
     [5.0, 0.0]
   """
