@@ -57,6 +57,7 @@ from fp8_linen.recipes import (
     recipe_to_dict,
     rowwise_scaling,
 )
+from fp8_linen import nnx
 from fp8_linen.training import (
     TrainState,
     accumulate_gradients,
@@ -123,6 +124,8 @@ __all__ = [
     "QuantizedModel",
     "quantization",
     "quantize_model",
+    # Flax NNX layers (fl.nnx.Linear, ...)
+    "nnx",
     # training
     "TrainState",
     "split_owg",

@@ -1,17 +1,16 @@
-"""The NNX snippet of docs/NNX.md runs as written and trains the state."""
+"""The README's NNX snippet runs as written and trains the state."""
 
 import pathlib
 import re
 
 import numpy as np
 
-import fp8_linen.nnx  # noqa: F401  (fl.nnx, until fp8_linen/__init__.py imports it)
-
-DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "NNX.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_nnx_doc_snippet_runs():
-  code = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+  section = DOC.read_text().split("\n## NNX\n", 1)[1].split("\n## ", 1)[0]
+  code = re.findall(r"```python\n(.*?)```", section, re.S)
   assert len(code) == 1
   ns = {}
   exec(compile(code[0], str(DOC), "exec"), ns)  # pylint: disable=exec-used
