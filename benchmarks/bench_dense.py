@@ -1,9 +1,11 @@
 """QDense train step vs nn.Dense (f32, bf16) and flax's Fp8DirectDotGeneralOp.
 
-Times the whole training step (forward, backward with a random cotangent, SGD
-update and fp8 state merge) for every arm, interleaved in one process, and
-measures the residual bytes kept for the backward pass. On a GPU it also counts
-the fp8 cuBLASLt GEMMs in the compiled step (3 per layer expected).
+Times the whole training step (``common.make_train_step``: forward, backward
+with a random cotangent, SGD update and fp8 state merge; the step returns the
+loss and dL/dx, so forward, dgrad and wgrad all run) for every arm,
+interleaved in one process, and measures the residual bytes kept for the
+backward pass and the step's planned memory. On a GPU it also counts the fp8
+products in the compiled step (3 per layer expected).
 
 Usage:
   python benchmarks/bench_dense.py            # CPU sizes 512, 1024, 2048
@@ -19,7 +21,6 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 from flax.linen import fp8_ops
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -29,47 +30,24 @@ import fp8_linen as fl  # noqa: E402
 
 
 def make_arms(layer_factories: dict, shape: tuple[int, int, int], dtype_of: dict):
-  """Builds, per arm, a jitted train step and its (state, x, ct) arguments.
+  """Builds, per arm, a compiled train step (``common.build_train_arm``) and its residuals.
 
-  ``shape`` is ``(M, K, N)``: x is ``(M, K)``, the kernel ``(K, N)``.
+  ``shape`` is ``(M, K, N)``: x is ``(M, K)``, the kernel ``(K, N)``. Every arm
+  gets the same random x (in its dtype) and the same random cotangent.
   """
-  m, k, n = shape
-  key = jax.random.key(0)
-  kx, kc = jax.random.split(key)
-  arms, residuals, hlo = {}, {}, {}
+  m, k, _ = shape
+  x32 = jax.random.normal(jax.random.key(2), (m, k), jnp.float32)
+  arms, residuals = {}, {}
   for name, make in layer_factories.items():
     layer = make()
-    dt = dtype_of[name]
-    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dt)
-    ct = jax.random.normal(kc, (m, n), jnp.float32).astype(dt)
-    variables = layer.init(jax.random.key(1), x)
-    state = fl.TrainState.create(apply_fn=layer.apply, params=variables, tx=optax.sgd(1e-3))
-
-    def step(state, x, ct):
-      grads = jax.grad(lambda v: jnp.sum((state.apply_fn(v, x) * ct).astype(jnp.float32)))(
-          state.params)
-      return state.apply_gradients(grads=grads)
-
-    jstep = jax.jit(step, donate_argnums=0)
-    holder = {"state": state}
-
-    def run(jstep=jstep, holder=holder, x=x, ct=ct):
-      holder["state"] = jstep(holder["state"], x, ct)
-      return holder["state"]
-
-    arms[name] = run
-    params = variables["params"]
-    owg = variables.get(fl.OWG, {})
-    residuals[name] = common.residual_bytes(
-        lambda p, owg, x, layer=layer: layer.apply({"params": p, **({fl.OWG: owg} if owg else {})}, x),
-        params, owg, x)
-    if jax.default_backend() == "gpu":
-      text = jax.jit(step).lower(state, x, ct).compile().as_text()
-      hlo[name] = common.count_in_hlo(text)
-  return arms, residuals, hlo
+    arm = common.build_train_arm(layer, x32.astype(dtype_of[name]), seed=0)
+    arms[name] = arm
+    residuals[name] = common.residual_bytes(layer, arm.variables, arm.x)
+  return arms, residuals
 
 
-def main(argv=None):
+def main(argv=None) -> dict:
+  """Runs the benchmark, writes the JSON and returns its payload."""
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   on_gpu = jax.default_backend() == "gpu"
   p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192] if on_gpu else [512, 1024, 2048])
@@ -79,6 +57,8 @@ def main(argv=None):
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--lowerings", action="store_true",
                  help="also time QDense with each forced GEMM lowering (bf16, f32, fp8)")
+  p.add_argument("--out-dir", default=None, help="folder for <device>-dense.json "
+                 "(default: benchmarks/results)")
   args = p.parse_args(argv)
 
   factories = {
@@ -104,33 +84,43 @@ def main(argv=None):
   for shape in shapes:
     size = "x".join(map(str, shape)) if len(set(shape)) > 1 else shape[0]
     sized = {k: (lambda f=f: f().clone(features=shape[2])) for k, f in factories.items()}
-    arms, residuals, hlo = make_arms(sized, shape, {k: dtype_of.get(k, jnp.bfloat16) for k in sized})
-    times = common.time_interleaved(arms, reps=args.reps)
-    base = times["bf16_dense"]["median_ms"]
+    arms, residuals = make_arms(sized, shape, {k: dtype_of.get(k, jnp.bfloat16) for k in sized})
+    times = common.time_arms(arms, "bf16_dense", reps=args.reps)
     flax_t = times["flax_fp8_direct"]["median_ms"]
+    # On CPU the floor is the faster of the bf16 and f32 layers (DESIGN.md section 4).
+    floor = min(times[n]["median_ms"] for n in ("bf16_dense", "f32_dense"))
     base_res = residuals["bf16_dense"]["bytes"]
     row = {"M=K=N": size, "shape_MKN": list(shape), "arms": {}}
     for name in arms:
+      t = {k: v for k, v in times[name].items() if not k.endswith("ratio")}
+      mem = arms[name].memory or {}
       row["arms"][name] = {
-          **times[name],
-          "ratio_vs_bf16_dense": times[name]["median_ms"] / base,
+          **t,
+          "ratio_vs_bf16_dense": times[name]["ratio"],
           "ratio_vs_flax_fp8": times[name]["median_ms"] / flax_t,
+          "ratio_vs_faster_plain_dense": times[name]["median_ms"] / floor,
           "residual_bytes": residuals[name]["bytes"],
           "residual_ratio_vs_bf16_dense": residuals[name]["bytes"] / base_res,
           "fp8_state_residual_bytes": residuals[name]["state_bytes"],
           "residuals": residuals[name]["entries"],
-          **({"hlo_custom_calls": hlo[name]} if name in hlo else {}),
+          "memory": mem,
+          **({"gpu_products": arms[name].products} if arms[name].products else {}),
       }
+      products = arms[name].products
       print(f"{size!s:>16} {name:18s} {times[name]['median_ms']:9.2f} ms  "
-            f"x{times[name]['median_ms'] / base:5.2f} bf16  x{times[name]['median_ms'] / flax_t:5.2f} flax-fp8  "
-            f"residuals x{residuals[name]['bytes'] / base_res:6.4f}"
-            + (f"  {hlo[name]}" if name in hlo else ""), flush=True)
+            f"x{times[name]['ratio']:5.2f} bf16  x{times[name]['median_ms'] / flax_t:5.2f} flax-fp8  "
+            f"residuals x{residuals[name]['bytes'] / base_res:6.4f}  temp "
+            f"{mem.get('temp_size_in_bytes', 0) / 2**20:7.1f} MiB"
+            + (f"  fp8 {products['fp8_products']}/{products['products']}" if products else ""),
+            flush=True)
     results.append(row)
   payload = {"benchmark": "dense_train_step", "env": common.environment(), "reps": args.reps,
-             "step": "fwd + bwd (random cotangent) + SGD update + fp8 state merge, jit, donated state",
+             "step": "jit(loss = sum(y * r) with random r; returns new state, loss and dL/dx: "
+                     "fwd + dgrad + wgrad + SGD update + fp8 state merge), donated state",
              "dtypes": {"x": "bfloat16 (f32 for f32_dense)", "params": "float32"},
              "results": results}
-  print("wrote", common.write_json("dense", payload))
+  print("wrote", common.write_json("dense", payload, args.out_dir))
+  return payload
 
 
 if __name__ == "__main__":

@@ -1,105 +1,63 @@
 """Training-step timing of QEinsum and QConv next to the bf16 flax layers.
 
-Standalone (small timing helpers included). Arms are timed in one process,
-interleaved, after warm-up; each figure is the median of >= 20 runs of a jitted
-forward+backward+state step, reported as a ratio to the bf16 flax layer.
-Scales and histories are jit arguments and the cotangent is random. Also
-records the residual-byte figure of an MLP block with Fp8Activation.
+Arms are timed in one process, interleaved, after warm-up (``common``); each
+figure is the median of >= 20 runs of a jitted training step
+(``common.make_train_step``: loss ``sum(y * r)`` with a random cotangent ``r``,
+returning the new state, the loss and dL/dx, so forward, dgrad and wgrad all
+run; SGD update and fp8 state merge), reported as a ratio to the bf16 flax
+layer. Scales and histories are jit arguments (in the train state).
 
-On a GPU it also counts ``__cublas$lt$matmul$f8`` and cuDNN fp8 convolution
-custom calls in the compiled step.
+Also records, for an MLP block with ``Fp8Activation`` under ``nn.remat``, the
+per-block residual bytes (``jax.vjp`` outside jit) and the planned temp memory
+of its jitted train step on this device.
 
-Usage: ``PYTHONPATH=. python benchmarks/bench_layers.py [--runs 20] [--quick]``
+On a GPU it also counts the fp8 products (cuBLASLt fp8 GEMMs, cuDNN fp8
+convolutions) in the compiled step.
+
+Usage: ``python benchmarks/bench_layers.py [--runs 20] [--quick] [--out-dir DIR]``
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import json
 import os
-import platform
-import re
-import time
+import sys
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-import fp8_linen as fl
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
-_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f8_e4m3fn": 1, "f8_e5m2": 1, "u8": 1, "s32": 4}
-
-
-def _step_fn(model, x):
-  variables = model.init(jax.random.key(0), x)
-  ct = jax.random.normal(jax.random.key(1), jax.eval_shape(model.apply, variables, x).shape,
-                         x.dtype)
-
-  @jax.jit
-  def step(v, x, ct):
-    y, vjp = jax.vjp(lambda v, x: model.apply(v, x), v, x)
-    gv, gx = vjp(ct.astype(y.dtype))
-    return gv, gx
-
-  return step, (variables, x, ct)
-
-
-def _time(fn, args, runs):
-  out = fn(*args)
-  jax.block_until_ready(out)
-  ts = []
-  for _ in range(runs):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return ts
-
-
-def _hlo_counts(fn, args):
-  txt = fn.lower(*args).compile().as_text()
-  return {"cublas_f8_gemm": txt.count("__cublas$lt$matmul$f8"),
-          "cudnn_conv_graph": txt.count("__cudnn$convForwardGraph"),
-          "f8_in_hlo": len(re.findall(r"f8e4m3fn|f8e5m2", txt)) > 0}
+import fp8_linen as fl  # noqa: E402
 
 
 def compare(arms, x, runs):
-  """Times each (name, model) arm on ``x`` interleaved; ratios to the first arm."""
-  steps = {name: _step_fn(m, x) for name, m in arms}
-  times = {name: [] for name in steps}
-  for name, (fn, args) in steps.items():
-    _time(fn, args, 3)  # warm-up / compile
-  for _ in range(runs):
-    for name, (fn, args) in steps.items():
-      times[name] += _time(fn, args, 1)
-  base = float(np.median(times[arms[0][0]]))
+  """Times each (name, model) arm's train step on ``x`` interleaved; ratios to the first arm."""
+  built = {name: common.build_train_arm(m, x, seed=1) for name, m in arms}
+  times = common.time_arms(built, arms[0][0], reps=runs)
   res = {}
-  for name, ts in times.items():
-    med = float(np.median(ts))
-    res[name] = {"median_ms": 1e3 * med, "min_ms": 1e3 * min(ts), "max_ms": 1e3 * max(ts),
-                 "ratio_to_bf16": med / base}
-    if jax.default_backend() == "gpu":
-      res[name].update(_hlo_counts(*steps[name]))
+  for name, arm in built.items():
+    t = times[name]
+    res[name] = {"median_ms": t["median_ms"], "min_ms": t["min_ms"], "max_ms": t["max_ms"],
+                 "runs": t["runs"], "ratio_to_bf16": t["ratio"], "min_ratio": t["min_ratio"],
+                 "max_ratio": t["max_ratio"], "memory": arm.memory}
+    if arm.products:
+      res[name]["gpu_products"] = arm.products
   return res
 
 
-def residual_bytes(fn, *args) -> int:
-  buf = io.StringIO()
-  with contextlib.redirect_stdout(buf):
-    jax.ad_checkpoint.print_saved_residuals(fn, *args)
-  total = 0
-  for line in buf.getvalue().splitlines():
-    if "from the argument" in line or "from a literal" in line:
-      continue
-    m = re.match(r"(\w+)\[([\d,]*)\]", line)
-    total += _BYTES[m.group(1)] * int(np.prod([int(d) for d in m.group(2).split(",") if d]))
-  return total
-
-
 class MLP(nn.Module):
+  """Dense -> gelu -> Dense, with the activations kept at three points.
+
+  Attributes:
+    mode: ``'bf16'`` (plain), ``'bf16_named'`` (the three points named
+      ``'bf16_act'`` for a remat policy) or ``'fp8'`` (an ``Fp8Activation`` at
+      each point).
+    d: model width (hidden ``4 * d``).
+  """
+
   mode: str = "bf16"
   d: int = 256
 
@@ -113,25 +71,38 @@ class MLP(nn.Module):
     return nn.Dense(self.d, **kw)(keep(nn.gelu(keep(h))))
 
 
-def mlp_residuals(tokens=512, d=256):
+def mlp_block(tokens=512, d=256):
+  """Residual bytes and jitted-step temp memory of the MLP block, bf16 vs fp8 remat.
+
+  Residual bytes exclude the block's input and parameters (alive anyway) and
+  the fp8 state.
+  """
   x = jax.random.normal(jax.random.key(0), (tokens, d), jnp.bfloat16)
-  out = {}
+  res, temp = {}, {}
   for mode, name in (("bf16", None), ("bf16_named", "bf16_act"),
                      ("fp8", fl.CHECKPOINT_NAME)):
     m = (MLP(mode, d) if name is None else
          nn.remat(MLP, policy=jax.checkpoint_policies.save_only_these_names(name))(mode, d))
-    v = m.init(jax.random.key(1), x)
-    out[mode] = residual_bytes(lambda v, x: m.apply(v, x), v, x)
-  return {"shape": {"tokens": tokens, "d": d, "hidden": 4 * d}, "bytes": out,
-          "fp8_over_bf16_remat_same_points": out["fp8"] / out["bf16_named"],
-          "fp8_over_bf16_no_remat": out["fp8"] / out["bf16"]}
+    arm = common.build_train_arm(m, x)
+    res[mode] = common.residual_bytes(m, arm.variables, x)["activation_bytes"]
+    temp[mode] = (arm.memory or {}).get("temp_size_in_bytes")
+  out = {"shape": {"tokens": tokens, "d": d, "hidden": 4 * d}, "bytes": res,
+         "fp8_over_bf16_remat_same_points": res["fp8"] / res["bf16_named"],
+         "fp8_over_bf16_no_remat": res["fp8"] / res["bf16"],
+         "jitted_step_temp_bytes": temp}
+  if all(temp.values()):
+    out["jitted_step_temp_fp8_over_bf16_remat"] = temp["fp8"] / temp["bf16_named"]
+  return out
 
 
-def main():
-  ap = argparse.ArgumentParser()
+def main(argv=None) -> dict:
+  """Runs the benchmark, writes ``<device>-layers.json`` and returns its payload."""
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--runs", type=int, default=20)
   ap.add_argument("--quick", action="store_true", help="smaller shapes")
-  args = ap.parse_args()
+  ap.add_argument("--out-dir", default=None,
+                  help="folder for <device>-layers.json (default: benchmarks/results)")
+  args = ap.parse_args(argv)
   bf = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
   q = 2 if args.quick else 1
   cases = {
@@ -154,21 +125,14 @@ def main():
     results[name] = {"input_shape": list(x.shape), "arms": compare(arms, x, args.runs)}
     print(name, {k: round(v["ratio_to_bf16"], 3) for k, v in results[name]["arms"].items()},
           flush=True)
-  residuals = mlp_residuals()
-  print("mlp residual bytes", residuals, flush=True)
-  dev = jax.devices()[0]
-  out = {"device": f"{dev.platform}:{getattr(dev, 'device_kind', '')}",
-         "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-         "versions": {"jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(
-             jax, "lib") else None, "flax": flax.__version__},
-         "runs": args.runs, "step": "jit(vjp) forward+backward with random cotangent",
-         "results": results, "mlp_block_residuals": residuals}
-  path = os.path.join(os.path.dirname(__file__), "results",
-                      f"{'gpu' if dev.platform == 'gpu' else 'cpu'}-layers.json")
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(out, f, indent=2)
-  print("wrote", path)
+  block = mlp_block(*((256, 128) if args.quick else ()))
+  print("mlp block", {k: block[k] for k in ("bytes", "jitted_step_temp_bytes")}, flush=True)
+  out = {"benchmark": "layers_train_step", "env": common.environment(), "runs": args.runs,
+         "step": "jit(loss = sum(y * r) with random r; returns new state, loss and dL/dx: "
+                 "fwd + dgrad + wgrad + SGD update + fp8 state merge), donated state",
+         "results": results, "mlp_block_residuals": block}
+  print("wrote", common.write_json("layers", out, args.out_dir))
+  return out
 
 
 if __name__ == "__main__":

@@ -14,10 +14,13 @@ embeddings, norms, attention scores and the vocabulary head stay bf16):
    are random byte tokens and random next-token labels, so the loss's
    cotangent (softmax minus one-hot) is data dependent and cannot be folded
    away. The scales and amax histories live in the train state, a jit
-   argument. Recorded per arm: ``compiled.memory_analysis()`` (temp, argument,
-   output bytes) where the backend offers it and, on a GPU, the number of
-   ``__cublas$lt$matmul$f8`` custom calls in the compiled step (3 per
-   quantized dense layer expected: 4 per block).
+   argument. The step returns the loss, so every forward GEMM runs, and the
+   embeddings below the blocks take gradients, so every dgrad runs too (a
+   token input has no dL/dx of its own). Recorded per arm:
+   ``compiled.memory_analysis()`` (temp, argument, output bytes) where the
+   backend offers it and, on a GPU, the fp8 products among all products of
+   the compiled step (3 per quantized dense layer expected: 4 layers per
+   block).
 2. Accuracy parity. Each arm is trained ``--steps`` steps from the same seed
    on the same batches in the same order (batch ``i`` is a pure function of
    the seed and ``i``), and the loss curves, final train loss (mean of the
@@ -61,9 +64,6 @@ from fp8_linen_job import arms as arms_lib  # noqa: E402
 from fp8_linen_job import config as config_lib  # noqa: E402
 from fp8_linen_job import tasks as tasks_lib  # noqa: E402
 from fp8_linen_job import train as train_lib  # noqa: E402
-
-FP8_CUSTOM_CALL = "__cublas$lt$matmul$f8"
-"""The cuBLASLt fp8 GEMM target; its count proves the fp8 GEMMs ran."""
 
 ARM_CHOICES = ("bf16", "fp8_delayed", "fp8_current", "int8")
 """Arms this benchmark can build (``--arms``)."""
@@ -117,23 +117,6 @@ def build_arm(name: str, cfg: config_lib.JobConfig) -> arms_lib.Arm:
   return dataclasses.replace(arm, name=name)
 
 
-def memory_stats(compiled) -> dict | None:
-  """The byte counts of ``compiled.memory_analysis()``, or None if unavailable."""
-  try:
-    stats = compiled.memory_analysis()
-  except Exception:  # pylint: disable=broad-except  # Not every backend has it.
-    return None
-  if stats is None:
-    return None
-  out = {}
-  for field in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
-                "alias_size_in_bytes", "generated_code_size_in_bytes"):
-    value = getattr(stats, field, None)
-    if value is not None:
-      out[field] = int(value)
-  return out or None
-
-
 def random_batch(batch: int, seq_len: int, seed: int) -> dict[str, np.ndarray]:
   """Random byte tokens and random next-token labels (``int32[batch, seq_len]``)."""
   rng = np.random.default_rng(seed)
@@ -157,10 +140,9 @@ def prepare_arm(task: tasks_lib.Task, arm: arms_lib.Arm, args: argparse.Namespac
   info = {"compile_s": time.perf_counter() - t0,
           "param_count": sum(int(np.prod(p.shape))
                              for p in jax.tree.leaves(state.params["params"])),
-          "memory": memory_stats(compiled)}
+          "memory": common.memory_stats(compiled)}
   if jax.default_backend() == "gpu":
-    info["hlo_custom_calls"] = common.count_in_hlo(compiled.as_text(),
-                                                   needles=(FP8_CUSTOM_CALL,))
+    info["gpu_products"] = common.gpu_products(compiled.as_text())
     info["expected_fp8_gemms"] = 3 * 4 * args.layers if arm.quantized else 0
   return {"state": state, "step": compiled,
           "eval": jax.jit(train_lib.make_eval_step(state.apply_fn)), "info": info}
@@ -197,7 +179,8 @@ def time_arms(prepared: dict, args: argparse.Namespace) -> dict:
                 f"{mem.get('argument_size_in_bytes', 0) / 2**20:7.1f} MiB" if mem else "")
     print(f"time  {name:12s} {row['median_ms']:9.2f} ms [{row['min_ms']:.2f}, "
           f"{row['max_ms']:.2f}]  x{row['ratio_vs_bf16']:5.3f} {base_name}{mem_text}"
-          + (f"  {row['hlo_custom_calls']}" if "hlo_custom_calls" in row else ""), flush=True)
+          + (f"  fp8 {row['gpu_products']['fp8_products']}/{row['gpu_products']['products']}"
+             if "gpu_products" in row else ""), flush=True)
   return {"baseline": base_name, "reps": args.reps, "warmup": args.warmup,
           "step": "jit(value_and_grad + AdamW(clip) update + fp8 state merge), donated state, "
                   "random tokens and random labels", "arms": rows}

@@ -1,13 +1,20 @@
-"""Shared measuring helpers for the benchmark scripts (see ../shared/BENCHMARKS.md).
+"""Shared measuring helpers for the benchmark scripts.
 
 Rules kept here: every arm is timed in one process, interleaved, after warm-up;
 ``block_until_ready`` on every output; median of >= 20 runs with min and max;
-random inputs and a random cotangent; results as ratios to a baseline arm.
+random inputs and a random cotangent; results as ratios to a baseline arm. The
+train step (:func:`make_train_step`) returns the loss and ``dL/dx`` with the new
+state, so forward, dgrad and wgrad of every layer all run; the variables (fp8
+scales and histories included) are jit arguments.
+
+The scripts import the public API (``fp8_linen``,
+``fp8_linen.testing.gpu_compile``) and this module only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -18,7 +25,12 @@ import time
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+
+import fp8_linen as fl
+from fp8_linen.testing import gpu_compile
 
 _DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1,
                 "bool": 1, "pred": 1, "s64": 8, "u64": 8}
@@ -32,8 +44,7 @@ def device_name() -> str:
 
 def environment() -> dict:
   """Device kind and library versions for the output JSON."""
-  import flax
-  import optax
+  import flax  # pylint: disable=import-outside-toplevel
   d = jax.devices()[0]
   return {"device_kind": d.device_kind, "platform": d.platform, "device_count": jax.device_count(),
           "cpu_count": os.cpu_count(), "machine": platform.machine(), "jax": jax.__version__,
@@ -67,7 +78,7 @@ def saved_residuals(f: Callable, *args) -> list[dict]:
   """Residuals ``f``'s backward pass keeps, parsed from ``print_saved_residuals``.
 
   Each entry: ``dtype``, ``shape``, ``bytes``, ``from_argument`` (the argument
-  path, or None) and the raw ``line``.
+  path, or None), ``literal`` (a constant of the program) and the raw ``line``.
   """
   buf = io.StringIO()
   with contextlib.redirect_stdout(buf):
@@ -82,32 +93,191 @@ def saved_residuals(f: Callable, *args) -> list[dict]:
     nbytes = (1 if dt.startswith("f8") else _DTYPE_BYTES.get(dt, 4)) * int(np.prod(dims))
     arg = re.match(r"from the argument (.*)", rest)
     out.append({"dtype": dt, "shape": dims, "bytes": nbytes,
-                "from_argument": arg.group(1) if arg else None, "line": line.strip()})
+                "from_argument": arg.group(1) if arg else None,
+                "literal": rest.startswith("from a literal"), "line": line.strip()})
   return out
 
 
-def residual_bytes(f: Callable, *args, state_prefix: str = "owg") -> dict:
-  """Residual bytes of ``f``, with the fp8 state arguments counted apart.
+def residual_bytes(model, variables, x) -> dict:
+  """Bytes ``model``'s backward pass keeps (``jax.vjp`` outside jit), by kind.
 
-  The scales and histories are model state that lives across steps anyway; the
-  comparison with a plain layer is on everything else.
+  The fp8 scales and histories (the ``fl.OWG`` collection) are model state that
+  lives across steps anyway, so they are counted apart. This is a per-layer
+  figure: inside one jitted step XLA drops residuals the backward never reads,
+  so quote :func:`memory_stats` of a compiled step for peak memory.
+
+  Args:
+    model: anything with ``apply(variables, x)``.
+    variables: its variables.
+    x: its input.
+
+  Returns:
+    ``{"bytes": everything but the fp8 state (inputs and parameters the backward
+    reads included), "activation_bytes": arrays computed by the forward pass
+    (inputs, parameters and constants excluded), "argument_bytes",
+    "state_bytes", "entries": the raw lines}``.
   """
-  res = saved_residuals(f, *args)
-  state = sum(r["bytes"] for r in res if (r["from_argument"] or "").startswith(state_prefix))
+  res = saved_residuals(lambda v, x: model.apply(v, x), variables, x)
+  owg = f"['{fl.OWG}']"
+  state = sum(r["bytes"] for r in res if owg in (r["from_argument"] or ""))
+  args = sum(r["bytes"] for r in res if r["from_argument"] and owg not in r["from_argument"])
+  literals = sum(r["bytes"] for r in res if r["literal"])
   total = sum(r["bytes"] for r in res)
-  return {"bytes": total - state, "state_bytes": state,
-          "entries": [r["line"] for r in res]}
+  return {"bytes": total - state, "activation_bytes": total - state - args - literals,
+          "argument_bytes": args, "state_bytes": state, "entries": [r["line"] for r in res]}
 
 
-def count_in_hlo(compiled_text: str, needles=("__cublas$lt$matmul$f8",
-                                              "__cudnn$convForwardGraph")) -> dict:
-  """How often each custom-call target appears in compiled HLO text."""
-  return {n: compiled_text.count(n) for n in needles}
+def memory_stats(compiled) -> dict | None:
+  """The byte counts of ``compiled.memory_analysis()``, or None if unavailable."""
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except  # Not every backend has it.
+    return None
+  if stats is None:
+    return None
+  out = {}
+  for field in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+                "alias_size_in_bytes", "generated_code_size_in_bytes"):
+    value = getattr(stats, field, None)
+    if value is not None:
+      out[field] = int(value)
+  return out or None
 
 
-def write_json(name: str, payload: dict) -> str:
-  """Writes ``benchmarks/results/<device>-<name>.json`` and returns its path."""
-  path = os.path.join(os.path.dirname(__file__), "results", f"{device_name()}-{name}.json")
+def gpu_products(hlo_text: str) -> dict:
+  """fp8 products among all products of optimized XLA:GPU HLO (``compiled.as_text()``).
+
+  The counting is :func:`fp8_linen.testing.gpu_compile.count_products`, the
+  same on a real GPU and in the deviceless H100 compile.
+  """
+  c = gpu_compile.count_products(hlo_text)
+  return {"fp8_products": c.fp8_products, "products": c.products, "fp8_gemms": c.fp8_gemms,
+          "gemms": c.gemms, "fp8_convs": c.fp8_convs, "convs": c.convs,
+          "fp8_triton_gemms": c.fp8_triton_gemms, "triton_gemms": c.triton_gemms,
+          "other_dots": c.other_dots}
+
+
+def compile_report_row(report: gpu_compile.GpuCompileReport) -> dict:
+  """The JSON row of a deviceless compile: product counts and planned memory."""
+  return {"fp8_products": report.fp8_products, "products": report.products,
+          "fp8_gemms": report.fp8_gemms, "gemms": report.gemms, "fp8_convs": report.fp8_convs,
+          "convs": report.convs, "other_dots": report.other_dots,
+          "temp_size_in_bytes": report.temp_bytes,
+          "argument_size_in_bytes": report.argument_bytes,
+          "output_size_in_bytes": report.output_bytes,
+          "alias_size_in_bytes": report.alias_bytes,
+          "compile_s": report.compile_seconds}
+
+
+# ----------------------------------------------------------------------------
+# The training step every timing benchmark runs.
+# ----------------------------------------------------------------------------
+
+
+def make_train_step(model) -> Callable:
+  """``step(state, x, r) -> (new state, loss, dL/dx)`` for a ``fl.TrainState``.
+
+  The loss is ``sum(y * r)`` with ``r`` a random cotangent passed as an
+  argument, and the step returns the loss and ``dL/dx`` as well as the new
+  state: a step that returned only the updated variables would let XLA delete
+  the forward GEMM and never compute dgrad (1 product per layer timed instead
+  of 3). The gradient part is :func:`gpu_compile.make_train_step`, the step the
+  deviceless H100 compile counts products in; here the optimizer update and the
+  fp8 state merge (``TrainState.apply_gradients``) follow.
+
+  Args:
+    model: anything with ``apply(variables, x)``; ``state.params`` holds its
+      whole variables dict.
+  """
+  grads_step = gpu_compile.make_train_step(model)
+
+  def step(state, x, r):
+    loss, dx, grads = grads_step(state.params, x, r)
+    return state.apply_gradients(grads=grads), loss, dx
+
+  return step
+
+
+@dataclasses.dataclass
+class TrainArm:
+  """One arm of a timing benchmark: a compiled train step and what it runs on.
+
+  Attributes:
+    run: zero-argument callable: one step on the arm's own (donated) state;
+      returns ``(state, loss, dx)`` for ``block_until_ready``.
+    variables: the model's initial variables (for :func:`residual_bytes`).
+    x: the input; ``r``: the random cotangent.
+    memory: :func:`memory_stats` of the compiled step.
+    products: on a GPU, :func:`gpu_products` of the compiled step (else None).
+  """
+
+  run: Callable[[], object]
+  variables: dict
+  x: jax.Array
+  r: jax.Array
+  memory: dict | None
+  products: dict | None
+
+
+def build_train_arm(model, x, *, seed: int = 0, tx=None) -> TrainArm:
+  """Initializes ``model`` on ``x`` and compiles its train step (:func:`make_train_step`).
+
+  The variables (params, fp8 scales and histories) live in a ``fl.TrainState``
+  passed to the jitted step as an argument and donated; the cotangent is random
+  (normal, the output's dtype), drawn from ``seed``.
+
+  Args:
+    model: a Linen module.
+    x: its input (random, never zeros: the caller draws it).
+    seed: seeds the initialization and the cotangent.
+    tx: the optax optimizer (default SGD, learning rate 1e-3).
+  """
+  k_init, k_r = jax.random.split(jax.random.key(seed))
+  variables = model.init(k_init, x)
+  y = jax.eval_shape(model.apply, variables, x)
+  r = jax.random.normal(k_r, y.shape, jnp.float32).astype(y.dtype)
+  # The step donates its state, so it gets copies; `variables` stay readable.
+  state = fl.TrainState.create(apply_fn=model.apply, params=jax.tree.map(jnp.copy, variables),
+                               tx=tx if tx is not None else optax.sgd(1e-3))
+  compiled = jax.jit(make_train_step(model), donate_argnums=0).lower(state, x, r).compile()
+  holder = {"state": state}
+
+  def run():
+    holder["state"], loss, dx = compiled(holder["state"], x, r)
+    return holder["state"], loss, dx
+
+  products = gpu_products(compiled.as_text()) if jax.default_backend() == "gpu" else None
+  return TrainArm(run=run, variables=variables, x=x, r=r, memory=memory_stats(compiled),
+                  products=products)
+
+
+def time_arms(arms: dict[str, TrainArm], baseline: str, reps: int = 20,
+              warmup: int = 3) -> dict[str, dict]:
+  """Times the arms' steps interleaved (:func:`time_interleaved`); adds ratios to ``baseline``.
+
+  Returns:
+    ``{name: {median_ms, min_ms, max_ms, runs, ratio, min_ratio, max_ratio}}``
+    where the ratios are the arm's median, fastest and slowest run divided by
+    the baseline's median.
+  """
+  times = time_interleaved({n: a.run for n, a in arms.items()}, reps=reps, warmup=warmup)
+  base = times[baseline]["median_ms"]
+  return {n: {**t, "ratio": t["median_ms"] / base, "min_ratio": t["min_ms"] / base,
+              "max_ratio": t["max_ms"] / base} for n, t in times.items()}
+
+
+def write_json(name: str, payload: dict, out_dir: str | None = None,
+               device: str | None = None) -> str:
+  """Writes ``<out_dir>/<device>-<name>.json`` and returns its path.
+
+  Args:
+    name: the benchmark's name.
+    payload: the JSON payload.
+    out_dir: the folder (default ``benchmarks/results``).
+    device: the file-name prefix (default :func:`device_name`).
+  """
+  out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+  path = os.path.join(out_dir, f"{device or device_name()}-{name}.json")
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
     json.dump(payload, f, indent=1, sort_keys=True)

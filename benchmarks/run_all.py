@@ -1,7 +1,7 @@
 """Runs every benchmark script in sequence, then draws the plots.
 
 Order: bench_dense, bench_layers, bench_recipes, qat_digits, bench_transformer,
-plot_results. Each runs as its own subprocess (a fresh JAX backend each, so
+bench_h100_compile, plot_results. Each runs as its own subprocess (a fresh JAX backend each, so
 one script's compiled programs and memory cannot skew the next) and gets one
 summary line: OK or FAILED (exit code), seconds, and what it wrote. The exit
 code is non-zero if any script failed; the others still run.
@@ -10,18 +10,18 @@ How long: a full run on the 2-core CPU machine takes roughly 10-20 minutes
 (an estimate, not a measurement: bench_dense ~1-2 min, bench_layers ~2 min,
 bench_recipes ~2 min, qat_digits ~3 min (its last full run took 157 s),
 bench_transformer ~4-8 min, most of it the 3 x 150 parity steps and
-compilation). Keep the machine otherwise idle while it runs. On a GPU machine
+compilation, bench_h100_compile ~1.5 min: compiles only, for an H100, on the
+CPU; it prints "skipped" and writes nothing where the CUDA plugin of the test
+extra is missing). Keep the machine otherwise idle while it runs. On a GPU machine
 (``jax.default_backend() == 'gpu'``) the scripts pick GPU sizes: bench_dense
 and bench_transformer by themselves (4096/8192 GEMMs; a ~126M-parameter
 transformer), bench_recipes via ``--sizes 2048 4096 8192`` passed from here.
 
 ``--quick`` is a smoke run (about 3-5 minutes on the CPU machine, nearly all
 compilation): tiny sizes,
-few runs. Its results are not figures to quote, so they go to a scratch folder
-(``--quick-dir``, default a new temporary folder) and never replace the files
-in benchmarks/results/: bench_dense and bench_layers always write there, so in
-quick mode their file is moved to the scratch folder and the earlier file put
-back as soon as the script ends.
+few runs. Its results are not figures to quote, so every script writes them to
+a scratch folder (``--quick-dir``, default a new temporary folder) and the
+files in benchmarks/results/ are never touched.
 
 Usage:
   python benchmarks/run_all.py                 # full run, results in benchmarks/results/
@@ -43,7 +43,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_DIR = os.path.join(HERE, "results")
 ORDER = ("bench_dense", "bench_layers", "bench_recipes", "qat_digits", "bench_transformer",
-         "plot_results")
+         "bench_h100_compile", "plot_results")
 """Every script, in the order it runs."""
 
 
@@ -55,14 +55,11 @@ class Job:
     name: Script name without ``.py``.
     args: Its command-line arguments.
     outputs: Files it writes (for the summary line).
-    fixed_outputs: Files it always writes into benchmarks/results/ whatever
-      its arguments (moved to the scratch folder in quick mode).
   """
 
   name: str
   args: tuple[str, ...]
   outputs: tuple[str, ...] = ()
-  fixed_outputs: tuple[str, ...] = ()
 
 
 def probe_device() -> tuple[str, str]:
@@ -82,20 +79,21 @@ def plan(device: str, backend: str, quick: bool, quick_dir: str) -> list[Job]:
   """The jobs to run, with arguments for the mode and device."""
   out = quick_dir if quick else RESULTS_DIR
   gpu = backend == "gpu"
-  layers_prefix = "gpu" if gpu else "cpu"  # bench_layers names its file this way.
-  dense = os.path.join(RESULTS_DIR, f"{device}-dense.json")
-  layers = os.path.join(RESULTS_DIR, f"{layers_prefix}-layers.json")
+  dense = os.path.join(out, f"{device}-dense.json")
+  layers = os.path.join(out, f"{device}-layers.json")
+  h100 = os.path.join(out, "h100-compile.json")
   recipes = os.path.join(out, f"{device}-recipes.json")
   digits = os.path.join(out, f"{device}-qat-digits.json")
   transformer = os.path.join(out, f"{device}-transformer.json")
   if quick:
     return [
-        Job("bench_dense", ("--sizes", "128", "256", "--reps", "5"), (dense,), (dense,)),
-        Job("bench_layers", ("--quick", "--runs", "5"), (layers,), (layers,)),
+        Job("bench_dense", ("--sizes", "128", "256", "--reps", "5", "--out-dir", out), (dense,)),
+        Job("bench_layers", ("--quick", "--runs", "5", "--out-dir", out), (layers,)),
         Job("bench_recipes", ("--sizes", "128", "--runs", "5", "--warmup", "1", "--out", recipes),
             (recipes,)),
         Job("qat_digits", ("--seeds", "1", "--epochs", "2", "--out", digits), (digits,)),
         Job("bench_transformer", ("--quick", "--out-dir", out), (transformer,)),
+        Job("bench_h100_compile", ("--quick", "--out-dir", out), (h100,)),
         Job("plot_results", ("--device", device, "--results-dir", out), _pngs(out, device)),
     ]
   return [
@@ -105,6 +103,7 @@ def plan(device: str, backend: str, quick: bool, quick_dir: str) -> list[Job]:
           (recipes,)),
       Job("qat_digits", ("--out", digits), (digits,)),
       Job("bench_transformer", (), (transformer,)),
+      Job("bench_h100_compile", (), (h100,)),
       Job("plot_results", ("--device", device), _pngs(out, device)),
   ]
 
@@ -113,44 +112,14 @@ def _pngs(folder: str, device: str) -> tuple[str, ...]:
   return tuple(os.path.join(folder, f"{device}-{n}.png") for n in ("dense", "recipes", "transformer"))
 
 
-def _snapshot(paths) -> dict[str, bytes | None]:
-  saved = {}
-  for path in paths:
-    try:
-      with open(path, "rb") as f:
-        saved[path] = f.read()
-    except FileNotFoundError:
-      saved[path] = None
-  return saved
-
-
-def _divert(saved: dict[str, bytes | None], quick_dir: str) -> list[str]:
-  """Moves freshly written fixed outputs to ``quick_dir``; restores the old files."""
-  moved = []
-  for path, old in saved.items():
-    if os.path.exists(path):
-      dest = os.path.join(quick_dir, os.path.basename(path))
-      os.replace(path, dest)
-      moved.append(dest)
-    if old is not None:
-      with open(path, "wb") as f:
-        f.write(old)
-  return moved
-
-
-def run_job(job: Job, quick: bool, quick_dir: str) -> tuple[bool, str]:
+def run_job(job: Job) -> tuple[bool, str]:
   """Runs one script; returns (ok, summary line)."""
   cmd = [sys.executable, os.path.join(HERE, f"{job.name}.py"), *job.args]
   print(f"\n=== {job.name}: {' '.join(cmd[1:])}", flush=True)
-  saved = _snapshot(job.fixed_outputs) if quick else {}
   t0 = time.perf_counter()
-  try:
-    rc = subprocess.run(cmd, check=False).returncode
-  finally:
-    moved = _divert(saved, quick_dir) if quick else []
-  written = moved + [p for p in job.outputs if p not in job.fixed_outputs or not quick]
+  rc = subprocess.run(cmd, check=False).returncode
   seconds = time.perf_counter() - t0
-  written = [p for p in written if os.path.exists(p)]
+  written = [p for p in job.outputs if os.path.exists(p)]
   status = "OK    " if rc == 0 else f"FAILED (exit {rc})"
   line = f"{job.name:18s} {status} {seconds:7.1f} s  {', '.join(written) or '-'}"
   return rc == 0, line
@@ -190,7 +159,7 @@ def main(argv=None) -> int:
   t0 = time.perf_counter()
   lines, failed = [], []
   for job in selected:
-    ok, line = run_job(job, args.quick, quick_dir)
+    ok, line = run_job(job)
     lines.append(line)
     if not ok:
       failed.append(job.name)

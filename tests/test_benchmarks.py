@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import pathlib
 import sys
 
 import pytest
@@ -89,21 +90,101 @@ def test_run_all_quick_keeps_results(tmp_path):
   run_all = _load("run_all")
   jobs = {j.name: j for j in run_all.plan("cpu", "cpu", quick=True, quick_dir=str(tmp_path))}
   assert tuple(jobs) == run_all.ORDER
-  # Only the scripts that cannot redirect their output write into results/.
-  assert {n for n, j in jobs.items() if j.fixed_outputs} == {"bench_dense", "bench_layers"}
   assert "--quick" in jobs["bench_transformer"].args
+  # A quick run's figures are not to be quoted: every script writes to the
+  # scratch folder, none into benchmarks/results/.
+  for name, job in jobs.items():
+    if name == "plot_results":
+      assert job.args[job.args.index("--results-dir") + 1] == str(tmp_path)
+    elif name == "bench_recipes" or name == "qat_digits":
+      assert job.args[job.args.index("--out") + 1].startswith(str(tmp_path)), name
+    else:
+      assert job.args[job.args.index("--out-dir") + 1] == str(tmp_path), name
+    assert all(o.startswith(str(tmp_path)) for o in job.outputs), name
+  full = {j.name: j for j in run_all.plan("cpu", "cpu", quick=False, quick_dir="")}
+  assert full["bench_h100_compile"].outputs == (
+      os.path.join(run_all.RESULTS_DIR, "h100-compile.json"),)
 
-  # A quick run's file goes to the scratch folder; the measured one comes back.
-  results = tmp_path / "results"
-  scratch = tmp_path / "scratch"
-  results.mkdir()
-  scratch.mkdir()
-  kept, fresh = results / "cpu-dense.json", results / "cpu-layers.json"
-  kept.write_text("measured")
-  saved = run_all._snapshot([str(kept), str(fresh)])
-  kept.write_text("quick")
-  fresh.write_text("quick")
-  moved = run_all._divert(saved, str(scratch))
-  assert kept.read_text() == "measured" and not fresh.exists()
-  assert sorted(os.path.basename(m) for m in moved) == ["cpu-dense.json", "cpu-layers.json"]
-  assert (scratch / "cpu-dense.json").read_text() == "quick"
+
+def _h100_compile_or_skip():
+  from fp8_linen.testing import gpu_compile
+  available = gpu_compile.availability()
+  if not available:
+    pytest.skip(f"deviceless H100 compile unavailable: {available.reason}")
+  return gpu_compile
+
+
+def test_timed_step_keeps_three_fp8_products_per_layer():
+  # The step every timing benchmark runs must keep forward, dgrad and wgrad: a
+  # step returning only the variables' gradients compiles to 1 product per layer.
+  gpu_compile = _h100_compile_or_skip()
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import fp8_linen as fl
+  common = _load("common")
+  model = fl.QDense(128, dtype=jnp.bfloat16)
+  x = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+  with gpu_compile.gpu_tracing():
+    state = jax.eval_shape(
+        lambda: fl.TrainState.create(apply_fn=model.apply, tx=optax.sgd(1e-3), params=model.init(
+            jax.random.key(0), jnp.zeros(x.shape, x.dtype))))
+  report = gpu_compile.compile_for_h100(common.make_train_step(model), state, x,
+                                        jax.ShapeDtypeStruct((64, 128), jnp.bfloat16))
+  assert (report.fp8_gemms, report.gemms) == (3, 3), report.summary()
+
+
+def test_bench_dense_tiny(tmp_path):
+  bd = _load("bench_dense")
+  payload = bd.main(["--sizes", "64", "--reps", "2", "--out-dir", str(tmp_path)])
+  (row,) = payload["results"]
+  arms = row["arms"]
+  assert set(arms) >= {"bf16_dense", "f32_dense", "flax_fp8_direct", "qdense_delayed"}
+  assert arms["bf16_dense"]["ratio_vs_bf16_dense"] == 1.0
+  # QDense keeps only the fp8 copies of x and the kernel: half of bf16's residuals.
+  assert arms["qdense_delayed"]["residual_ratio_vs_bf16_dense"] == pytest.approx(0.5, abs=0.02)
+  assert arms["qdense_delayed"]["memory"]["temp_size_in_bytes"] > 0
+  assert list(tmp_path.glob("*-dense.json"))
+
+
+def test_bench_h100_compile_quick(tmp_path):
+  _h100_compile_or_skip()
+  bh = _load("bench_h100_compile")
+  payload = bh.main(["--quick", "--only", "mlp", "--out-dir", str(tmp_path)])
+  saved = json.loads((tmp_path / "h100-compile.json").read_text())
+  assert saved["device"] == "H100 (compile only)"
+  layers = payload["sizes"]["layers"]
+  arms = saved["results"]["mlp"]["arms"]
+  assert arms["bf16_dense"]["fp8_products"] == 0
+  assert arms["bf16_dense"]["products"] == 3 * layers
+  for name in ("qdense_delayed", "qdense_current", "flax_fp8_direct"):
+    assert arms[name]["fp8_products"] == arms[name]["products"] == 3 * layers, name
+    assert arms[name]["as_expected"]
+  for row in arms.values():
+    assert row["temp_size_in_bytes"] > 0 and row["argument_size_in_bytes"] > 0
+
+
+def test_scripts_import_only_the_public_api():
+  # Benchmarks measure what users get: fp8_linen's public names, the deviceless
+  # compile, and the shared helpers in common.py (bench_transformer also runs
+  # the main job's model, fp8_linen_job).
+  import ast
+  allowed_ours = {"fp8_linen", "fp8_linen.testing.gpu_compile", "fp8_linen.testing",
+                  "fp8_linen_job", "common", "plot_results"}
+  for path in sorted(pathlib.Path(BENCH_DIR).glob("*.py")):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        names = [node.module + ("." + a.name if node.module == "fp8_linen.testing" else "")
+                 for a in node.names]
+      else:
+        continue
+      for name in names:
+        if name.split(".")[0] in ("fp8_linen", "fp8_linen_job", "common", "plot_results"):
+          ok = name in allowed_ours or name.startswith("fp8_linen_job.")
+          assert ok, f"{path.name} imports {name}"
+      if path.name != "bench_transformer.py":
+        assert not any(n.startswith("fp8_linen_job") for n in names), path.name
