@@ -68,55 +68,13 @@ from fp8_linen.linen.conv import conv_kwargs_from
 from fp8_linen.linen.dispatch import (quantized_conv_on, quantized_dot_general_on,
                                       quantized_einsum_on)
 from fp8_linen.recipes.fp8 import Fp8Recipe
+from fp8_linen.recipes.rules import OPS, QuantizationRule, normalize_rules
 
 __all__ = ["OPS", "QuantizationRule", "QuantizedModel", "quantize_model", "quantization"]
 
-OPS = ("dot_general", "einsum", "conv")
 
 # Layers whose one product keeps its state at the layer's own path.
 _OWN_STATE_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Einsum, nn.Conv)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class QuantizationRule:
-  """Which modules are quantized, and how.
-
-  Rules are tried in order; the first whose ``module_path`` matches the path of
-  the module running an op (``'/'.join(module.path)``, e.g.
-  ``'decoder/layers_0/attn/query'``; ``re.fullmatch``) and whose ``ops`` include
-  the op decides.
-
-  Attributes:
-    module_path: regular expression matched against the whole module path.
-    quantize: ``False`` keeps the matched modules in their original precision.
-    recipe: the recipe for matched modules (``None``: the one given to
-      :func:`quantize_model`).
-    ops: which op kinds the rule applies to (a subset of :data:`OPS`).
-
-  Example:
-    >>> import fp8_linen as fl
-    >>> fl.QuantizationRule(module_path='.*logits', quantize=False).quantize
-    False
-  """
-
-  module_path: str = ".*"
-  quantize: bool = True
-  recipe: Any = None
-  ops: tuple[str, ...] = OPS
-
-  def __post_init__(self):
-    try:
-      re.compile(self.module_path)
-    except re.error as e:
-      raise ValueError(f"QuantizationRule.module_path={self.module_path!r} is not a valid "
-                       f"regular expression: {e}") from None
-    ops_ = (self.ops,) if isinstance(self.ops, str) else tuple(self.ops)
-    bad = [o for o in ops_ if o not in OPS]
-    if bad or not ops_:
-      raise ValueError(f"QuantizationRule.ops={self.ops!r}: allowed values are {list(OPS)}")
-    object.__setattr__(self, "ops", ops_)
-    if not isinstance(self.quantize, bool):
-      raise ValueError(f"QuantizationRule.quantize={self.quantize!r} must be True or False")
 
 
 class _Frame:
@@ -248,18 +206,6 @@ def _interceptor(next_fun, args, kwargs, context):
     sess.stack.pop()
 
 
-def _normalize_rules(rules) -> tuple[QuantizationRule, ...]:
-  if rules is None:
-    return (QuantizationRule(),)
-  if isinstance(rules, QuantizationRule):
-    rules = (rules,)
-  rules = tuple(rules)
-  for r in rules:
-    if not isinstance(r, QuantizationRule):
-      raise TypeError(f"rules must be QuantizationRule values, got {type(r).__name__}")
-  return rules
-
-
 @contextlib.contextmanager
 def quantization(recipe=None, rules: Sequence[QuantizationRule] | None = None, *,
                  on_unmatched: str = "warn"):
@@ -289,7 +235,7 @@ def quantization(recipe=None, rules: Sequence[QuantizationRule] | None = None, *
   if on_unmatched not in ("warn", "raise", "ignore"):
     raise ValueError(f"on_unmatched={on_unmatched!r}: allowed values are 'warn', 'raise', "
                      "'ignore'")
-  rules = _normalize_rules(rules)
+  rules = normalize_rules(rules)
   sess = _Session(rules, recipe or Fp8Recipe())
   token = _SESSION.set(sess)
   try:
@@ -379,4 +325,4 @@ def quantize_model(model: nn.Module, recipe=None,
     raise ValueError(f"on_unmatched={on_unmatched!r}: allowed values are 'warn', 'raise', "
                      "'ignore'")
   return QuantizedModel(model=model, recipe=recipe or Fp8Recipe(),
-                        rules=_normalize_rules(rules), on_unmatched=on_unmatched)
+                        rules=normalize_rules(rules), on_unmatched=on_unmatched)

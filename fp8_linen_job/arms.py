@@ -15,6 +15,7 @@ import functools
 from typing import Any, Callable
 
 import flax.linen as nn
+from flax import nnx
 from flax.training import train_state as flax_train_state
 import jax.numpy as jnp
 
@@ -45,6 +46,10 @@ class Arm:
     dtype: Compute dtype of the models.
     recipe: The ``fp8_linen`` recipe of a quantized arm (``None`` for
       ``bf16``); a checkpoint is resumed only with the same recipe.
+    api: ``'linen'``, or ``'nnx'``: the task builds its NNX model with
+      ``nnx_dense_cls`` (see ``JobConfig.api``).
+    nnx_dense_cls: Replaces ``nnx.Linear`` in NNX models; called as
+      ``nnx_dense_cls(in_features, out_features, dtype=..., rngs=...)``.
   """
 
   name: str
@@ -57,6 +62,20 @@ class Arm:
   details: tuple[tuple[str, str], ...] = ()
   dtype: Any = jnp.bfloat16
   recipe: Any = None
+  api: str = 'linen'
+  nnx_dense_cls: Callable[..., nnx.Module] = nnx.Linear
+
+
+_NNX_NOTE = 'Flax NNX model ({})'
+
+
+def _with_api(arm: Arm, cfg: config_lib.JobConfig) -> Arm:
+  """``arm`` as configured by ``cfg.api`` (its NNX twin for ``'nnx'``)."""
+  if cfg.api == 'linen':
+    return arm
+  layer = ('fp8_linen.nnx.Linear' if arm.quantized else 'nnx.Linear')
+  return dataclasses.replace(arm, api=cfg.api, notes=arm.notes + (_NNX_NOTE.format(layer),),
+                             details=arm.details + (('api', cfg.api),))
 
 
 def bf16_arm(cfg: config_lib.JobConfig) -> Arm:
@@ -66,16 +85,17 @@ def bf16_arm(cfg: config_lib.JobConfig) -> Arm:
   here holds only the ``params`` collection, so the optimizer sees exactly
   the same tree as in a quantized arm.
   """
-  del cfg
-  return Arm(name='bf16')
+  return _with_api(Arm(name='bf16'), cfg)
 
 
-def _quantized_arm(name: str, recipe) -> Arm:
-  """An arm with ``QDense`` and ``QConv`` using ``recipe``."""
-  return Arm(name=name, dense_cls=functools.partial(fl.QDense, recipe=recipe),
-             conv_cls=functools.partial(fl.QConv, recipe=recipe),
-             train_state_cls=fl.TrainState, quantized=True,
-             details=(('recipe', repr(recipe)),), recipe=recipe)
+def _quantized_arm(name: str, recipe, cfg: config_lib.JobConfig) -> Arm:
+  """An arm with ``QDense`` and ``QConv`` (NNX: ``fl.nnx.Linear``) using ``recipe``."""
+  return _with_api(Arm(
+      name=name, dense_cls=functools.partial(fl.QDense, recipe=recipe),
+      conv_cls=functools.partial(fl.QConv, recipe=recipe),
+      nnx_dense_cls=functools.partial(fl.nnx.Linear, recipe=recipe),
+      train_state_cls=fl.TrainState, quantized=True,
+      details=(('recipe', repr(recipe)),), recipe=recipe), cfg)
 
 
 def fp8_arm(cfg: config_lib.JobConfig) -> Arm:
@@ -93,7 +113,7 @@ def fp8_arm(cfg: config_lib.JobConfig) -> Arm:
     ConfigError: If ``cfg.fp8_recipe`` is rejected by the library.
   """
   return _quantized_arm(
-      'fp8', config_lib.build_recipe(cfg.fp8_recipe, 'fp8', 'fp8_recipe'))
+      'fp8', config_lib.build_recipe(cfg.fp8_recipe, 'fp8', 'fp8_recipe'), cfg)
 
 
 def int8_arm(cfg: config_lib.JobConfig) -> Arm:
@@ -111,7 +131,7 @@ def int8_arm(cfg: config_lib.JobConfig) -> Arm:
     ConfigError: If ``cfg.int8_recipe`` is rejected by the library.
   """
   return _quantized_arm(
-      'int8', config_lib.build_recipe(cfg.int8_recipe, 'int', 'int8_recipe'))
+      'int8', config_lib.build_recipe(cfg.int8_recipe, 'int', 'int8_recipe'), cfg)
 
 
 BUILDERS: dict[str, Callable[[config_lib.JobConfig], Arm]] = {

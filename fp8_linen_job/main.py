@@ -93,6 +93,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument('--arms', nargs='+', metavar='ARM',
                  help=f'arms to train, from: {", ".join(config_lib.ARMS)}')
   p.add_argument('--seed', type=int, help='override the seed')
+  p.add_argument('--api', choices=config_lib.APIS,
+                 help='Flax API of the lm model (default: linen; nnx: the '
+                 'same transformer built from fp8_linen.nnx layers)')
   p.add_argument('--resume', action='store_true',
                  help='continue each task/arm from its latest checkpoint in '
                  '--out (same data order and state as an uninterrupted run)')
@@ -121,6 +124,8 @@ def config_from_args(args: argparse.Namespace) -> config_lib.JobConfig:
     overrides['arms'] = list(_names(args.arms))
   if args.seed is not None:
     overrides['seed'] = args.seed
+  if args.api is not None:
+    overrides['api'] = args.api
   if args.no_progress:
     overrides['progress'] = False
   if args.steps is not None:

@@ -10,6 +10,10 @@ recipe=...)``. The injected class is called like its flax counterpart:
 Embeddings, layer norms, attention score math and (by default) the output
 head stay plain flax in the compute ``dtype``; only the injected layers change
 between arms.
+
+The same transformer is also written in Flax NNX (:class:`NnxTransformerLM`,
+``api: nnx``), with the same variable tree, and run by the job's functional
+train loop through :class:`NnxAsLinen`.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
+
+import fp8_linen as fl
 
 ModuleFactory = Callable[..., nn.Module]
 
@@ -174,3 +181,161 @@ class DigitsCNN(nn.Module):
     head_cls = self.head_cls or nn.Dense
     logits = head_cls(self.num_classes, dtype=self.dtype, name='head')(x)
     return logits.astype(jnp.float32)
+
+
+# --- The same transformer in Flax NNX (``api: nnx``) -------------------------
+#
+# Attribute names follow the Linen modules' names (``block0/attn/qkv``, ...),
+# so the variables of both APIs have the same tree and the train loop, the
+# checkpoints and the quantization report are shared unchanged. Flax's NNX
+# layers use the same default initializers as their Linen twins (LeCun normal
+# kernels, zero biases, unit-variance embeddings, unit LayerNorm scales); only
+# the random draws differ.
+
+NnxFactory = Callable[..., nnx.Module]
+"""``dense_cls(in_features, out_features, dtype=..., rngs=...)``."""
+
+
+class NnxCausalSelfAttention(nnx.Module):
+  """:class:`CausalSelfAttention` in NNX."""
+
+  def __init__(self, width: int, num_heads: int, dense_cls: NnxFactory, dtype: Any,
+               *, rngs: nnx.Rngs):
+    self.num_heads = num_heads
+    self.qkv = dense_cls(width, 3 * width, dtype=dtype, rngs=rngs)
+    self.out = dense_cls(width, width, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    batch, length, width = x.shape
+    head_dim = width // self.num_heads
+    qkv = self.qkv(x)
+    q, k, v = jnp.split(qkv.reshape(batch, length, 3 * self.num_heads,
+                                    head_dim), 3, axis=2)
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return self.out(y.reshape(batch, length, width))
+
+
+class NnxMlp(nnx.Module):
+  """:class:`Mlp` in NNX."""
+
+  def __init__(self, width: int, hidden: int, dense_cls: NnxFactory, dtype: Any,
+               *, rngs: nnx.Rngs):
+    self.fc1 = dense_cls(width, hidden, dtype=dtype, rngs=rngs)
+    self.fc2 = dense_cls(hidden, width, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.fc2(nn.gelu(self.fc1(x)))
+
+
+class NnxBlock(nnx.Module):
+  """:class:`Block` in NNX."""
+
+  def __init__(self, width: int, num_heads: int, mlp_ratio: int,
+               dense_cls: NnxFactory, dtype: Any, *, rngs: nnx.Rngs):
+    self.ln1 = nnx.LayerNorm(width, epsilon=1e-6, dtype=dtype, rngs=rngs)
+    self.attn = NnxCausalSelfAttention(width, num_heads, dense_cls, dtype, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(width, epsilon=1e-6, dtype=dtype, rngs=rngs)
+    self.mlp = NnxMlp(width, mlp_ratio * width, dense_cls, dtype, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + self.attn(self.ln1(x))
+    return x + self.mlp(self.ln2(x))
+
+
+class NnxTransformerLM(nnx.Module):
+  """:class:`TransformerLM` in NNX: same architecture, same variable tree.
+
+  Args:
+    vocab_size: Number of token ids.
+    max_len: Longest input.
+    d_model: Residual stream width.
+    num_heads: Attention heads per block.
+    num_layers: Number of blocks (attributes ``block0``, ``block1``, ...).
+    mlp_ratio: MLP width as a multiple of ``d_model``.
+    dense_cls: Builds the dense layers inside the blocks (``nnx.Linear`` or
+      e.g. ``functools.partial(fp8_linen.nnx.Linear, recipe=...)``).
+    head_cls: Builds the vocabulary projection (``None``: ``nnx.Linear``).
+    dtype: Compute dtype.
+    rngs: The ``nnx.Rngs``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> lm = NnxTransformerLM(max_len=8, d_model=8, num_heads=2, num_layers=1,
+    ...                       rngs=nnx.Rngs(0))
+    >>> lm(jnp.zeros((2, 8), jnp.int32)).shape
+    (2, 8, 256)
+  """
+
+  def __init__(self, *, vocab_size: int = 256, max_len: int = 128, d_model: int = 128,
+               num_heads: int = 4, num_layers: int = 2, mlp_ratio: int = 4,
+               dense_cls: NnxFactory = nnx.Linear, head_cls: NnxFactory | None = None,
+               dtype: Any = jnp.bfloat16, rngs: nnx.Rngs):
+    self.num_layers = num_layers
+    self.embed = nnx.Embed(vocab_size, d_model, dtype=dtype, rngs=rngs)
+    self.pos_embed = nnx.Embed(max_len, d_model, dtype=dtype, rngs=rngs)
+    for i in range(num_layers):
+      setattr(self, f'block{i}', NnxBlock(d_model, num_heads, mlp_ratio, dense_cls,
+                                          dtype, rngs=rngs))
+    self.ln_f = nnx.LayerNorm(d_model, epsilon=1e-6, dtype=dtype, rngs=rngs)
+    self.head = (head_cls or nnx.Linear)(d_model, vocab_size, dtype=dtype, rngs=rngs)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """Maps ``int[batch, length]`` tokens to ``float32[batch, length, vocab]``."""
+    x = self.embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[1])[None, :])
+    for i in range(self.num_layers):
+      x = getattr(self, f'block{i}')(x)
+    return self.head(self.ln_f(x)).astype(jnp.float32)
+
+
+class NnxAsLinen:
+  """An NNX model behind Linen's functional ``init``/``apply``.
+
+  The train loop of the job is functional (a train state holding a variables
+  dict); this adapter lets an NNX model run in it unchanged. ``init`` builds
+  the model and returns its variables as ``{'params': ..., OWG: ...}`` pure
+  dicts (``nnx.Param`` and :class:`fp8_linen.nnx.QuantState`);
+  ``apply(variables, x)`` merges them into the model's graph and calls it. The
+  quantized layers return the new state as the gradient of the
+  ``QuantState`` s, so ``fp8_linen.TrainState`` writes it back exactly as for
+  the Linen layers' OWG collection.
+
+  Args:
+    build: ``rngs -> nnx.Module``.
+    calibrate: Run :func:`fp8_linen.nnx.calibrate` on the example input at
+      ``init`` (learned LSQ activation steps start from data, as the Linen
+      layers' do at ``init``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> m = NnxAsLinen(lambda rngs: nnx.Linear(3, 2, rngs=rngs))
+    >>> v = m.init(jax.random.key(0), jnp.ones((1, 3)))
+    >>> sorted(v), m.apply(v, jnp.ones((4, 3))).shape
+    (['params'], (4, 2))
+  """
+
+  def __init__(self, build: Callable[[nnx.Rngs], nnx.Module], *, calibrate: bool = False):
+    self.build = build
+    self.calibrate = calibrate
+    abstract = nnx.eval_shape(lambda: build(nnx.Rngs(0)))
+    self.graphdef, _, _, rest = nnx.split(abstract, nnx.Param, fl.nnx.QuantState, ...)
+    if jax.tree.leaves(rest):
+      raise ValueError('NnxAsLinen: the model holds variables other than nnx.Param and '
+                       f'fp8_linen.nnx.QuantState: {rest}')
+
+  def init(self, key: jax.Array, example: jax.Array) -> dict[str, Any]:
+    """The variables of a model built from ``key``."""
+    model = self.build(nnx.Rngs(key))
+    if self.calibrate:
+      fl.nnx.calibrate(model, example)
+    _, params, state = nnx.split(model, nnx.Param, fl.nnx.QuantState)
+    variables = {'params': nnx.to_pure_dict(params)}
+    if jax.tree.leaves(state):
+      variables[fl.OWG] = nnx.to_pure_dict(state)
+    return variables
+
+  def apply(self, variables: dict[str, Any], x: jax.Array) -> jax.Array:
+    """The model with ``variables`` called on ``x``."""
+    states = [nnx.State(variables['params']), nnx.State(variables.get(fl.OWG, {}))]
+    return nnx.merge(self.graphdef, *states, nnx.State({}))(x)

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import fp8_linen as fl
+
 from fp8_linen_job import arms as arms_lib
 from fp8_linen_job import config as config_lib
 from fp8_linen_job import data as data_lib
@@ -32,7 +34,8 @@ class Task:
     description: One line for tables and plots.
     steps: Optimizer steps to train.
     eval_every: Evaluate every this many steps (0: only at the end).
-    build_model: ``arm -> nn.Module``.
+    build_model: ``arm -> nn.Module`` (for an arm with ``api='nnx'``, a
+      :class:`~fp8_linen_job.models.NnxAsLinen` with the same ``init``/``apply``).
     train_batch: ``step -> batch``; a pure function of the step.
     eval_batches: Fixed evaluation batches.
     make_optimizer: ``() -> optax.GradientTransformation``.
@@ -89,6 +92,15 @@ def lm_task(cfg: config_lib.JobConfig) -> Task:
       seq_len=s.seq_len, batch_size=s.batch_size, seed=cfg.seed)
 
   def build_model(arm: arms_lib.Arm) -> nn.Module:
+    if arm.api == 'nnx':
+      head = arm.nnx_dense_cls if s.quantize_head else None
+      return models.NnxAsLinen(
+          lambda rngs: models.NnxTransformerLM(
+              max_len=s.seq_len, d_model=s.d_model, num_heads=s.num_heads,
+              num_layers=s.num_layers, mlp_ratio=s.mlp_ratio,
+              dense_cls=arm.nnx_dense_cls, head_cls=head, dtype=arm.dtype,
+              rngs=rngs),
+          calibrate=isinstance(arm.recipe, fl.IntRecipe))
     return arm.wrap_model(models.TransformerLM(
         max_len=s.seq_len, d_model=s.d_model, num_heads=s.num_heads,
         num_layers=s.num_layers, mlp_ratio=s.mlp_ratio,

@@ -168,8 +168,11 @@ def fingerprint(cfg: config_lib.JobConfig, task: tasks_lib.Task,
   # The recipe itself, not how the config named it: a shipped name and the
   # same recipe written out are the same run.
   recipe = fl.recipe_to_dict(arm.recipe) if arm.recipe is not None else {}
-  return {'task': task.name, 'arm': arm.name, 'seed': cfg.seed,
-          'settings': config_lib.to_dict(task.settings), 'recipe': recipe}
+  out = {'task': task.name, 'arm': arm.name, 'seed': cfg.seed,
+         'settings': config_lib.to_dict(task.settings), 'recipe': recipe}
+  if arm.api != 'linen':  # (absent for linen: older checkpoints still resume)
+    out['api'] = arm.api
+  return out
 
 
 def check_resumable(saved: dict[str, Any], current: dict[str, Any],

@@ -4,6 +4,7 @@ Layers (drop-ins for their ``flax.nnx`` twins): :class:`Linear`,
 :class:`LinearGeneral`, :class:`Einsum`, :class:`Conv`; the activation
 :class:`Quantizer`. Their state is :class:`QuantState`; it leaves a step as
 its gradient and :class:`Optimizer` writes it back (see :mod:`.training`).
+:func:`quantize_model` swaps a float NNX model's layers for these.
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -18,6 +19,7 @@ Example:
 from fp8_linen.nnx.activation import Quantizer
 from fp8_linen.nnx.layers import Conv, Einsum, Linear, LinearGeneral
 from fp8_linen.nnx.products import calibrate
+from fp8_linen.nnx.quantize import quantize_model
 from fp8_linen.nnx.state import DIFF, QuantState
 from fp8_linen.nnx.training import Optimizer, grad, update_state, value_and_grad
 
@@ -34,4 +36,5 @@ __all__ = [
     "grad",
     "update_state",
     "calibrate",
+    "quantize_model",
 ]

@@ -32,7 +32,7 @@ import jax.extend.core
 import jax.numpy as jnp
 from flax import nnx
 
-from fp8_linen.core.owg import ROLES, RoleState
+from fp8_linen.core.owg import OWG, ROLES, RoleState
 from fp8_linen.recipes.fp8 import ScalingConfig
 
 __all__ = ["QuantState", "DIFF", "ROLES", "declare_role", "read_role", "chained"]
@@ -56,6 +56,27 @@ class QuantState(nnx.Variable):
 # What to differentiate with respect to: the parameters, and the state whose
 # gradient is its new value.
 DIFF = (nnx.Param, QuantState)
+
+
+def _register_owg_collection() -> None:
+  """Maps the Linen OWG collection to :class:`QuantState` in ``flax.nnx.bridge``.
+
+  Both hold the same thing under the same protocol (the gradient is the new
+  value), so a Linen fp8 layer wrapped in ``nnx.bridge.ToNNX`` exposes its state
+  as :class:`QuantState` and trains with :func:`~fp8_linen.nnx.value_and_grad`
+  and :class:`~fp8_linen.nnx.Optimizer` unchanged (and an ``fl.nnx`` layer
+  wrapped in ``ToLinen`` puts its state in the OWG collection). Without this,
+  the bridge invents a plain ``Variable`` subclass named after the collection,
+  which no NNX optimizer would write back. A type the bridge already invented
+  is replaced; a type someone registered on purpose is left alone.
+  """
+  cache = nnx.variablelib.VariableTypeCache
+  current = cache.get(OWG)
+  if current is None or (current is not QuantState and current.__name__ == OWG):
+    nnx.register_variable_name(OWG, QuantState, overwrite=True)
+
+
+_register_owg_collection()
 
 
 def declare_role(module: nnx.Module, role: str, cfg: ScalingConfig) -> None:
