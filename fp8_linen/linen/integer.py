@@ -145,8 +145,9 @@ def int_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe: I
   xq = quantize_operand(module, "input", lhs, lc, recipe.input, key)
   wq = quantize_operand(module, "kernel", rhs, rc, recipe.kernel, key)
   cd = jnp.dtype(recipe.compute_dtype)
-  y = lowering.lax_dot_general(xq.astype(cd), wq.astype(cd), dimension_numbers,
-                               preferred_element_type=jnp.float32)
+  xq, wq = xq.astype(cd), wq.astype(cd)
+  y = lowering.lax_dot_general(xq, wq, dimension_numbers, preferred_element_type=jnp.float32,
+                               out_sharding=lowering.dot_out_sharding(xq, wq, dimension_numbers))
   return y.astype(out_dtype)
 
 
@@ -176,7 +177,8 @@ def int_conv_on(module: nn.Module, lhs, rhs, conv_kwargs: dict, recipe: IntRecip
   xq = quantize_operand(module, "input", lhs, l_contract, recipe.input, key)
   wq = quantize_operand(module, "kernel", rhs, r_contract, recipe.kernel, key)
   cd = jnp.dtype(recipe.compute_dtype)
-  y = lowering.lax_conv_general_dilated(xq.astype(cd), wq.astype(cd), **conv_kwargs,
-                                        preferred_element_type=jnp.float32)
+  xq, wq = xq.astype(cd), wq.astype(cd)
+  y = lowering.lax_conv_general_dilated(xq, wq, **conv_kwargs, preferred_element_type=jnp.float32,
+                                        out_sharding=lowering.conv_out_sharding(xq, wq, dn))
   return y.astype(out_dtype)
 
