@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8_linen.core import int_numerics, int_ops, lowering
-from fp8_linen.linen.state import OWG, chained
+from fp8_linen.linen.state import chained, owg_value
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["int_dot_general_on", "int_conv_on", "quantize_operand"]
@@ -110,12 +110,12 @@ def quantize_operand(module: nn.Module, role: str, x, contract_axes, cfg: IntQua
         max(1, math.prod(view.shape[a] for a in axes))
     return _lsq(module, role, view, axes, cfg, n).reshape(x.shape)
   if role == "input":
-    rng = module.variable(OWG, f"{role}_range", jnp.zeros, (2,), jnp.float32)
-    if rng.value.shape != (2,):
-      raise ValueError(f"{'/'.join(module.path)}: {role}_range has shape {rng.value.shape}, "
+    rng = owg_value(module, f"{role}_range", jnp.zeros, (2,))
+    if rng.shape != (2,):
+      raise ValueError(f"{'/'.join(module.path)}: {role}_range has shape {rng.shape}, "
                        "expected (2,)")
     return chained(module, f"{key}/{role}_observer",
-                   lambda chain: int_ops.observed_fake_quant(x, rng.value, cfg=cfg, chain=chain))
+                   lambda chain: int_ops.observed_fake_quant(x, rng, cfg=cfg, chain=chain))
   lo = lax.stop_gradient(jnp.min(view, axis=axes, keepdims=True))
   hi = lax.stop_gradient(jnp.max(view, axis=axes, keepdims=True))
   s, z = int_numerics.int_params_from_range(lo, hi, cfg)
