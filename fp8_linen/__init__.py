@@ -60,10 +60,13 @@ from fp8_linen.recipes import (
 from fp8_linen.training import (
     TrainState,
     accumulate_gradients,
+    all_finite,
     finalize_accumulated,
+    load_float_state,
     merge_owg,
     owg_max,
     reduce_gradients,
+    resize_histories,
     split_owg,
 )
 
@@ -131,4 +134,7 @@ __all__ = [
     "accumulate_gradients",
     "finalize_accumulated",
     "reduce_gradients",
+    "all_finite",
+    "resize_histories",
+    "load_float_state",
 ]
