@@ -147,6 +147,28 @@ def owg_max(a: Any, b: Any) -> Any:
   return jax.tree.map(jnp.maximum, a, b)
 
 
+def _window_max(accum, new, old):
+  """:func:`owg_max` of a window's accumulator and one micro-batch's update.
+
+  A micro-batch that observed nothing for a role (an empty batch) returns that
+  role's state unrolled; its max with the rolled updates of the other
+  micro-batches would mix history positions, so such a role is left out.
+  """
+  if not isinstance(new, Mapping):
+    return jnp.maximum(accum, new)
+  out = {}
+  for key, n in new.items():
+    role = key[:-len("_scale")] if key.endswith("_scale") else (
+        key[:-len(_HISTORY)] if key.endswith(_HISTORY) else None)
+    hist = f"{role}{_HISTORY}"
+    if role is not None and hist in new and not isinstance(n, Mapping):
+      unobserved = jnp.all(new[hist] == old[hist])
+      out[key] = jnp.where(unobserved, accum[key], jnp.maximum(accum[key], n))
+    else:
+      out[key] = _window_max(accum[key], n, old[key])
+  return out
+
+
 def accumulate_gradients(acc: Mapping | None, grads: Mapping) -> dict:
   """Adds one micro-batch's gradients into an accumulator.
 
@@ -505,12 +527,14 @@ class TrainState(flax_train_state.TrainState):
                              & (new_opt_state.gradient_step == old_ms.gradient_step))
         # The accumulator holds the max over the window so far (-inf right
         # after a commit, so the next window starts from its first micro-batch).
-        accum = jax.tree.map(lambda a, n: jnp.where(skipped, a, jnp.maximum(a, n)),
-                             self.owg_accum, new_owg)
+        accum = jax.tree.map(lambda a, n: jnp.where(skipped, a, n),
+                             self.owg_accum, _window_max(self.owg_accum, new_owg, old))
         # Committed exactly when the inner optimizer stepped (has_updated
-        # would also be true on a skipped step right after a commit).
+        # would also be true on a skipped step right after a commit); a role no
+        # micro-batch observed keeps its state.
         committed = new_opt_state.gradient_step != old_ms.gradient_step
-        new_owg = jax.tree.map(lambda a, o: jnp.where(committed, a, o), accum, old)
+        new_owg = jax.tree.map(
+            lambda a, o: jnp.where(committed & jnp.any(a != -jnp.inf), a, o), accum, old)
         accum = jax.tree.map(lambda a: jnp.where(committed, -jnp.inf, a), accum)
       else:
         new_owg = jax.tree.map(lambda n, o: jnp.where(skipped, o, n), new_owg, old)

@@ -409,3 +409,24 @@ def test_reduce_gradients_is_the_mean_with_and_without_vma_checks(check_vma):
                g["params"], mean["params"])
   assert float(g[fl.OWG]["l1"]["input_amax_history"][0]) == pytest.approx(
       float(jnp.abs(x).max()))
+
+
+def test_multisteps_window_with_an_empty_micro_batch_advances_once():
+  # An empty micro-batch returns its state unrolled; it must not be max-ed
+  # into the rolled updates of the window's other micro-batches.
+  m, state = setup(optax.MultiSteps(optax.sgd(1e-3), every_k_schedule=2))
+  state, _ = train_step(state, rand((8, 6), 1), rand((8, 4), 2))
+  state, _ = train_step(state, rand((8, 6), 3), rand((8, 4), 4))  # commit: history [a, 0, ...]
+  base = state.params[fl.OWG]
+  x = rand((8, 6), 5, 3.0)
+  solo = fl.merge_owg(state.params, jax.grad(loss_fn)(state.params, m.apply, x, rand((8, 4), 6)))
+  state, _ = train_step(state, x, rand((8, 4), 6))
+  state, _ = train_step(state, jnp.zeros((0, 6)), jnp.zeros((0, 4)))  # commits the window
+  same = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6)  # (eager vs jit)
+  jax.tree.map(same, state.params[fl.OWG], solo[fl.OWG])
+  h = state.params[fl.OWG]["l1"]["input_amax_history"]
+  assert float(h[1]) == float(base["l1"]["input_amax_history"][0]) > 0
+  # A window of empty micro-batches only keeps the state.
+  state, _ = train_step(state, jnp.zeros((0, 6)), jnp.zeros((0, 4)))
+  state, _ = train_step(state, jnp.zeros((0, 6)), jnp.zeros((0, 4)))
+  jax.tree.map(same, state.params[fl.OWG], solo[fl.OWG])

@@ -39,6 +39,7 @@ from fp8_linen.recipes.fp8 import ScalingConfig
 __all__ = [
     "SCALE_FLOOR",
     "SCALE_CEIL",
+    "pow2",
     "scale_product",
     "fp8_max",
     "amax",
@@ -77,6 +78,23 @@ def _per_tensor(scale) -> jnp.ndarray:
 def fp8_max(dtype) -> float:
   """Largest finite value of an fp8 dtype (448 for e4m3fn, 57344 for e5m2)."""
   return float(ml_dtypes.finfo(dtype).max)
+
+
+def pow2(e) -> jnp.ndarray:
+  """``2**e`` in float32, exactly, for integer-valued ``e`` (clamped to [-126, 127]).
+
+  Built from the exponent bits: XLA:CPU's ``exp2`` is an approximation
+  (``exp2(-13.0)`` is off in the last bits), which would make a "power-of-two"
+  scale introduce rounding error after all.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import numerics
+    >>> numerics.pow2(jnp.array([-13.0, 0.0, 3.0])).tolist()
+    [0.0001220703125, 1.0, 8.0]
+  """
+  e = jnp.clip(jnp.asarray(e, jnp.float32), -126.0, 127.0).astype(jnp.int32)
+  return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
 
 
 def scale_product(*scales) -> jnp.ndarray:
@@ -238,7 +256,7 @@ def scale_from_amax(a: jnp.ndarray, prev_scale: jnp.ndarray, cfg: ScalingConfig)
   s = (a / cfg.fp8_max) * (2.0 ** cfg.margin)
   if cfg.power_of_two:
     # Round up: a power-of-two scale that is never smaller than the exact one.
-    s = jnp.exp2(jnp.ceil(jnp.log2(jnp.clip(s, SCALE_FLOOR, SCALE_CEIL))))
+    s = pow2(jnp.ceil(jnp.log2(jnp.clip(s, SCALE_FLOOR, SCALE_CEIL))))
   s = jnp.clip(s, SCALE_FLOOR, SCALE_CEIL)
   ok = jnp.isfinite(a) & (a > 0)
   return jnp.where(ok, s, prev)
@@ -340,7 +358,7 @@ def mx_quantize(x: jnp.ndarray, axis: int, block_size: int, dtype):
   a = jnp.max(jnp.abs(xb), axis=axis + 1, keepdims=True)
   e = jnp.ceil(jnp.log2(jnp.maximum(a, SCALE_FLOOR) / fp8_max(dtype)))
   e = jnp.where(jnp.isfinite(a) & (a > 0), e, 0.0)
-  scale = jnp.exp2(jnp.clip(e, -126.0, 127.0))
+  scale = pow2(e)
   q = _saturate(xb, scale, fp8_max(dtype)).astype(dtype)
   q = q.reshape(q.shape[:axis] + (q.shape[axis] * q.shape[axis + 1],) + q.shape[axis + 2:])
   q = lax_slice_axis(q, axis, n)
