@@ -61,10 +61,13 @@ from fp8_linen import nnx
 from fp8_linen.training import (
     TrainState,
     accumulate_gradients,
+    all_finite,
     finalize_accumulated,
+    load_float_state,
     merge_owg,
     owg_max,
     reduce_gradients,
+    resize_histories,
     split_owg,
 )
 
@@ -134,4 +137,7 @@ __all__ = [
     "accumulate_gradients",
     "finalize_accumulated",
     "reduce_gradients",
+    "all_finite",
+    "resize_histories",
+    "load_float_state",
 ]

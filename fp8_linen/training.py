@@ -16,6 +16,17 @@ merging gets wrong:
 * **hand-written loops**: :func:`merge_owg`, :func:`accumulate_gradients` and
   :func:`finalize_accumulated` are plain functions.
 
+And three that keep a long run alive:
+
+* **skipped steps**: a step whose parameter gradients are not all finite (the
+  step ``optax.apply_if_finite`` and ``MultiSteps(should_skip_update_fn=
+  skip_not_finite)`` skip) leaves the fp8 state as it was;
+* **checkpoints**: :func:`load_float_state` starts an fp8 run from a checkpoint
+  of the same model trained without fp8; :func:`resize_histories` loads a
+  checkpoint written with another history length;
+* **shard_map**: :func:`reduce_gradients` returns the mean with and without
+  ``check_vma``.
+
 Example:
   >>> import jax, jax.numpy as jnp, optax
   >>> import fp8_linen as fl
@@ -34,6 +45,7 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 from flax.training import train_state as flax_train_state
@@ -48,11 +60,35 @@ __all__ = [
     "accumulate_gradients",
     "finalize_accumulated",
     "reduce_gradients",
+    "all_finite",
+    "resize_histories",
+    "load_float_state",
 ]
+
+_HISTORY = "_amax_history"
 
 
 def _is_variables(tree: Any) -> bool:
-  return isinstance(tree, Mapping) and "params" in tree and OWG in tree
+  """Whether ``tree`` is a Linen variables dict (``{'params': ..., OWG: ...}``).
+
+  A dict with only ``params`` counts too (a model without fp8 state, or
+  variables loaded from a float checkpoint), and so does one with only the OWG
+  collection (a model whose only state is fp8 state, e.g. ``Fp8Activation``).
+  """
+  return (isinstance(tree, Mapping) and ("params" in tree or OWG in tree)
+          and all(isinstance(tree[k], Mapping) for k in ("params", OWG) if k in tree))
+
+
+def _name(key) -> str:
+  """A path entry as a plain string (dict key, attribute or index alike)."""
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _path(path) -> str:
+  return "/".join(_name(k) for k in path)
 
 
 def split_owg(variables: Mapping) -> tuple[dict, dict]:
@@ -81,7 +117,9 @@ def merge_owg(variables: Mapping, grads: Mapping) -> dict:
     A new dict; other collections are passed through unchanged.
 
   Raises:
-    ValueError: if the OWG trees differ in structure (e.g. a recipe change).
+    ValueError: if the OWG trees differ in structure or in a leaf's shape (e.g.
+      a recipe change, or histories of another length: see
+      :func:`resize_histories`).
   """
   out = dict(variables)
   if OWG in grads:
@@ -90,6 +128,12 @@ def merge_owg(variables: Mapping, grads: Mapping) -> dict:
       raise ValueError(
           "merge_owg: the gradient's fp8 state tree does not match the variables' "
           f"({jax.tree.structure(new)} vs {jax.tree.structure(old)})")
+    for (path, o), n in zip(jax.tree_util.tree_leaves_with_path(old), jax.tree.leaves(new)):
+      if jnp.shape(o) != jnp.shape(n):
+        raise ValueError(
+            f"merge_owg: fp8 state {_path(path)} has shape {jnp.shape(n)} in grads but "
+            f"{jnp.shape(o)} in the variables (a recipe with another history_length?); "
+            "resize the histories with fl.resize_histories(variables, history_length)")
     out[OWG] = jax.tree.map(lambda o, n: jnp.asarray(n, o.dtype), old, new)
   return out
 
@@ -101,6 +145,28 @@ def owg_max(a: Any, b: Any) -> Any:
   scales chosen from it; the max of both is the update for the max amax.
   """
   return jax.tree.map(jnp.maximum, a, b)
+
+
+def _window_max(accum, new, old):
+  """:func:`owg_max` of a window's accumulator and one micro-batch's update.
+
+  A micro-batch that observed nothing for a role (an empty batch) returns that
+  role's state unrolled; its max with the rolled updates of the other
+  micro-batches would mix history positions, so such a role is left out.
+  """
+  if not isinstance(new, Mapping):
+    return jnp.maximum(accum, new)
+  out = {}
+  for key, n in new.items():
+    role = key[:-len("_scale")] if key.endswith("_scale") else (
+        key[:-len(_HISTORY)] if key.endswith(_HISTORY) else None)
+    hist = f"{role}{_HISTORY}"
+    if role is not None and hist in new and not isinstance(n, Mapping):
+      unobserved = jnp.all(new[hist] == old[hist])
+      out[key] = jnp.where(unobserved, accum[key], jnp.maximum(accum[key], n))
+    else:
+      out[key] = _window_max(accum[key], n, old[key])
+  return out
 
 
 def accumulate_gradients(acc: Mapping | None, grads: Mapping) -> dict:
@@ -137,19 +203,250 @@ def finalize_accumulated(acc: Mapping, num_microbatches: int) -> dict:
           for k, v in acc.items()}
 
 
-def reduce_gradients(grads: Mapping, axis_name: str) -> dict:
+def _axes(axis_name) -> tuple:
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _varying(x) -> frozenset | None:
+  """Mesh axes ``x`` varies over inside ``shard_map`` with ``check_vma`` (else ``None``)."""
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(getattr(mat, "varying", ()) or ())
+  vma = getattr(jax.typeof(x), "vma", None)
+  return None if vma is None else frozenset(vma)
+
+
+def reduce_gradients(grads: Mapping, axis_name) -> dict:
   """Cross-device reduction for ``pmap``/``shard_map``: mean grads, max fp8 state.
+
+  Under ``pmap`` and ``shard_map(check_vma=False)`` each device holds its own
+  gradients; they are ``pmean``-ed. Under ``shard_map`` with ``check_vma``
+  (its default) JAX has already *summed* the gradients of replicated inputs
+  (they no longer vary over the axis), so those are divided by the axis size;
+  gradients that still vary are ``pmean``-ed. Either way the result is the
+  mean over devices. The OWG collection is max-reduced (the ops already did
+  so for replicated state under ``check_vma``), so every device holds the
+  global amax.
 
   Args:
     grads: per-device gradients w.r.t. the variables dict.
-    axis_name: the mapped axis name.
+    axis_name: the mapped axis name (or a tuple of names).
 
   Returns:
-    Gradients where non-OWG collections are ``pmean``-ed and the OWG
-    collection is ``pmax``-ed, so every device holds the global amax.
+    Gradients averaged over the devices, with the OWG collection max-reduced.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ('d',), devices=jax.devices()[:1])
+    >>> f = jax.shard_map(lambda g: fl.reduce_gradients(g, 'd'), mesh=mesh, in_specs=P(),
+    ...                   out_specs=P())
+    >>> f({'params': jnp.ones(2)})['params'].tolist()
+    [1.0, 1.0]
   """
-  return {k: (jax.lax.pmax(v, axis_name) if k == OWG else jax.lax.pmean(v, axis_name))
-          for k, v in grads.items()}
+  axes = _axes(axis_name)
+  # Whether this trace tracks varying axes (shard_map's check_vma): an axis
+  # index varies over its own axis exactly when it does.
+  tracked = {a for a in axes if a in (_varying(jax.lax.axis_index(a)) or frozenset())}
+
+  def reduce(x, op, summed_scale):
+    varying = _varying(x) or frozenset()
+    mapped = tuple(a for a in axes if a not in tracked or a in varying)
+    already = tuple(a for a in axes if a in tracked and a not in varying)
+    if mapped:
+      x = op(x, mapped)
+    if already and summed_scale:
+      x = x / np.prod([jax.lax.axis_size(a) for a in already])
+    return x
+
+  out = {}
+  for k, v in grads.items():
+    if k == OWG:
+      out[k] = jax.tree.map(lambda x: reduce(x, jax.lax.pmax, False), v)
+    else:
+      out[k] = jax.tree.map(lambda x: reduce(x, jax.lax.pmean, True), v)
+  return out
+
+
+def all_finite(tree) -> jnp.ndarray:
+  """Whether every floating leaf of ``tree`` is finite (a boolean scalar).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> bool(fl.all_finite({'w': jnp.array([1.0, jnp.inf])}))
+    False
+  """
+  ok = jnp.array(True)
+  for leaf in jax.tree.leaves(tree):
+    if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+      ok = ok & jnp.all(jnp.isfinite(leaf))
+  return ok
+
+
+def _history_length(history_length, role: str) -> int:
+  if isinstance(history_length, Mapping):
+    if role not in history_length:
+      raise ValueError(f"resize_histories: history_length has no entry for role {role!r} "
+                       f"(has {sorted(history_length)})")
+    n = history_length[role]
+  elif hasattr(history_length, "role"):  # a recipe: each role's own length
+    n = history_length.role(role).history_length
+  else:
+    n = history_length
+  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+    raise ValueError(f"resize_histories: history_length={n!r} (role {role!r}) must be an "
+                     "int >= 1")
+  return int(n)
+
+
+def _resize(tree, history_length, fill: float):
+  def one(path, x):
+    key = _name(path[-1]) if path else ""
+    if not key.endswith(_HISTORY):
+      return x
+    n = _history_length(history_length, key[:-len(_HISTORY)])
+    x = jnp.asarray(x)
+    if x.shape[0] >= n:
+      return x[:n]
+    return jnp.concatenate([x, jnp.full((n - x.shape[0],), fill, x.dtype)])
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def resize_histories(tree, history_length):
+  """Every fp8 amax history in ``tree`` cut or zero-padded to a new length.
+
+  Use it to load a checkpoint written with another ``history_length``: restore
+  the checkpoint as written, resize, then train with the new recipe. The newest
+  entries (index 0 first) are kept; new older entries are 0 ("nothing
+  observed"). Scales are kept.
+
+  Args:
+    tree: a variables dict, its OWG collection, or a :class:`TrainState`
+      (whose accumulation window is resized too).
+    history_length: the new length: an int for every role, a mapping role ->
+      int, or a recipe (each role gets its ``history_length``).
+
+  Returns:
+    ``tree`` with the histories resized.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> v = fl.QDense(2, recipe=fl.delayed_scaling(4)).init(jax.random.key(0), jnp.ones((1, 3)))
+    >>> v = fl.resize_histories(v, fl.delayed_scaling(16))
+    >>> v[fl.OWG]['input_amax_history'].shape
+    (16,)
+  """
+  if isinstance(tree, TrainState):
+    accum = (None if tree.owg_accum is None
+             else _resize(tree.owg_accum, history_length, -np.inf))
+    return tree.replace(params=_resize(tree.params, history_length, 0.0), owg_accum=accum)
+  return _resize(tree, history_length, 0.0)
+
+
+def _field(tree, name):
+  if isinstance(tree, Mapping):
+    return tree.get(name)
+  return getattr(tree, name, None)
+
+
+def _by_path(tree, drop: str | None = None) -> dict:
+  """Leaves of ``tree`` by path string (dicts, attributes and indices alike)."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    names = [_name(k) for k in path]
+    if drop is not None and drop in names:
+      names.remove(drop)
+    out["/".join(names)] = leaf
+  return out
+
+
+def _take(kind: str, target, source: dict):
+  """``target``'s structure filled with the leaves of ``source`` at the same paths."""
+  leaves, missing = [], []
+  for path, t in jax.tree_util.tree_leaves_with_path(target):
+    key = _path(path)
+    if key not in source:
+      missing.append(key)
+      continue
+    v = source.pop(key)
+    if jnp.shape(v) != jnp.shape(t):
+      raise ValueError(f"load_float_state: {kind} {key} has shape {jnp.shape(v)} in the float "
+                       f"state but {jnp.shape(t)} in the fp8 state (not the same model?)")
+    leaves.append(jnp.asarray(v, jnp.result_type(t)))
+  if missing or source:
+    raise ValueError(
+        f"load_float_state: the float state's {kind} does not match the fp8 state's "
+        f"(missing: {missing[:4]}, unexpected: {sorted(source)[:4]}); it must come from the "
+        "same model and optimizer, without fp8")
+  return jax.tree.unflatten(jax.tree.structure(target), leaves)
+
+
+def load_float_state(state: "TrainState", float_state) -> "TrainState":
+  """Starts an fp8 :class:`TrainState` from a checkpoint of the same model without fp8.
+
+  ``state`` is a fresh fp8 state (from ``model.init``'s full variables); the
+  float run's parameters, optimizer state and step replace its own, and the
+  fp8 state stays fresh (unit scales, empty histories: the first step takes
+  its scales from the current batch). ``QDense`` & co. keep ``nn.Dense``'s
+  ``params`` tree, so a float checkpoint of the same model fits.
+
+  Args:
+    state: the fp8 train state to fill.
+    float_state: the float run's train state, restored as written (e.g. with
+      orbax into the float run's own structure, or without a target): anything
+      with ``params``, ``opt_state`` and ``step`` (attributes or keys). Its
+      ``params`` may be the variables dict (``{'params': ...}``) or the
+      parameters alone (flax's usual ``params=variables['params']``).
+
+  Returns:
+    ``state`` with the float run's parameters, optimizer state and step.
+
+  Raises:
+    ValueError: if the float state does not fit (another model or optimizer),
+      naming the leaves that differ.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
+    >>> from flax.training import train_state
+    >>> import fp8_linen as fl
+    >>> x = jnp.ones((2, 3))
+    >>> p = nn.Dense(4).init(jax.random.key(1), x)['params']
+    >>> float_run = train_state.TrainState.create(apply_fn=None, params=p, tx=optax.adam(1e-3))
+    >>> fp8 = fl.TrainState.create(apply_fn=fl.QDense(4).apply,
+    ...                            params=fl.QDense(4).init(jax.random.key(0), x),
+    ...                            tx=optax.adam(1e-3))
+    >>> state = fl.load_float_state(fp8, float_run)
+    >>> bool((state.params['params']['kernel'] == p['kernel']).all())
+    True
+  """
+  if not isinstance(state, TrainState) or not _is_variables(state.params):
+    raise TypeError("load_float_state: state must be an fp8_linen TrainState created from "
+                    "model.init's variables")
+  params, opt_state = _field(float_state, "params"), _field(float_state, "opt_state")
+  if params is None:
+    raise ValueError("load_float_state: float_state has no params")
+  target = {k: v for k, v in state.params.items() if k != OWG}
+  # The float run kept the variables dict ({'params': ...}) or the params alone.
+  wrapped = (isinstance(params, Mapping) and "params" in params
+             and set(_by_path(params["params"])) == set(_by_path(target["params"])))
+  source = dict(params) if wrapped else {"params": params}
+  source.pop(OWG, None)
+  variables = dict(state.params)
+  for k in sorted(set(target) | set(source)):
+    if k not in target or k not in source:
+      raise ValueError(f"load_float_state: collection {k!r} is in only one of the float "
+                       f"state ({sorted(source)}) and the fp8 state ({sorted(target)})")
+    variables[k] = _take(f"{k!r}", target[k], _by_path(source[k]))
+  new_opt = state.opt_state
+  if opt_state is not None:
+    new_opt = _take("optimizer state", state.opt_state,
+                    _by_path(opt_state, drop="params" if wrapped else None))
+  step = _field(float_state, "step")
+  step = state.step if step is None else jnp.asarray(step, jnp.result_type(state.step))
+  return state.replace(step=step, params=variables, opt_state=new_opt)
 
 
 class TrainState(flax_train_state.TrainState):
@@ -161,12 +458,31 @@ class TrainState(flax_train_state.TrainState):
   found in ``grads[OWG]``. With ``optax.MultiSteps`` the new state is committed
   only when the optimizer really steps, as the max over the micro-batches.
 
+  A step whose parameter gradients are not all finite leaves the fp8 state
+  (and the accumulation window) unchanged: those are the steps
+  ``optax.apply_if_finite`` and ``MultiSteps(should_skip_update_fn=
+  skip_not_finite)`` skip, and a step any ``MultiSteps`` skip function skipped
+  (it did not advance) is treated the same way.
+
   If ``grads`` has no OWG entry (e.g. you differentiated ``params`` only) the
   fp8 state is left unchanged.
 
   Attributes:
     owg_accum: the max-accumulated fp8 state of the current accumulation window
       (only used with ``optax.MultiSteps``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import fp8_linen as fl
+    >>> m = fl.QDense(2)
+    >>> v = m.init(jax.random.key(0), jnp.ones((4, 3)))
+    >>> state = fl.TrainState.create(apply_fn=m.apply, params=v,
+    ...                              tx=optax.apply_if_finite(optax.sgd(0.1), 10))
+    >>> x = jnp.ones((4, 3)).at[0, 0].set(jnp.nan)
+    >>> grads = jax.grad(lambda v: m.apply(v, x).sum())(state.params)
+    >>> new = state.apply_gradients(grads=grads)  # skipped: nothing moves
+    >>> bool((new.params[fl.OWG]['input_amax_history'] == v[fl.OWG]['input_amax_history']).all())
+    True
   """
 
   owg_accum: Any = struct.field(pytree_node=True, default=None)
@@ -175,10 +491,9 @@ class TrainState(flax_train_state.TrainState):
   def create(cls, *, apply_fn, params, tx, **kwargs):
     """Creates the state; ``params`` may be the full variables dict."""
     if _is_variables(params):
-      opt_params = params["params"]
-      opt_state = tx.init(opt_params)
+      opt_state = tx.init(params.get("params", {}))
       accum = (jax.tree.map(lambda x: jnp.full_like(x, -jnp.inf), params[OWG])
-               if isinstance(opt_state, optax.MultiStepsState) else None)
+               if isinstance(opt_state, optax.MultiStepsState) and OWG in params else None)
     else:
       opt_state, accum = tx.init(params), None
     return cls(step=0, apply_fn=apply_fn, params=params, tx=tx, opt_state=opt_state,
@@ -188,24 +503,41 @@ class TrainState(flax_train_state.TrainState):
     """One optimizer step on ``params['params']``, then the fp8 state merge."""
     if not _is_variables(self.params):
       return super().apply_gradients(grads=grads, **kwargs)
-    if "params" not in grads:
+    if "params" in self.params and "params" not in grads:
       raise ValueError("apply_gradients: grads must be taken w.r.t. the whole variables dict "
                        f"(keys {sorted(self.params)}); got keys {sorted(grads)}")
-    updates, new_opt_state = self.tx.update(grads["params"], self.opt_state,
-                                            self.params["params"])
-    new_params = optax.apply_updates(self.params["params"], updates)
     variables = dict(self.params)
-    variables["params"] = new_params
+    new_opt_state = self.opt_state
+    if "params" in self.params:
+      updates, new_opt_state = self.tx.update(grads["params"], self.opt_state,
+                                              self.params["params"])
+      variables["params"] = optax.apply_updates(self.params["params"], updates)
     accum = self.owg_accum
-    if OWG in grads:
+    if OWG in grads and OWG in self.params:
+      old = self.params[OWG]
       new_owg = merge_owg(self.params, grads)[OWG]
+      # A step the optimizer skips must not move the fp8 state either: its
+      # amaxes are finite (non-finite ones never enter the state) but belong to
+      # a batch the run is discarding.
+      skipped = ~all_finite(grads.get("params", {}))
       if isinstance(new_opt_state, optax.MultiStepsState):
+        old_ms = self.opt_state
+        # A micro-batch a skip function rejected advances no counter.
+        skipped = skipped | ((new_opt_state.mini_step == old_ms.mini_step)
+                             & (new_opt_state.gradient_step == old_ms.gradient_step))
         # The accumulator holds the max over the window so far (-inf right
         # after a commit, so the next window starts from its first micro-batch).
-        accum = owg_max(self.owg_accum, new_owg)
-        committed = optax.MultiSteps.has_updated(self.tx, new_opt_state)
-        new_owg = jax.tree.map(lambda a, o: jnp.where(committed, a, o), accum, self.params[OWG])
+        accum = jax.tree.map(lambda a, n: jnp.where(skipped, a, n),
+                             self.owg_accum, _window_max(self.owg_accum, new_owg, old))
+        # Committed exactly when the inner optimizer stepped (has_updated
+        # would also be true on a skipped step right after a commit); a role no
+        # micro-batch observed keeps its state.
+        committed = new_opt_state.gradient_step != old_ms.gradient_step
+        new_owg = jax.tree.map(
+            lambda a, o: jnp.where(committed & jnp.any(a != -jnp.inf), a, o), accum, old)
         accum = jax.tree.map(lambda a: jnp.where(committed, -jnp.inf, a), accum)
+      else:
+        new_owg = jax.tree.map(lambda n, o: jnp.where(skipped, o, n), new_owg, old)
       variables[OWG] = new_owg
     return self.replace(step=self.step + 1, params=variables, opt_state=new_opt_state,
                         owg_accum=accum, **kwargs)

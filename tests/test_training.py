@@ -252,3 +252,181 @@ def test_shard_map_vma_for_finer_granularity(recipe):
   assert float(g[fl.OWG]["input_amax_history"][0]) == 30.0
   full = jax.grad(lambda v: jnp.sum(m.apply(v, x) ** 2))(v)
   np.testing.assert_allclose(g["params"]["kernel"], full["params"]["kernel"], rtol=2e-2, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------
+# Steps optax skips leave the fp8 state as it was.
+# ---------------------------------------------------------------------------
+
+def _nan_loss_batch(scale):
+  """A batch with finite inputs (finite amaxes) whose loss is NaN."""
+  return rand((8, 6), 70, scale), rand((8, 4), 71).at[0, 0].set(jnp.nan)
+
+
+def test_apply_if_finite_skipped_step_leaves_the_fp8_state():
+  m, state = setup(optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=5))
+  state, _ = train_step(state, rand((8, 6), 1), rand((8, 4), 2))
+  x, y = _nan_loss_batch(50.0)
+  new, grads = train_step(state, x, y)
+  assert not bool(new.opt_state.last_finite)
+  # The batch's amaxes were finite and would have been recorded.
+  assert float(grads[fl.OWG]["l1"]["input_amax_history"][0]) == pytest.approx(
+      float(jnp.abs(x).max()))
+  jax.tree.map(np.testing.assert_array_equal, new.params, state.params)
+  good, _ = train_step(new, rand((8, 6), 3), rand((8, 4), 4))
+  assert float(good.params[fl.OWG]["l1"]["input_amax_history"][1]) == pytest.approx(
+      float(state.params[fl.OWG]["l1"]["input_amax_history"][0]))
+
+
+def test_multisteps_skip_not_finite_leaves_the_window_and_the_state():
+  tx = optax.MultiSteps(optax.sgd(1e-3), every_k_schedule=2,
+                        should_skip_update_fn=optax.skip_not_finite)
+  m, state = setup(tx)
+  amax = lambda s: float(s.params[fl.OWG]["l1"]["input_amax_history"][0])
+  state, _ = train_step(state, rand((8, 6), 10, 1.0), rand((8, 4), 20))
+  state, _ = train_step(state, *_nan_loss_batch(100.0))  # skipped micro-batch
+  state, _ = train_step(state, rand((8, 6), 11, 2.0), rand((8, 4), 21))  # commits
+  expect = max(float(jnp.abs(rand((8, 6), 10 + i, s)).max()) for i, s in enumerate((1.0, 2.0)))
+  assert amax(state) == pytest.approx(expect)  # not the skipped batch's ~300
+  # A skipped micro-batch right after a commit (optax's has_updated is still
+  # true then) must not commit anything either.
+  before = state
+  state, _ = train_step(state, *_nan_loss_batch(100.0))
+  jax.tree.map(np.testing.assert_array_equal, state.params, before.params)
+  jax.tree.map(np.testing.assert_array_equal, state.owg_accum, before.owg_accum)
+  for leaf in jax.tree.leaves(state.params[fl.OWG]):
+    assert np.all(np.isfinite(leaf))
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints: a float run's, another history length, params only.
+# ---------------------------------------------------------------------------
+
+class FloatMLP(nn.Module):
+  """MLP without fp8: the same params tree as MLP."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4, name="l2")(jax.nn.relu(nn.Dense(16, name="l1")(x)))
+
+
+@pytest.mark.parametrize("layout", ["variables", "params"])
+def test_load_float_state_from_an_orbax_checkpoint(tmp_path, layout):
+  from flax.training import train_state as flax_train_state
+  tx = optax.adam(1e-2)
+  fm, x, y = FloatMLP(), rand((8, 6), 1), rand((8, 4), 2)
+  fv = fm.init(jax.random.key(1), x)
+  # The job's float arm keeps the variables dict; plain flax keeps params only.
+  fparams = fv if layout == "variables" else fv["params"]
+  apply = (fm.apply if layout == "variables" else lambda p, x: fm.apply({"params": p}, x))
+  fstate = flax_train_state.TrainState.create(apply_fn=apply, params=fparams, tx=tx)
+  for i in range(3):
+    fstate = fstate.apply_gradients(grads=jax.grad(loss_fn)(fstate.params, apply, x, y * i))
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "float", fstate)
+  ckpt.wait_until_finished()
+
+  m, state = setup(tx)
+  with pytest.raises(Exception):  # the fp8 state is not the float run's structure
+    ckpt.restore(tmp_path / "float", state)
+  restored = ckpt.restore(tmp_path / "float", fstate)
+  loaded = fl.load_float_state(state, restored)
+  assert int(loaded.step) == 3
+  trained = restored.params["params"] if layout == "variables" else restored.params
+  jax.tree.map(np.testing.assert_array_equal, loaded.params["params"], trained)
+  inner = lambda s: s.opt_state[0]
+  jax.tree.map(np.testing.assert_array_equal, inner(loaded).mu,
+               inner(restored).mu["params"] if layout == "variables" else inner(restored).mu)
+  jax.tree.map(np.testing.assert_array_equal, loaded.params[fl.OWG], state.params[fl.OWG])
+  # It trains, and the first step takes its scales from the batch.
+  new, _ = train_step(loaded, x, y)
+  assert float(new.params[fl.OWG]["l1"]["input_amax_history"][0]) == pytest.approx(
+      float(jnp.abs(x).max()))
+  # A raw restore (no target) loads too.
+  raw = ckpt.restore(tmp_path / "float")
+  jax.tree.map(np.testing.assert_array_equal, fl.load_float_state(state, raw).opt_state,
+               loaded.opt_state)
+  with pytest.raises(ValueError, match="same model and optimizer"):
+    fl.load_float_state(state, {"params": fparams, "opt_state": optax.sgd(0.1).init(fparams)})
+
+
+def test_params_only_train_state_trains_with_a_warning():
+  m = MLP()
+  x, y = rand((8, 6), 1), rand((8, 4), 2)
+  p = {"params": m.init(jax.random.key(0), x)["params"]}
+  tx = optax.adam(1e-2)
+  state = fl.TrainState.create(apply_fn=m.apply, params=p, tx=tx)
+  assert jax.tree.structure(state.opt_state) == jax.tree.structure(tx.init(p["params"]))
+  with pytest.warns(UserWarning, match="load_float_state"):
+    new, _ = train_step(state, x, y)
+  assert int(new.step) == 1 and np.isfinite(float(loss_fn(new.params, m.apply, x, y)))
+
+
+def test_merge_owg_checks_history_lengths_and_resize_histories_fixes_them():
+  m, state = setup()
+  x, y = rand((8, 6), 1), rand((8, 4), 2)
+  grads = jax.grad(loss_fn)(state.params, m.apply, x, y)
+  short = fl.resize_histories(state.params, 16)
+  assert short[fl.OWG]["l1"]["input_amax_history"].shape == (16,)
+  with pytest.raises(ValueError, match=r"l1/input_amax_history has shape \(1024,\).*resize"):
+    fl.merge_owg(short, grads)
+  back = fl.resize_histories(fl.merge_owg(state.params, grads), {
+      "input": 1024, "kernel": 1024, "output_grad": 1024})
+  jax.tree.map(np.testing.assert_array_equal, back, fl.merge_owg(state.params, grads))
+  # A model with another history length loads the resized variables.
+  m16 = nn.Sequential([fl.QDense(16, recipe=fl.delayed_scaling(16)), jax.nn.relu,
+                       fl.QDense(4, recipe=fl.delayed_scaling(16))])
+  v = {"params": {"layers_0": state.params["params"]["l1"],
+                  "layers_2": state.params["params"]["l2"]},
+       fl.OWG: {"layers_0": grads[fl.OWG]["l1"], "layers_2": grads[fl.OWG]["l2"]}}
+  with pytest.raises(ValueError, match="resize_histories"):
+    m16.apply(v, x)
+  v16 = fl.resize_histories(v, fl.delayed_scaling(16))
+  assert np.isfinite(np.asarray(m16.apply(v16, x))).all()
+  assert float(v16[fl.OWG]["layers_0"]["input_amax_history"][0]) == pytest.approx(
+      float(jnp.abs(x).max()))
+  # A TrainState's accumulation window is resized with it.
+  _, ms = setup(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
+  ms = fl.resize_histories(ms, 8)
+  assert ms.owg_accum["l2"]["kernel_amax_history"].shape == (8,)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_reduce_gradients_is_the_mean_with_and_without_vma_checks(check_vma):
+  m, state = setup(optax.sgd(0.1))
+  mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+  x, y = rand((16, 6), 3, 2.0), rand((16, 4), 4)
+
+  def per_device(v, x, y):
+    return fl.reduce_gradients(jax.grad(loss_fn)(v, m.apply, x, y), "data")
+
+  f = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(),
+                    check_vma=check_vma)
+  g = jax.jit(f)(state.params, x, y)
+  mean = jax.grad(lambda v: sum(loss_fn(v, m.apply, x[i:i + 4], y[i:i + 4])
+                                for i in range(0, 16, 4)) / 4)(state.params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               g["params"], mean["params"])
+  assert float(g[fl.OWG]["l1"]["input_amax_history"][0]) == pytest.approx(
+      float(jnp.abs(x).max()))
+
+
+def test_multisteps_window_with_an_empty_micro_batch_advances_once():
+  # An empty micro-batch returns its state unrolled; it must not be max-ed
+  # into the rolled updates of the window's other micro-batches.
+  m, state = setup(optax.MultiSteps(optax.sgd(1e-3), every_k_schedule=2))
+  state, _ = train_step(state, rand((8, 6), 1), rand((8, 4), 2))
+  state, _ = train_step(state, rand((8, 6), 3), rand((8, 4), 4))  # commit: history [a, 0, ...]
+  base = state.params[fl.OWG]
+  x = rand((8, 6), 5, 3.0)
+  solo = fl.merge_owg(state.params, jax.grad(loss_fn)(state.params, m.apply, x, rand((8, 4), 6)))
+  state, _ = train_step(state, x, rand((8, 4), 6))
+  state, _ = train_step(state, jnp.zeros((0, 6)), jnp.zeros((0, 4)))  # commits the window
+  same = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6)  # (eager vs jit)
+  jax.tree.map(same, state.params[fl.OWG], solo[fl.OWG])
+  h = state.params[fl.OWG]["l1"]["input_amax_history"]
+  assert float(h[1]) == float(base["l1"]["input_amax_history"][0]) > 0
+  # A window of empty micro-batches only keeps the state.
+  state, _ = train_step(state, jnp.zeros((0, 6)), jnp.zeros((0, 4)))
+  state, _ = train_step(state, jnp.zeros((0, 6)), jnp.zeros((0, 4)))
+  jax.tree.map(same, state.params[fl.OWG], solo[fl.OWG])

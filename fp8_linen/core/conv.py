@@ -41,6 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from fp8_linen.core import lowering, numerics, owg
 from fp8_linen.core.product import ProductSpec, product
@@ -54,7 +55,7 @@ def _conv(a, b, cfg, compute_dtype, preferred=None):
   return lowering.lax_conv_general_dilated(
       a.astype(compute_dtype), b.astype(compute_dtype), strides, padding, lhs_dilation=lhs_dil,
       rhs_dilation=rhs_dil, dimension_numbers=dn, feature_group_count=groups,
-      preferred_element_type=preferred)
+      preferred_element_type=preferred, out_sharding=lowering.conv_out_sharding(a, b, dn))
 
 
 def _deq(q, s):
@@ -72,12 +73,14 @@ def _fp8_dgrad(q_l, q_r, q_g, s_r, s_g, cfg):
   """
   spatial = tuple(cfg[4].rhs_spec[2:])
   r_rev = lax.rev(q_r, spatial)
+  # The function is linear in ``a``: any point with ``q_l``'s type (sharding
+  # included) linearizes it.
   _, vjp = jax.vjp(lambda a: _conv(a, lax.rev(_deq(r_rev, s_r), spatial), cfg, jnp.float32),
-                   jnp.zeros(q_l.shape, jnp.float32))
+                   q_l.astype(jnp.float32))
   return vjp(_deq(q_g, s_g))[0]
 
 
-def _fp8_wgrad(q_l, q_g, rhs_shape, cfg):
+def _fp8_wgrad(q_l, q_g, q_r, cfg):
   """The kernel gradient as one fp8 GEMM per kernel offset (``None`` where unsupported).
 
   XLA classifies a kernel-gradient convolution as a backward-filter
@@ -91,7 +94,7 @@ def _fp8_wgrad(q_l, q_g, rhs_shape, cfg):
     return None
   lhs_spec, rhs_spec, out_spec = dn
   n = len(lhs_spec) - 2
-  ks = [rhs_shape[d] for d in rhs_spec[2:]]
+  ks = [q_r.shape[d] for d in rhs_spec[2:]]
   in_sp = [q_l.shape[d] for d in lhs_spec[2:]]
   out_sp = [q_g.shape[d] for d in out_spec[2:]]
   if isinstance(padding, str):
@@ -103,6 +106,14 @@ def _fp8_wgrad(q_l, q_g, rhs_shape, cfg):
   xp = lax.pad(q_l, jnp.zeros((), q_l.dtype), pads)
   l_con = (lhs_spec[0],) + tuple(lhs_spec[2:])
   g_con = (out_spec[0],) + tuple(out_spec[2:])
+  perm = [0] * (n + 2)  # (k..., I, O) -> the kernel's layout
+  perm[rhs_spec[0]], perm[rhs_spec[1]] = n + 1, n
+  for i, d in enumerate(rhs_spec[2:]):
+    perm[d] = i
+  # On an explicit mesh each (I, O) product is sharded like the kernel's features.
+  w_sharding = lowering.like_sharding(q_r, perm)
+  io_sharding = (None if w_sharding is None
+                 else w_sharding.update(spec=P(*tuple(w_sharding.spec)[n:])))
   outs = []
   for k in itertools.product(*[range(x) for x in ks]):
     start, limit, step = [0] * xp.ndim, list(xp.shape), [1] * xp.ndim
@@ -112,12 +123,9 @@ def _fp8_wgrad(q_l, q_g, rhs_shape, cfg):
       step[d] = strides[i]
     xk = lax.slice(xp, start, limit, step)
     outs.append(lowering.lax_dot_general(xk, q_g, ((l_con, g_con), ((), ())),
-                                         preferred_element_type=jnp.float32))  # (C_in, C_out)
+                                         preferred_element_type=jnp.float32,
+                                         out_sharding=io_sharding))  # (C_in, C_out)
   w = jnp.stack(outs).reshape(tuple(ks) + outs[0].shape)  # (k..., I, O)
-  perm = [0] * (n + 2)
-  perm[rhs_spec[0]], perm[rhs_spec[1]] = n + 1, n
-  for i, d in enumerate(rhs_spec[2:]):
-    perm[d] = i
   return jnp.transpose(w, perm)
 
 
@@ -137,7 +145,7 @@ class ConvSpec(ProductSpec):
     else:
       up = jnp.bfloat16 if self.gemm == "bf16" else jnp.float32  # fp8 -> bf16 is exact
       y = _conv(q_l, q_r, self.conv_cfg, up, preferred=jnp.float32)
-      y = (y * jnp.reshape(s_l * s_r, ())).astype(self.out_dtype)
+      y = (y * jnp.reshape(numerics.scale_product(s_l, s_r), ())).astype(self.out_dtype)
     return y, (q_l, q_r), (a_l, a_r), (s_l, s_r)
 
   def backward(self, q_l, q_r, extras, states, g):
@@ -145,20 +153,20 @@ class ConvSpec(ProductSpec):
     q_g, s_g, a_g = numerics.quantize_with(self.cfgs[2], *states[2], g)
     if self.gemm == "fp8":
       d_lhs = _fp8_dgrad(q_l, q_r, q_g, s_r, s_g, self.conv_cfg)
-      d_rhs = _fp8_wgrad(q_l, q_g, q_r.shape, self.conv_cfg)
+      d_rhs = _fp8_wgrad(q_l, q_g, q_r, self.conv_cfg)
       if d_rhs is None:  # grouped / input-dilated: the dequantized (non-fp8) form
         _, vjp = jax.vjp(lambda b: _conv(_deq(q_l, s_l), b, self.conv_cfg, jnp.float32),
                          _deq(q_r, s_r))
         d_rhs = vjp(_deq(q_g, s_g))[0]
       else:
-        d_rhs = d_rhs * jnp.reshape(s_l * s_g, ())
+        d_rhs = d_rhs * jnp.reshape(numerics.scale_product(s_l, s_g), ())
     else:
       up = jnp.bfloat16 if self.gemm == "bf16" else jnp.float32
       _, vjp = jax.vjp(lambda a, b: _conv(a, b, self.conv_cfg, up), q_l.astype(up),
                        q_r.astype(up))
       d_lhs, d_rhs = vjp(q_g.astype(up))
-      d_lhs = d_lhs.astype(jnp.float32) * jnp.reshape(s_g * s_r, ())
-      d_rhs = d_rhs.astype(jnp.float32) * jnp.reshape(s_g * s_l, ())
+      d_lhs = d_lhs.astype(jnp.float32) * jnp.reshape(numerics.scale_product(s_g, s_r), ())
+      d_rhs = d_rhs.astype(jnp.float32) * jnp.reshape(numerics.scale_product(s_g, s_l), ())
     return d_lhs.astype(self.lhs_dtype), d_rhs.astype(self.rhs_dtype), a_g
 
 

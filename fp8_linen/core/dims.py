@@ -202,8 +202,9 @@ def einsum_plan(equation: str, lhs_shape: Sequence[int], rhs_shape: Sequence[int
     (((1,), (0,)), ((), ()))
   """
   eq = equation.replace(" ", "")
-  if eq.count(",") != 1:
-    raise ValueError(f"einsum: equation {equation!r} must have exactly two operands")
+  if eq.count(",") != 1 or eq.count("->") > 1:
+    raise ValueError(f"einsum: equation {equation!r} must have exactly two operands and at "
+                     "most one '->'")
   ins, arrow, out = eq.partition("->")
   lt, rt = ins.split(",")
   used = set(c for c in eq if c.isalpha())

@@ -29,21 +29,29 @@ __all__ = ["TensorDot", "RowDot", "BlockDot", "fp8_dot_general", "grad_gemm"]
 
 
 def grad_gemm(g, other, dn, lhs_ndim: int, rhs_ndim: int, wrt: str, how: str, out_dtype,
-              scale):
+              scale, like=None):
   """One gradient GEMM of ``dot_general(lhs, rhs, dn)``: w.r.t. ``wrt``, given ``g``.
 
   ``other`` is the operand that is not differentiated; ``scale`` (scalar)
-  multiplies the GEMM's output before the cast to ``out_dtype``.
+  multiplies the GEMM's output before the cast to ``out_dtype``. ``like`` is
+  the differentiated operand (or its fp8 copy): on an explicit mesh the
+  gradient is sharded like it.
   """
   gdn, g_first, perm = dims.grad_dims(dn, lhs_ndim, rhs_ndim, wrt)
   a, b = (g, other) if g_first else (other, g)
-  y = lowering.scaled(lowering.gemm(a, b, gdn, how, out_dtype), scale, out_dtype)
+  out_sharding = None if like is None else lowering.like_sharding(like, perm)
+  y = lowering.scaled(lowering.gemm(a, b, gdn, how, out_dtype, out_sharding), scale, out_dtype)
   return jnp.transpose(y, perm)
 
 
 def _relayout(t, pairs, dst_ndim: int):
   squeeze, perm, shape = dims.relayout_axes(t.shape, pairs, dst_ndim)
   return jnp.transpose(jnp.squeeze(t, axis=squeeze), perm).reshape(shape)
+
+
+def _relayout_like(t, pairs, ref):
+  """:func:`_relayout` into ``ref``'s layout, sharded to broadcast against ``ref``."""
+  return lowering.reshard_like(_relayout(t, pairs, ref.ndim), ref)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,16 +68,19 @@ class TensorDot(_DotSpec):
     c_l, c_r, _ = self.cfgs
     q_l, s_l, a_l = numerics.quantize_with(c_l, *states[0], lhs)
     q_r, s_r, a_r = numerics.quantize_with(c_r, *states[1], rhs)
-    y = lowering.scaled(lowering.gemm(q_l, q_r, self.dn, self.gemm, self.out_dtype), s_l * s_r,
-                        self.out_dtype)
+    y = lowering.gemm(q_l, q_r, self.dn, self.gemm, self.out_dtype,
+                      lowering.dot_out_sharding(q_l, q_r, self.dn))
+    y = lowering.scaled(y, numerics.scale_product(s_l, s_r), self.out_dtype)
     return y, (q_l, q_r), (a_l, a_r), (s_l, s_r)
 
   def backward(self, q_l, q_r, extras, states, g):
     s_l, s_r = extras
     q_g, s_g, a_g = numerics.quantize_with(self.cfgs[2], *states[2], g)
     nd = (q_l.ndim, q_r.ndim)
-    d_lhs = grad_gemm(q_g, q_r, self.dn, *nd, "lhs", self.gemm, self.lhs_dtype, s_g * s_r)
-    d_rhs = grad_gemm(q_g, q_l, self.dn, *nd, "rhs", self.gemm, self.rhs_dtype, s_g * s_l)
+    d_lhs = grad_gemm(q_g, q_r, self.dn, *nd, "lhs", self.gemm, self.lhs_dtype,
+                      numerics.scale_product(s_g, s_r), like=q_l)
+    d_rhs = grad_gemm(q_g, q_l, self.dn, *nd, "rhs", self.gemm, self.rhs_dtype,
+                      numerics.scale_product(s_g, s_l), like=q_r)
     return d_lhs, d_rhs, a_g
 
 
@@ -85,9 +96,10 @@ class RowDot(_DotSpec):
     s_r = numerics.row_scale(rhs, rc, k_cfg)    # rhs layout, contracting axes size 1
     q_l = numerics.quantize(lhs, in_cfg.jnp_dtype, s_l)
     q_r = numerics.quantize(rhs, k_cfg.jnp_dtype, s_r)
-    s_out = (_relayout(s_l, lay.lhs_to_out, lay.out_ndim)
-             * _relayout(s_r, lay.rhs_to_out, lay.out_ndim))
-    y = lowering.gemm(q_l, q_r, self.dn, self.gemm, self.out_dtype)
+    y = lowering.gemm(q_l, q_r, self.dn, self.gemm, self.out_dtype,
+                      lowering.dot_out_sharding(q_l, q_r, self.dn))
+    s_out = numerics.scale_product(_relayout_like(s_l, lay.lhs_to_out, y),
+                                   _relayout_like(s_r, lay.rhs_to_out, y))
     y = (y.astype(jnp.float32) * s_out).astype(self.out_dtype)
     return y, (q_l, q_r), (numerics.amax(lhs), numerics.amax(rhs)), (s_l, s_r)
 
@@ -101,17 +113,17 @@ class RowDot(_DotSpec):
     # Each operand's scale lies along the *contracted* axis of one gradient
     # GEMM, so it is folded into g before g is quantized for that GEMM.
     # dgrad contracts rhs's free axes: fold s_r into g, scale g per row.
-    g1 = g32 * _relayout(s_r, lay.rhs_to_out, lay.out_ndim)
+    g1 = g32 * _relayout_like(s_r, lay.rhs_to_out, g32)
     s_g1 = numerics.row_scale(g1, lay.rhs_free_out, g_cfg)
     q_g1 = numerics.quantize(g1, g_cfg.jnp_dtype, s_g1)
-    d_lhs = grad_gemm(q_g1, q_r, self.dn, *nd, "lhs", self.gemm, jnp.float32, one)
-    d_lhs = (d_lhs * _relayout(s_g1, dims.flip(lay.lhs_to_out), q_l.ndim)).astype(self.lhs_dtype)
+    d_lhs = grad_gemm(q_g1, q_r, self.dn, *nd, "lhs", self.gemm, jnp.float32, one, like=q_l)
+    d_lhs = (d_lhs * _relayout_like(s_g1, dims.flip(lay.lhs_to_out), d_lhs)).astype(self.lhs_dtype)
     # wgrad contracts lhs's free axes: fold s_l into g, scale g per column.
-    g2 = g32 * _relayout(s_l, lay.lhs_to_out, lay.out_ndim)
+    g2 = g32 * _relayout_like(s_l, lay.lhs_to_out, g32)
     s_g2 = numerics.row_scale(g2, lay.lhs_free_out, g_cfg)
     q_g2 = numerics.quantize(g2, g_cfg.jnp_dtype, s_g2)
-    d_rhs = grad_gemm(q_g2, q_l, self.dn, *nd, "rhs", self.gemm, jnp.float32, one)
-    d_rhs = (d_rhs * _relayout(s_g2, dims.flip(lay.rhs_to_out), q_r.ndim)).astype(self.rhs_dtype)
+    d_rhs = grad_gemm(q_g2, q_l, self.dn, *nd, "rhs", self.gemm, jnp.float32, one, like=q_r)
+    d_rhs = (d_rhs * _relayout_like(s_g2, dims.flip(lay.rhs_to_out), d_rhs)).astype(self.rhs_dtype)
     return d_lhs, d_rhs, numerics.amax(g)
 
 
@@ -135,7 +147,9 @@ class BlockDot(_DotSpec):
     up = self._up()
     y = lowering.lax_dot_general(numerics.mx_dequantize(q_l, e_l, l_axis, bs, up),
                                  numerics.mx_dequantize(q_r, e_r, r_axis, bs, up), self.dn,
-                                 preferred_element_type=jnp.float32).astype(self.out_dtype)
+                                 preferred_element_type=jnp.float32,
+                                 out_sharding=lowering.dot_out_sharding(q_l, q_r, self.dn))
+    y = y.astype(self.out_dtype)
     return y, (q_l, q_r), (numerics.amax(lhs), numerics.amax(rhs)), (e_l, e_r)
 
   def backward(self, q_l, q_r, extras, states, g):
@@ -148,9 +162,9 @@ class BlockDot(_DotSpec):
     nd = (q_l.ndim, q_r.ndim)
     # "fp8" = feed the (already dequantized, bf16/f32) operands to the GEMM as is.
     d_lhs = grad_gemm(gg, numerics.mx_dequantize(q_r, e_r, r_axis, bs, up), self.dn, *nd,
-                      "lhs", "fp8", jnp.float32, one)
+                      "lhs", "fp8", jnp.float32, one, like=q_l)
     d_rhs = grad_gemm(gg, numerics.mx_dequantize(q_l, e_l, l_axis, bs, up), self.dn, *nd,
-                      "rhs", "fp8", jnp.float32, one)
+                      "rhs", "fp8", jnp.float32, one, like=q_r)
     return (lowering.scaled(d_lhs, s_g, self.lhs_dtype),
             lowering.scaled(d_rhs, s_g, self.rhs_dtype), a_g)
 

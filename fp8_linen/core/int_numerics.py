@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from fp8_linen.core.numerics import SCALE_FLOOR
+from fp8_linen.core.numerics import SCALE_FLOOR, pow2
 from fp8_linen.recipes.integer import IntQuantConfig
 
 __all__ = [
@@ -96,7 +96,7 @@ def int_params_from_range(lo: jnp.ndarray, hi: jnp.ndarray, cfg: IntQuantConfig)
   else:
     s = (hi - lo) / (cfg.qmax - cfg.qmin)
   if cfg.power_of_two:
-    s = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(s, SCALE_FLOOR))))
+    s = pow2(jnp.ceil(jnp.log2(jnp.maximum(s, SCALE_FLOOR))))
   s = jnp.where(jnp.isfinite(s) & (s > SCALE_FLOOR), s, jnp.ones_like(s))
   if cfg.symmetric:
     z = jnp.zeros_like(s)

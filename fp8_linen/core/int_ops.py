@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp8_linen.core import int_numerics, owg
+from fp8_linen.core import int_numerics, lowering, owg
 from fp8_linen.core.numerics import SCALE_FLOOR
 from fp8_linen.recipes.integer import IntQuantConfig
 
@@ -111,9 +111,12 @@ def _lsq_bwd(qmin, qmax, grad_scale, with_offset, res, g):
   inside = ~(below | above)
   # d x_hat / d s: Q_N below, Q_P above, round(v) - v inside (Esser et al.).
   ds = jnp.where(below, float(qmin), jnp.where(above, float(qmax), jnp.round(v) - v))
-  d_step = _sum_to(g32 * ds, step.shape) * grad_scale
+  # Sums over sharded axes come back sharded; the step's gradient must be
+  # sharded like the step itself (a custom_vjp checks the types).
+  d_step = lowering.reshard_like(_sum_to(g32 * ds, step.shape) * grad_scale, step)
   # d x_hat / d beta: 0 inside (the STE cancels it), 1 at the clamps.
-  d_off = (_sum_to(jnp.where(inside, 0.0, g32), offset.shape) * grad_scale if with_offset
+  d_off = (lowering.reshard_like(_sum_to(jnp.where(inside, 0.0, g32), offset.shape)
+                                 * grad_scale, offset) if with_offset
            else jnp.zeros_like(offset))
   return jnp.where(inside, g32, 0.0).astype(x.dtype), d_step, d_off
 
@@ -182,6 +185,8 @@ def lsq_plus_fake_quant(x, step, offset, *, qmin: int, qmax: int, grad_scale: fl
 def _observe(cfg: IntQuantConfig, old, x):
   """The observer's range ``[-min, max]`` after seeing ``x`` (old ``[0, 0]`` = empty)."""
   x32 = jnp.asarray(x, jnp.float32)
+  if x32.size == 0:  # an empty batch observes nothing
+    return old
   cur = jnp.stack([-jnp.min(x32), jnp.max(x32)])
   cur = jnp.where(jnp.isfinite(cur), cur, old)  # a NaN batch never poisons the range
   empty = jnp.all(old == 0)

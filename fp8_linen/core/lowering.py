@@ -17,6 +17,15 @@ The lax functions are bound when this module is imported, so the library's own
 products never go through a function that :mod:`fp8_linen.interception`
 replaced while a model is being quantized.
 
+**Explicit sharding.** On a mesh whose axes are ``Explicit`` (the default of
+``jax.make_mesh``) every array's type carries its sharding and a product whose
+contracting dimensions are sharded must be told how to shard its output.
+:func:`dot_out_sharding` gives the forward product the sharding JAX itself
+infers when it can (batch, lhs-free, rhs-free specs; a sharded contraction is
+all-reduced) and :func:`like_sharding` gives a gradient product the sharding
+of the operand it differentiates, as JAX's own transpose rule does. Both are
+``None`` (let XLA decide) on ``Auto`` meshes and inside ``shard_map``.
+
 Example:
   >>> import fp8_linen as fl
   >>> from fp8_linen.core import lowering
@@ -33,6 +42,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jax.lax import conv_general_dilated as lax_conv_general_dilated
 from jax.lax import dot_general as lax_dot_general
 
@@ -43,6 +53,12 @@ __all__ = [
     "resolve_gemm",
     "gemm",
     "scaled",
+    "explicit_spec",
+    "reshard_like",
+    "unshard_axis",
+    "dot_out_sharding",
+    "conv_out_sharding",
+    "like_sharding",
     "lax_dot_general",
     "lax_conv_general_dilated",
 ]
@@ -110,14 +126,149 @@ def _as_matmul_operand(x, contract, batch, contract_last: bool):
   return x.reshape(((b,) if batch else ()) + shape), last
 
 
-def gemm(a, b, dn, how: str, out_dtype):
-  """``dot_general`` of two fp8 operands under the lowering ``how``."""
+def explicit_spec(x):
+  """``(sharding, partitions)`` of ``x``'s type on a mesh with ``Explicit`` axes.
+
+  An array placed on no mesh (e.g. a constant made inside ``jit``) gets the
+  current mesh (``jax.set_mesh``) and no partitioning. ``None`` when there is no
+  explicit mesh (no mesh, an ``Auto`` mesh, ``shard_map``'s manual axes): XLA
+  then chooses every sharding.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import lowering
+    >>> lowering.explicit_spec(jnp.ones((2, 3))) is None
+    True
+  """
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      return None
+    sharding = NamedSharding(mesh, PartitionSpec())
+  if AxisType.Explicit not in tuple(sharding.mesh.axis_types):
+    return None
+  parts = tuple(sharding.spec) + (None,) * (len(jnp.shape(x)) - len(sharding.spec))
+  return sharding, parts
+
+
+def reshard_like(t, ref):
+  """``t`` with ``ref``'s sharding on an explicit mesh (``t`` itself elsewhere).
+
+  ``t`` has ``ref``'s rank; where ``t`` has size 1 against a larger ``ref``
+  dimension (a broadcast scale) that dimension is left unpartitioned.
+  """
+  ex = explicit_spec(ref)
+  if ex is None:
+    return t
+  parts = tuple(None if t.shape[d] != jnp.shape(ref)[d] else p for d, p in enumerate(ex[1]))
+  cur = explicit_spec(t)
+  if cur is not None and tuple(cur[1]) == parts:
+    return t
+  return jax.sharding.reshard(t, ex[0].update(spec=PartitionSpec(*parts)))
+
+
+def unshard_axis(x, axis: int):
+  """``x`` gathered along ``axis`` on an explicit mesh (``x`` itself elsewhere)."""
+  ex = explicit_spec(x)
+  if ex is None or ex[1][axis] is None:
+    return x
+  parts = list(ex[1])
+  parts[axis] = None
+  return jax.sharding.reshard(x, ex[0].update(spec=PartitionSpec(*parts)))
+
+
+def _axes_of(entry) -> set:
+  if entry is None:
+    return set()
+  return set(entry) if isinstance(entry, tuple) else {entry}
+
+
+def _sharding(like, parts):
+  """A sharding on ``like``'s mesh with ``parts``, no mesh axis used twice."""
+  used, clean = set(), []
+  for p in parts:
+    axes = _axes_of(p)
+    # A mesh axis may shard one dimension only: a later dimension that asks for
+    # an axis already in use is gathered instead (FSDP's all-gather of a weight).
+    clean.append(None if not axes or axes & used else p)
+    used |= axes if not axes & used else set()
+  return like.update(spec=PartitionSpec(*clean))
+
+
+def dot_out_sharding(a, b, dn):
+  """The output sharding of ``dot_general(a, b, dn)`` on an explicit mesh, else ``None``.
+
+  The specs of the batch, lhs-free and rhs-free dimensions, in that order (what
+  JAX infers when the contraction is not sharded); a sharded contraction is
+  all-reduced, and a mesh axis already used by an earlier output dimension is
+  dropped (so a weight sharded like its activation is gathered, as under FSDP).
+  """
+  ea, eb = explicit_spec(a), explicit_spec(b)
+  if ea is None and eb is None:
+    return None
+  (ac, bc), (ab, bb) = dn
+  pa = ea[1] if ea else (None,) * jnp.ndim(a)
+  pb = eb[1] if eb else (None,) * jnp.ndim(b)
+  parts = ([pa[i] if pa[i] is not None else pb[j] for i, j in zip(ab, bb)]
+           + [pa[d] for d in range(len(pa)) if d not in ac and d not in ab]
+           + [pb[d] for d in range(len(pb)) if d not in bc and d not in bb])
+  return _sharding((ea or eb)[0], parts)
+
+
+def conv_out_sharding(lhs, rhs, dn):
+  """The output sharding of a convolution on an explicit mesh, else ``None``.
+
+  The batch dimension is sharded like ``lhs``'s, the feature dimension like
+  ``rhs``'s output features (unless that mesh axis already shards the batch);
+  spatial dimensions are not partitioned. ``dn`` is a
+  ``lax.ConvDimensionNumbers``.
+  """
+  el, er = explicit_spec(lhs), explicit_spec(rhs)
+  if el is None and er is None:
+    return None
+  lhs_spec, rhs_spec, out_spec = dn
+  batch = el[1][lhs_spec[0]] if el else None
+  feature = er[1][rhs_spec[0]] if er else None
+  if _axes_of(feature) & _axes_of(batch):
+    feature = None
+  parts = [None] * len(out_spec)
+  parts[out_spec[0]], parts[out_spec[1]] = batch, feature
+  return (el or er)[0].update(spec=PartitionSpec(*parts))
+
+
+def like_sharding(x, perm):
+  """The sharding that ``transpose(y, perm)`` must have to be sharded like ``x``.
+
+  A gradient product computes ``y`` and returns ``transpose(y, perm)`` in the
+  layout of operand ``x``; giving ``y`` this sharding makes the gradient sharded
+  like ``x`` (``None`` when ``x`` has no explicit sharding).
+  """
+  ex = explicit_spec(x)
+  if ex is None:
+    return None
+  parts = [None] * len(perm)
+  for j, src in enumerate(perm):
+    parts[src] = ex[1][j]
+  return _sharding(ex[0], parts)
+
+
+def gemm(a, b, dn, how: str, out_dtype, out_sharding=None):
+  """``dot_general`` of two fp8 operands under the lowering ``how``.
+
+  ``out_sharding`` (see :func:`dot_out_sharding`) is passed to the product on
+  explicit meshes.
+  """
   if how == "fp8":
-    return lax_dot_general(a, b, dn, preferred_element_type=out_dtype)
+    return lax_dot_general(a, b, dn, preferred_element_type=out_dtype,
+                           out_sharding=out_sharding)
   up = jnp.bfloat16 if how == "bf16" else jnp.float32  # fp8 -> bf16 is exact
   a, b = a.astype(up), b.astype(up)
-  if up == jnp.float32:
-    return lax_dot_general(a, b, dn, preferred_element_type=jnp.float32)
+  if up == jnp.float32 or out_sharding is not None:
+    # Explicitly sharded operands keep their layout: a reshape that merged a
+    # sharded dimension would need its own resharding.
+    return lax_dot_general(a, b, dn, preferred_element_type=jnp.float32,
+                           out_sharding=out_sharding)
   # XLA:CPU has a bf16 x bf16 -> f32 kernel only for plain (batched) matmul
   # layouts; express every product as one, then restore dot_general's output
   # layout (batch, lhs free, rhs free).

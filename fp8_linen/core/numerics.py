@@ -8,7 +8,14 @@ Conventions (shared with ``flax.linen.fp8_ops`` and TransformerEngine):
 * a *scale* ``s`` maps a tensor into the fp8 range: ``q = saturate(x / s)``
   and ``x ~= q * s``; scales are float32 arrays of shape ``(1,)``;
 * an *amax history* is a float32 vector, index 0 the newest observation;
-  ``0`` means "nothing observed" (an amax is never negative).
+  ``0`` means "nothing observed" (an amax is never negative);
+* a finite input never gives a non-finite scale: scales lie in
+  ``[SCALE_FLOOR, SCALE_CEIL]`` and so does the product of two
+  (:func:`scale_product`);
+* finite values saturate at the format's largest value; NaN and ±Inf pass
+  through a quantization as NaN (e4m3 has no Inf) or ±Inf, so a float layer's
+  overflow still reaches the loss and ``optax.apply_if_finite`` can skip the
+  step. Non-finite amaxes never enter a history.
 
 Example:
   >>> import jax.numpy as jnp
@@ -31,6 +38,9 @@ from fp8_linen.recipes.fp8 import ScalingConfig
 
 __all__ = [
     "SCALE_FLOOR",
+    "SCALE_CEIL",
+    "pow2",
+    "scale_product",
     "fp8_max",
     "amax",
     "finite_or_zero",
@@ -51,6 +61,13 @@ __all__ = [
 # zero nor a denormal amax can give an inf scale factor or a NaN product.
 SCALE_FLOOR = float(np.finfo(np.float32).tiny)
 
+# Largest scale ever produced: the largest power of two in float32, so a
+# power-of-two scale stays one and ``x / s`` never overflows for finite ``x``.
+SCALE_CEIL = 2.0 ** 127
+
+# Largest finite float32: the cap on a product of scales.
+_F32_MAX = float(np.finfo(np.float32).max)
+
 
 def _per_tensor(scale) -> jnp.ndarray:
   """A ``(1,)`` per-tensor scale as a scalar (so it never changes ``x``'s shape)."""
@@ -63,8 +80,48 @@ def fp8_max(dtype) -> float:
   return float(ml_dtypes.finfo(dtype).max)
 
 
+def pow2(e) -> jnp.ndarray:
+  """``2**e`` in float32, exactly, for integer-valued ``e`` (clamped to [-126, 127]).
+
+  Built from the exponent bits: XLA:CPU's ``exp2`` is an approximation
+  (``exp2(-13.0)`` is off in the last bits), which would make a "power-of-two"
+  scale introduce rounding error after all.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import numerics
+    >>> numerics.pow2(jnp.array([-13.0, 0.0, 3.0])).tolist()
+    [0.0001220703125, 1.0, 8.0]
+  """
+  e = jnp.clip(jnp.asarray(e, jnp.float32), -126.0, 127.0).astype(jnp.int32)
+  return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+def scale_product(*scales) -> jnp.ndarray:
+  """The product of scales in float32, capped at the largest finite float32.
+
+  Two scales near :data:`SCALE_CEIL` (a ``margin`` of 64, or amaxes near the
+  float32 maximum) would multiply to Inf, and the output of a GEMM whose fp8
+  operands underflowed to 0 would then be ``0 * Inf = NaN``. Scales are
+  positive and finite, so the product is finite and positive (or 0 on
+  underflow).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import numerics
+    >>> bool(jnp.isfinite(numerics.scale_product(jnp.float32(2.0 ** 127), jnp.float32(4.0))))
+    True
+  """
+  out = jnp.asarray(scales[0], jnp.float32)
+  for s in scales[1:]:
+    out = out * jnp.asarray(s, jnp.float32)
+  return jnp.minimum(out, _F32_MAX)
+
+
 def amax(x: jnp.ndarray) -> jnp.ndarray:
   """``max(|x|)`` over all elements, as a float32 scalar (NaN if any is NaN).
+
+  An empty ``x`` has amax 0 ("nothing observed").
 
   Written as ``max(max(x), -min(x))``: XLA:GPU fuses a ``max(|y|)`` of an fp8
   GEMM's output ``y`` into the cuBLASLt call as a second output, and when ``y``
@@ -73,6 +130,8 @@ def amax(x: jnp.ndarray) -> jnp.ndarray:
   ("cycle detected"). This form is not fused.
   """
   x = jnp.asarray(x)
+  if x.size == 0:  # an empty batch: max() of nothing would raise
+    return jnp.zeros((), jnp.float32)
   return jnp.maximum(jnp.max(x), -jnp.min(x)).astype(jnp.float32)
 
 
@@ -84,8 +143,10 @@ def finite_or_zero(a: jnp.ndarray) -> jnp.ndarray:
 def quantize(x: jnp.ndarray, dtype, scale: jnp.ndarray) -> jnp.ndarray:
   """Saturating cast of ``x / scale`` to the fp8 ``dtype``.
 
-  Values beyond the format's range are clamped to ``±fp8_max`` (never inf or
-  NaN); NaN stays NaN. The division runs in float32.
+  Finite values beyond the format's range are clamped to ``±fp8_max``; NaN
+  stays NaN and ±Inf stays ±Inf where the format has it (NaN in e4m3fn and the
+  fnuz formats), so a non-finite input is never hidden by saturation. The
+  division runs in float32.
 
   Args:
     x: any floating array.
@@ -95,22 +156,29 @@ def quantize(x: jnp.ndarray, dtype, scale: jnp.ndarray) -> jnp.ndarray:
   Returns:
     ``x / scale`` rounded to nearest-even in ``dtype``.
   """
-  m = fp8_max(dtype)
-  y = jnp.asarray(x).astype(jnp.float32) / _per_tensor(scale)
-  return encode_fp8(jnp.clip(y, -m, m), dtype)
+  return encode_fp8(_saturate(jnp.asarray(x).astype(jnp.float32), _per_tensor(scale),
+                              fp8_max(dtype)), dtype)
 
 
-# (mantissa bits, exponent bias, NaN code) of the formats with an integer encoder.
-_ENCODERS = {np.dtype(ml_dtypes.float8_e4m3fn): (3, 7, 0x7F),
-             np.dtype(ml_dtypes.float8_e5m2): (2, 15, 0x7E)}
+def _saturate(x32, scale, m):
+  """``clip(x / scale, -m, m)`` for finite ``x``; non-finite ``x`` passes unchanged."""
+  y = jnp.clip(x32 / scale, -m, m)
+  return jnp.where(jnp.isfinite(x32), y, x32)
+
+
+# (mantissa bits, exponent bias, NaN code, Inf code or None) of the formats
+# with an integer encoder.
+_ENCODERS = {np.dtype(ml_dtypes.float8_e4m3fn): (3, 7, 0x7F, None),
+             np.dtype(ml_dtypes.float8_e5m2): (2, 15, 0x7E, 0x7C)}
 
 
 def encode_fp8(y: jnp.ndarray, dtype) -> jnp.ndarray:
-  """Rounds float32 ``y`` (already within the format's range) to fp8, nearest-even.
+  """Rounds float32 ``y`` (finite values within the format's range) to fp8, nearest-even.
 
   On CPU, e4m3fn and e5m2 are encoded with integer arithmetic on the float32
   bits, which XLA vectorizes (its own conversion is about twice as slow there);
-  the result is bit-identical to ``y.astype(dtype)``, NaN included. Elsewhere
+  the result is bit-identical to ``y.astype(dtype)``, NaN and ±Inf included
+  (Inf becomes NaN in e4m3fn, which has no Inf). Elsewhere
   (GPUs convert natively) and for the fnuz formats it is ``y.astype(dtype)``.
 
   Example:
@@ -122,7 +190,7 @@ def encode_fp8(y: jnp.ndarray, dtype) -> jnp.ndarray:
   spec = _ENCODERS.get(np.dtype(dtype))
   if spec is None or lowering.current_backend() != "cpu":
     return y.astype(dtype)
-  mant, bias, nan_code = spec
+  mant, bias, nan_code, inf_code = spec
   drop = 23 - mant
   bits = lax.bitcast_convert_type(y.astype(jnp.float32), jnp.uint32)
   sign = (bits >> 31).astype(jnp.uint8) << 7
@@ -136,7 +204,10 @@ def encode_fp8(y: jnp.ndarray, dtype) -> jnp.ndarray:
   min_normal = 2.0 ** (1 - bias)
   sub = jnp.rint(a * 2.0 ** (bias - 1 + mant)).astype(jnp.uint8)
   code = jnp.where(a < min_normal, sub, normal) | sign
-  code = jnp.where(jnp.isnan(y), jnp.uint8(nan_code), code)
+  # A format without Inf encodes it as NaN, as a cast does.
+  inf = nan_code if inf_code is None else inf_code
+  code = jnp.where(jnp.isinf(y), jnp.uint8(inf) | sign, code)
+  code = jnp.where(jnp.isnan(y), jnp.uint8(nan_code) | sign, code)
   return lax.bitcast_convert_type(code, dtype)
 
 
@@ -164,8 +235,9 @@ def scale_from_amax(a: jnp.ndarray, prev_scale: jnp.ndarray, cfg: ScalingConfig)
   """The scale that maps amax ``a`` to the fp8 maximum (with margin).
 
   Falls back to ``prev_scale`` when ``a`` is zero, negative or not finite, and
-  never returns less than :data:`SCALE_FLOOR`. A non-finite or non-positive
-  ``prev_scale`` is itself replaced by 1.
+  always returns a value in ``[SCALE_FLOOR, SCALE_CEIL]`` (a finite amax never
+  gives a non-finite scale, whatever the margin). A non-finite or
+  non-positive ``prev_scale`` is itself replaced by 1.
 
   Args:
     a: float32 amax, any shape broadcastable against ``prev_scale``.
@@ -178,11 +250,14 @@ def scale_from_amax(a: jnp.ndarray, prev_scale: jnp.ndarray, cfg: ScalingConfig)
   a = jnp.asarray(a, jnp.float32)
   prev = jnp.asarray(prev_scale, jnp.float32)
   prev = jnp.where(jnp.isfinite(prev) & (prev > 0), prev, jnp.ones_like(prev))
-  s = a * (2.0 ** cfg.margin) / cfg.fp8_max
+  prev = jnp.clip(prev, SCALE_FLOOR, SCALE_CEIL)
+  # Divide first: ``a * 2**margin`` overflows for amaxes near the float32 max
+  # (multiplying by a power of two is exact, so the order changes nothing else).
+  s = (a / cfg.fp8_max) * (2.0 ** cfg.margin)
   if cfg.power_of_two:
     # Round up: a power-of-two scale that is never smaller than the exact one.
-    s = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(s, SCALE_FLOOR))))
-  s = jnp.maximum(s, SCALE_FLOOR)
+    s = pow2(jnp.ceil(jnp.log2(jnp.clip(s, SCALE_FLOOR, SCALE_CEIL))))
+  s = jnp.clip(s, SCALE_FLOOR, SCALE_CEIL)
   ok = jnp.isfinite(a) & (a > 0)
   return jnp.where(ok, s, prev)
 
@@ -277,14 +352,15 @@ def mx_quantize(x: jnp.ndarray, axis: int, block_size: int, dtype):
     [[0.125, 0.25]]
   """
   axis = axis % x.ndim
-  xb, n = _block_split(jnp.asarray(x, jnp.float32), axis, block_size)
+  # Blocks must not straddle shards: gather a blocked axis an explicit mesh shards.
+  x = lowering.unshard_axis(jnp.asarray(x), axis)
+  xb, n = _block_split(x.astype(jnp.float32), axis, block_size)
   a = jnp.max(jnp.abs(xb), axis=axis + 1, keepdims=True)
   e = jnp.ceil(jnp.log2(jnp.maximum(a, SCALE_FLOOR) / fp8_max(dtype)))
   e = jnp.where(jnp.isfinite(a) & (a > 0), e, 0.0)
-  scale = jnp.exp2(jnp.clip(e, -126.0, 127.0))
-  m = fp8_max(dtype)
-  q = jnp.clip(xb / scale, -m, m).astype(dtype)
-  q = q.reshape(q.shape[:axis] + (-1,) + q.shape[axis + 2:])
+  scale = pow2(e)
+  q = _saturate(xb, scale, fp8_max(dtype)).astype(dtype)
+  q = q.reshape(q.shape[:axis] + (q.shape[axis] * q.shape[axis + 1],) + q.shape[axis + 2:])
   q = lax_slice_axis(q, axis, n)
   return q, jnp.squeeze(scale, axis + 1).astype(jnp.float8_e8m0fnu)
 
@@ -305,6 +381,7 @@ def mx_dequantize(q: jnp.ndarray, scales: jnp.ndarray, axis: int, block_size: in
   Exact in bfloat16 and float32 (an fp8 value times a power of two).
   """
   axis = axis % q.ndim
+  q, scales = lowering.unshard_axis(q, axis), lowering.unshard_axis(scales, axis)
   s = jnp.repeat(scales.astype(dtype), block_size, axis=axis)
   s = lax_slice_axis(s, axis, q.shape[axis])
   return q.astype(dtype) * s

@@ -162,7 +162,7 @@ def match_varying(ct, like, reduce):
   return ct
 
 
-def state_cotangents(cfgs, states, observed, ct_chain, first: bool):
+def state_cotangents(cfgs, states, observed, ct_chain, first: bool, empty: bool = False):
   """Cotangents for the state inputs and the chain input of one op use.
 
   Args:
@@ -171,6 +171,9 @@ def state_cotangents(cfgs, states, observed, ct_chain, first: bool):
     observed: this use's amax per role (float32 scalars).
     ct_chain: cotangent of ``chain_out`` (one entry per role).
     first: whether this use is the first.
+    empty: whether this use saw no elements (an empty batch). It observes
+      nothing; as the first use it returns the state unchanged unless a later
+      use of the step observed something.
 
   Returns:
     ``(state_cts, chain_ct)``: a tuple of :class:`RoleState` (the new state, or
@@ -183,6 +186,12 @@ def state_cotangents(cfgs, states, observed, ct_chain, first: bool):
                 for s in states)
   else:
     cts = tuple(new_state(c, s, combined[i]) for i, (c, s) in enumerate(zip(cfgs, states)))
+    if empty:
+      # Later uses report through the chain; 0 from all of them means nothing
+      # was observed in this step, and an unobserved step must not roll the
+      # history.
+      cts = tuple(RoleState(*(jnp.where(combined[i] > 0, n, o) for n, o in zip(ct, st)))
+                  for i, (ct, st) in enumerate(zip(cts, states)))
   cts = tuple(RoleState(*(match_varying(c, l, lax.pmax) for c, l in zip(ct, like)))
               for ct, like in zip(cts, states))
   return cts, match_varying(chain_ct, ct_chain, lax.pmax)

@@ -11,7 +11,9 @@ forward and of the two gradient products; each is a frozen, hashable *spec*
   ``q_*`` are the fp8 operands (the only large residuals, named with
   :func:`~fp8_linen.core.owg.name_fp8_residual`), ``extras`` small ones
   (scales);
-* ``backward(q_lhs, q_rhs, extras, states, g) -> (d_lhs, d_rhs, amax_g)``.
+* ``backward(q_lhs, q_rhs, extras, states, g) -> (d_lhs, d_rhs, amax_g)``
+  (never called for an empty product: its gradients are zeros and it leaves
+  the state unchanged).
 
 Specs derive from :class:`ProductSpec`, which holds what every product needs:
 the recipe (``cfgs`` gives the three roles' :class:`~fp8_linen.ScalingConfig`),
@@ -36,9 +38,10 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import owg
+from fp8_linen.core import lowering, owg
 
 __all__ = ["ProductSpec", "product"]
 
@@ -77,6 +80,10 @@ def product(spec, lhs, rhs, states, chain):
 
 def _product_fwd(spec, lhs, rhs, states, chain):
   y, (q_l, q_r), amaxes, extras = spec.forward(lhs, rhs, states)
+  # On an explicit mesh a spec may regather an operand (MX blocks along a
+  # sharded axis); the residuals keep the operands' own sharding, which the
+  # gradients must have.
+  q_l, q_r = lowering.reshard_like(q_l, lhs), lowering.reshard_like(q_r, rhs)
   # Residuals: the fp8 operands, a few scalars/scale vectors, and the state
   # inputs (arguments of the step, alive anyway). No high-precision copy.
   res = ((owg.name_fp8_residual(q_l), owg.name_fp8_residual(q_r)), amaxes, extras, states)
@@ -86,9 +93,18 @@ def _product_fwd(spec, lhs, rhs, states, chain):
 def _product_bwd(spec, res, cts):
   (q_l, q_r), (a_l, a_r), extras, states = res
   g, ct_chain = cts
-  d_l, d_r, a_g = spec.backward(q_l, q_r, extras, states, g)
+  empty = q_l.size == 0 or q_r.size == 0 or g.size == 0
+  if empty:
+    # A product with an empty operand or output (an empty batch, a VALID
+    # convolution smaller than its kernel) is identically zero: both gradients
+    # are zero and it observes nothing, so the state stays as it was.
+    d_l, d_r = jnp.zeros(q_l.shape, spec.lhs_dtype), jnp.zeros(q_r.shape, spec.rhs_dtype)
+    a_l = a_r = a_g = jnp.zeros((), jnp.float32)
+  else:
+    d_l, d_r, a_g = spec.backward(q_l, q_r, extras, states, g)
   state_cts, chain_ct = owg.state_cotangents(spec.cfgs, states, (a_l, a_r, a_g), ct_chain,
-                                             spec.first)
+                                             spec.first, empty=empty)
+  d_l, d_r = lowering.reshard_like(d_l, q_l), lowering.reshard_like(d_r, q_r)
   return (owg.match_varying(d_l, q_l, lax.psum), owg.match_varying(d_r, q_r, lax.psum),
           state_cts, chain_ct)
 

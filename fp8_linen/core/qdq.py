@@ -46,7 +46,8 @@ def _quantize_bwd(cfg, x_dtype, first, res, cts):
   # g_q is the fp8 gradient made by dequantize's backward, g_scale the scale
   # it was quantized with (delivered through the dummy ``scale_out``).
   dx = numerics.dequantize(g_q, g_scale, x_dtype)
-  (st,), chain_ct = owg.state_cotangents((cfg,), (state,), (a,), ct_chain, first)
+  (st,), chain_ct = owg.state_cotangents((cfg,), (state,), (a,), ct_chain, first,
+                                         empty=g_q.size == 0)
   return dx, st, chain_ct
 
 
@@ -65,7 +66,8 @@ def _dequantize_fwd(grad_cfg, out_dtype, first, xq, scale_out, grad_state, chain
 def _dequantize_bwd(grad_cfg, out_dtype, first, grad_state, cts):
   g, ct_chain = cts
   g_q, s, a = numerics.quantize_with(grad_cfg, *grad_state, g)
-  (st,), chain_ct = owg.state_cotangents((grad_cfg,), (grad_state,), (a,), ct_chain, first)
+  (st,), chain_ct = owg.state_cotangents((grad_cfg,), (grad_state,), (a,), ct_chain, first,
+                                         empty=g.size == 0)
   # The cotangent of the dummy scale_out *is* the gradient's scale.
   return g_q, s, st, chain_ct
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from fp8_linen.core.owg import CHECKPOINT_NAME, name_fp8_residual
 from fp8_linen.core.qdq import dequantize, quantize
+from fp8_linen.linen.dispatch import recipe_error
 from fp8_linen.linen.state import with_role_states
 from fp8_linen.recipes.fp8 import ActivationRecipe
 
@@ -53,8 +54,8 @@ def fp8_activation(module: nn.Module, x, recipe: ActivationRecipe | None = None,
   """
   recipe = ActivationRecipe() if recipe is None else recipe
   if not isinstance(recipe, ActivationRecipe):
-    hint = " (call it: the function returns the recipe)" if callable(recipe) else ""
-    raise TypeError(f"Fp8Activation: recipe must be an ActivationRecipe, got {recipe!r}{hint}")
+    raise recipe_error(type(module).__name__, recipe, "ActivationRecipe",
+                       "fl.ActivationRecipe()", for_activation=True)
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"Fp8Activation: x must be a floating array, got dtype {x.dtype}")

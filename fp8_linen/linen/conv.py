@@ -16,7 +16,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from fp8_linen.linen.dispatch import quantized_conv_on
+from fp8_linen.linen.dispatch import check_recipe, quantized_conv_on
 from fp8_linen.linen.seam import Seam
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
@@ -86,6 +86,7 @@ class QConv(nn.Conv):
     if self.conv_general_dilated is not _layer_conv or self.conv_general_dilated_cls is not None:
       raise ValueError("QConv brings its own fp8 convolution; leave conv_general_dilated and "
                        "conv_general_dilated_cls at their defaults")
+    check_recipe("QConv", self.recipe, conv=True)
     if not self.shared_weights:
       raise ValueError("QConv.shared_weights must be True (unshared convolutions have no fp8 "
                        "path)")

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from flax.linen import module as nn_module
 
 from fp8_linen.core.dims import einsum_plan
-from fp8_linen.linen.dispatch import quantized_dot_general_on, quantized_einsum_on
+from fp8_linen.linen.dispatch import (check_recipe, quantized_dot_general_on,
+                                      quantized_einsum_on)
 from fp8_linen.linen.seam import Seam
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
@@ -76,6 +77,7 @@ class Fp8DotGeneral(nn.Module):
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
     del precision  # fp8 GEMMs run at DEFAULT precision (fast accumulation).
+    check_recipe("Fp8DotGeneral", self.recipe)
     return quantized_dot_general_on(self, lhs, rhs, dimension_numbers, self.recipe,
                                     out_dtype=preferred_element_type)
 
@@ -111,6 +113,7 @@ class QDense(nn.Dense):
       raise ValueError("QDense brings its own fp8 dot_general; leave dot_general and "
                        "dot_general_cls at their defaults (or use nn.Dense(dot_general_cls="
                        "Fp8DotGeneral))")
+    check_recipe("QDense", self.recipe)
     if not isinstance(self.features, int) or self.features < 1:
       raise ValueError(f"QDense.features must be a positive int, got {self.features!r}")
     inputs = _check_inputs("QDense", inputs)
@@ -150,6 +153,7 @@ class QDenseGeneral(nn.DenseGeneral):
       raise ValueError("QDenseGeneral brings its own fp8 dot_general; leave dot_general and "
                        "dot_general_cls at their defaults (or use nn.DenseGeneral("
                        "dot_general_cls=Fp8DotGeneral))")
+    check_recipe("QDenseGeneral", self.recipe)
     inputs = _check_inputs("QDenseGeneral", inputs)
     for name in ("features", "axis", "batch_dims"):
       val = getattr(self, name)
@@ -193,6 +197,7 @@ class QEinsum(nn.Einsum):
 
   @nn.compact
   def __call__(self, inputs, einsum_str: str | None = None):
+    check_recipe("QEinsum", self.recipe)
     einsum_str = nn_module.merge_param("einsum_str", self.einsum_str, einsum_str)
     if not isinstance(einsum_str, str):
       raise ValueError(f"QEinsum.einsum_str must be a string, got {einsum_str!r}")

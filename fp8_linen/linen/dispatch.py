@@ -34,10 +34,12 @@ from fp8_linen.core.dims import einsum_plan
 from fp8_linen.core.dot_general import fp8_dot_general
 from fp8_linen.linen.integer import int_conv_on, int_dot_general_on
 from fp8_linen.linen.state import ROLES, with_role_states
-from fp8_linen.recipes.fp8 import Fp8Recipe
+from fp8_linen.recipes.fp8 import ActivationRecipe, Fp8Recipe, ScalingConfig
 from fp8_linen.recipes.integer import IntRecipe
+from fp8_linen.recipes.yaml import recipe_names
 
-__all__ = ["Products", "register_recipe", "products_for", "fp8_dot_general_on", "fp8_conv_on",
+__all__ = ["Products", "register_recipe", "products_for", "check_recipe", "recipe_error",
+           "fp8_dot_general_on", "fp8_conv_on",
            "quantized_dot_general_on", "quantized_einsum_on", "quantized_conv_on"]
 
 
@@ -90,31 +92,93 @@ def register_recipe(recipe_type: type, products: Products) -> None:
   _TABLE[recipe_type] = products
 
 
-def products_for(recipe) -> Products:
-  """The table entry of ``recipe``'s type (or of its nearest registered base)."""
+def _short(value) -> str:
+  text = repr(value)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
+def recipe_error(owner: str, recipe, accepted: str, example: str,
+                 for_activation: bool = False) -> TypeError:
+  """The one error every layer raises for a value that is not a recipe it takes.
+
+  It names the ``recipe`` argument, says what was given and what is accepted,
+  and for the usual mistakes what to write instead.
+  """
+  if isinstance(recipe, str) and for_activation:
+    hint = " (a name, not a recipe value)"
+  elif isinstance(recipe, str):
+    hint = (f" (a name: load a shipped recipe with fl.load_recipe(name), names: "
+            f"{', '.join(recipe_names())})")
+  elif for_activation and recipe is ActivationRecipe:
+    hint = " (the class: call it)"
+  elif isinstance(recipe, type) or callable(recipe):
+    hint = (" (a function or class, not a recipe value: call it)" if not for_activation
+            else " (a function or class, not an ActivationRecipe value)")
+  elif isinstance(recipe, ScalingConfig):
+    wrap = ("ActivationRecipe(input=..., output_grad=...)" if for_activation
+            else "Fp8Recipe(input=..., kernel=..., output_grad=...)")
+    hint = f" (a ScalingConfig configures one role: put it in a {wrap})"
+  elif isinstance(recipe, ActivationRecipe):
+    hint = " (an ActivationRecipe is for Fp8Activation; products take an Fp8Recipe)"
+  elif for_activation and isinstance(recipe, Fp8Recipe):
+    hint = (" (an Fp8Recipe is for products; for an activation use "
+            "fl.ActivationRecipe(input=r.input, output_grad=r.output_grad))")
+  elif for_activation and isinstance(recipe, IntRecipe):
+    hint = " (integer recipes quantize products, not activations)"
+  elif recipe is None:
+    hint = " (leave the argument out for the default)"
+  else:
+    hint = ""
+  return TypeError(f"{owner}: recipe={_short(recipe)} is not a recipe it takes{hint}; "
+                   f"accepted: {accepted} (e.g. {example})")
+
+
+def products_for(recipe, owner: str = "recipe") -> Products:
+  """The table entry of ``recipe``'s type (or of its nearest registered base).
+
+  Raises:
+    TypeError: naming ``owner`` (the layer) and the accepted recipe types.
+  """
   for klass in type(recipe).__mro__:
     if klass in _TABLE:
       return _TABLE[klass]
-  hint = (" (a recipe value is needed, not the function that makes it: call it)"
-          if callable(recipe) else "")
-  raise TypeError(f"recipe: {recipe!r} is not a recipe{hint}; accepted recipe types: "
-                  f"{sorted(t.__name__ for t in _TABLE)}")
+  raise recipe_error(owner, recipe, " or ".join(sorted(t.__name__ for t in _TABLE)),
+                     "fl.delayed_scaling(), fl.current_scaling(), fl.int8_lsq()")
+
+
+def check_recipe(owner: str, recipe, conv: bool = False) -> None:
+  """Raises a :func:`recipe_error` unless ``owner`` can run ``recipe``.
+
+  Layers call it first thing, so a wrong recipe is reported before any
+  variable is created and in the same words everywhere.
+
+  Example:
+    >>> import fp8_linen as fl
+    >>> from fp8_linen.linen import dispatch
+    >>> try:
+    ...   dispatch.check_recipe('QDense', 'delayed')
+    ... except TypeError as e:
+    ...   print(str(e)[:60])
+    QDense: recipe='delayed' is not a recipe it takes (a name: l
+  """
+  products = products_for(recipe, owner)
+  if conv and products.conv is None:
+    raise TypeError(f"{owner}: recipe={_short(recipe)} has no quantized convolution; accepted: "
+                    f"{' or '.join(sorted(t.__name__ for t, p in _TABLE.items() if p.conv))}")
 
 
 def quantized_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe,
                              out_dtype=None, key: str = "dot"):
   """Runs ``recipe``'s quantized ``dot_general`` on ``module``'s state."""
-  return products_for(recipe).dot_general(module, lhs, rhs, dimension_numbers, recipe,
-                                          out_dtype, key)
+  return products_for(recipe, type(module).__name__).dot_general(
+      module, lhs, rhs, dimension_numbers, recipe, out_dtype, key)
 
 
 def quantized_conv_on(module: nn.Module, lhs, rhs, conv_kwargs: dict, recipe, out_dtype=None,
                       key: str = "conv"):
   """Runs ``recipe``'s quantized convolution on ``module``'s state."""
-  conv = products_for(recipe).conv
-  if conv is None:
-    raise TypeError(f"recipe: {type(recipe).__name__} has no quantized convolution")
-  return conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key)
+  check_recipe(type(module).__name__, recipe, conv=True)
+  return products_for(recipe).conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key)
 
 
 def quantized_einsum_on(module: nn.Module, equation: str, lhs, rhs, recipe, out_dtype=None,

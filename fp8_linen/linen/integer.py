@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8_linen.core import int_numerics, int_ops, lowering
-from fp8_linen.linen.state import OWG, chained
+from fp8_linen.linen.state import chained, owg_value
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["int_dot_general_on", "int_conv_on", "quantize_operand"]
@@ -110,12 +110,12 @@ def quantize_operand(module: nn.Module, role: str, x, contract_axes, cfg: IntQua
         max(1, math.prod(view.shape[a] for a in axes))
     return _lsq(module, role, view, axes, cfg, n).reshape(x.shape)
   if role == "input":
-    rng = module.variable(OWG, f"{role}_range", jnp.zeros, (2,), jnp.float32)
-    if rng.value.shape != (2,):
-      raise ValueError(f"{'/'.join(module.path)}: {role}_range has shape {rng.value.shape}, "
+    rng = owg_value(module, f"{role}_range", jnp.zeros, (2,))
+    if rng.shape != (2,):
+      raise ValueError(f"{'/'.join(module.path)}: {role}_range has shape {rng.shape}, "
                        "expected (2,)")
     return chained(module, f"{key}/{role}_observer",
-                   lambda chain: int_ops.observed_fake_quant(x, rng.value, cfg=cfg, chain=chain))
+                   lambda chain: int_ops.observed_fake_quant(x, rng, cfg=cfg, chain=chain))
   lo = lax.stop_gradient(jnp.min(view, axis=axes, keepdims=True))
   hi = lax.stop_gradient(jnp.max(view, axis=axes, keepdims=True))
   s, z = int_numerics.int_params_from_range(lo, hi, cfg)
@@ -145,8 +145,9 @@ def int_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe: I
   xq = quantize_operand(module, "input", lhs, lc, recipe.input, key)
   wq = quantize_operand(module, "kernel", rhs, rc, recipe.kernel, key)
   cd = jnp.dtype(recipe.compute_dtype)
-  y = lowering.lax_dot_general(xq.astype(cd), wq.astype(cd), dimension_numbers,
-                               preferred_element_type=jnp.float32)
+  xq, wq = xq.astype(cd), wq.astype(cd)
+  y = lowering.lax_dot_general(xq, wq, dimension_numbers, preferred_element_type=jnp.float32,
+                               out_sharding=lowering.dot_out_sharding(xq, wq, dimension_numbers))
   return y.astype(out_dtype)
 
 
@@ -176,7 +177,8 @@ def int_conv_on(module: nn.Module, lhs, rhs, conv_kwargs: dict, recipe: IntRecip
   xq = quantize_operand(module, "input", lhs, l_contract, recipe.input, key)
   wq = quantize_operand(module, "kernel", rhs, r_contract, recipe.kernel, key)
   cd = jnp.dtype(recipe.compute_dtype)
-  y = lowering.lax_conv_general_dilated(xq.astype(cd), wq.astype(cd), **conv_kwargs,
-                                        preferred_element_type=jnp.float32)
+  xq, wq = xq.astype(cd), wq.astype(cd)
+  y = lowering.lax_conv_general_dilated(xq, wq, **conv_kwargs, preferred_element_type=jnp.float32,
+                                        out_sharding=lowering.conv_out_sharding(xq, wq, dn))
   return y.astype(out_dtype)
 

@@ -30,9 +30,10 @@ import jax.numpy as jnp
 from fp8_linen.core.owg import OWG, ROLES, RoleState
 from fp8_linen.recipes.fp8 import ScalingConfig
 
-__all__ = ["OWG", "ROLES", "role_state", "chained", "with_role_states"]
+__all__ = ["OWG", "ROLES", "role_state", "owg_value", "chained", "with_role_states"]
 
 _CHAINS_ATTR = "_fp8_linen_chains"
+_WARNED_ATTR = "_fp8_linen_warned_no_state"
 
 
 def role_state(module: nn.Module, role: str, cfg: ScalingConfig) -> RoleState:
@@ -46,21 +47,48 @@ def role_state(module: nn.Module, role: str, cfg: ScalingConfig) -> RoleState:
   Returns:
     The :class:`~fp8_linen.RoleState` read from the variables.
 
+  Without the OWG collection (``model.apply({'params': params}, x)``, e.g.
+  evaluating a float checkpoint) the state is the initial one (unit scale,
+  empty history): every scale then comes from the current batch, and a
+  warning says what to pass to keep the state.
+
   Raises:
     ValueError: if stored variables do not have the shapes ``cfg`` asks for
       (e.g. a checkpoint written with another history length).
   """
-  scale = module.variable(OWG, f"{role}_scale", jnp.ones, (1,), jnp.float32)
-  hist = module.variable(OWG, f"{role}_amax_history", jnp.zeros, (cfg.history_length,),
-                         jnp.float32)
-  if scale.value.shape != (1,):
-    raise ValueError(f"{module.path}: {role}_scale has shape {scale.value.shape}, expected (1,)")
-  if hist.value.shape != (cfg.history_length,):
+  scale = owg_value(module, f"{role}_scale", jnp.ones, (1,))
+  hist = owg_value(module, f"{role}_amax_history", jnp.zeros, (cfg.history_length,))
+  where = "/".join(module.path) or "<root>"
+  if scale.shape != (1,):
+    raise ValueError(f"{where}: {role}_scale has shape {scale.shape}, expected (1,)")
+  if hist.shape != (cfg.history_length,):
     raise ValueError(
-        f"{'/'.join(module.path)}: {role}_amax_history has shape {hist.value.shape} but the "
-        f"recipe asks for history_length={cfg.history_length}; load a checkpoint written "
-        "with the same recipe or resize the histories")
-  return RoleState(scale.value, hist.value)
+        f"{where}: {role}_amax_history has shape {hist.shape} but the recipe asks for "
+        f"history_length={cfg.history_length}; load a checkpoint written with the same recipe "
+        "or resize the histories: fl.resize_histories(variables, recipe) (or TrainState)")
+  return RoleState(scale, hist)
+
+
+def owg_value(module: nn.Module, name: str, init: Callable, shape: tuple) -> jnp.ndarray:
+  """The value of OWG variable ``name`` of ``module``, declared with ``init(shape)``.
+
+  When the variables have no such entry and the collection is not mutable
+  (``apply`` with ``{'params': ...}`` only) the initial value is used instead of
+  raising flax's ``ScopeCollectionNotFound``, with a warning.
+  """
+  if (module.has_variable(OWG, name) or module.is_mutable_collection(OWG)
+      or module.is_initializing()):
+    return module.variable(OWG, name, init, shape, jnp.float32).value
+  warned = module.scope.root.__dict__.setdefault(_WARNED_ATTR, set())
+  if tuple(module.scope.path) not in warned:  # once per module and apply
+    warned.add(tuple(module.scope.path))
+    warnings.warn(
+        f"fp8_linen: {'/'.join(module.path) or '<root>'} found no '{OWG}' collection in the "
+        "variables: its quantization state starts fresh in every call (scales from the "
+        f"current batch). Pass model.init's full variables ({{'params': ..., '{OWG}': ...}}) "
+        "to keep it; to start fp8 training from a float checkpoint use "
+        "fl.load_float_state.", stacklevel=3)
+  return init(shape, jnp.float32)
 
 
 def _trace_state():
