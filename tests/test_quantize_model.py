@@ -94,7 +94,9 @@ def test_unmatched_rule_is_reported():
   with pytest.raises(ValueError, match="module_path"):
     fl.QuantizationRule(module_path="(")
   with pytest.raises(ValueError, match="ops"):
-    fl.QuantizationRule(ops=("matmul",))
+    fl.QuantizationRule(ops=("tensordot",))
+  with pytest.raises(ValueError, match="operands"):
+    fl.QuantizationRule(operands="weights")
 
 
 def test_flax_multi_head_attention_all_products_quantized():
