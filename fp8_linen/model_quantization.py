@@ -82,7 +82,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import re
 import string
 import threading
@@ -133,10 +132,13 @@ class QuantizationRule:
       operand is a weight: it has the shape, up to the order of its axes, of
       a ``params`` array the running module holds itself: projections,
       convolutions, ``Embed.attend``); ``'activations'`` (no operand is: the
-      attention math ``q·k`` and ``p·v``); ``'embedding'`` (the weight is an
-      embedding table: the product of an ``nn.Embed`` (``attend``), or a
-      weight with the shape of an ``nn.Embed`` table run earlier in the same
-      call: a tied or untied logits head).
+      attention math ``q·k`` and ``p·v``); ``'embedding'`` (the weight is the
+      vocabulary table: the product of an ``nn.Embed`` (``attend``), or a
+      weight with the shape, up to transposition, of the largest ``nn.Embed``
+      table run earlier in the same call: a tied or untied logits head. A
+      projection whose weight has exactly that shape, ``(vocab, d)`` or
+      ``(d, vocab)``, would count too; real vocabularies make that rare, tiny
+      test configs need a vocabulary size unlike their other widths).
     optional: ``True``: never reported when it matches nothing (the rules of
       :func:`projection_rules` are; a model may have no attention).
 
@@ -277,7 +279,7 @@ class _Session:
     self.recipe = recipe
     self.hits = [0] * len(rules)
     self.stack: list[_Frame] = []
-    self.tables: set = set()  # sorted shapes of nn.Embed tables seen in this call
+    self.vocab_table = None  # (rows, sorted shape) of the largest nn.Embed table seen
     self.by_operands = any(r.operands != "any" for r in rules)
 
   def operand_kinds(self, frame: _Frame, lhs, rhs) -> set:
@@ -290,7 +292,8 @@ class _Session:
     weights = [w for w in weights if w in own]
     if not weights:
       return {"activations"}
-    if isinstance(frame.module, nn.Embed) or any(w in self.tables for w in weights):
+    table = self.vocab_table and self.vocab_table[1]
+    if isinstance(frame.module, nn.Embed) or any(w == table for w in weights):
       return {"weight", "embedding"}
     return {"weight"}
 
@@ -497,7 +500,11 @@ def _interceptor(next_fun, args, kwargs, context):
   if sess.by_operands and isinstance(module, nn.Embed):
     table = module.variables.get("params", {}).get("embedding")
     if table is not None:
-      sess.tables.add(tuple(sorted(jnp.shape(nn.meta.unbox(table)))))
+      # The vocabulary is the table with the most rows (position and token-type
+      # tables are smaller); only its shape marks a logits head.
+      shape = jnp.shape(nn.meta.unbox(table))
+      if sess.vocab_table is None or shape[0] > sess.vocab_table[0]:
+        sess.vocab_table = (shape[0], tuple(sorted(shape)))
   return out
 
 
@@ -647,6 +654,8 @@ class QuantizedModel:
   def product_report(self, *args, **kwargs) -> ProductReport:
     """:func:`~fp8_linen.product_report` of ``apply(*args, **kwargs)`` (nothing runs).
 
+    The variables may be abstract: ``jax.eval_shape(qmodel.init, rng, x)``.
+
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
       >>> import fp8_linen as fl
@@ -655,7 +664,7 @@ class QuantizedModel:
       >>> qm.product_report(v, jnp.ones((1, 3))).counts
       {'quantized': 1}
     """
-    return product_report(functools.partial(self.apply, *args, **kwargs))
+    return product_report(self.apply, *args, **kwargs)
 
 
 def quantize_model(model: nn.Module, recipe=None,

@@ -56,6 +56,7 @@ from typing import Callable
 
 import jax
 import jax.extend as jex
+import numpy as np
 
 __all__ = ["MARKERS", "PRODUCT_PRIMITIVES", "STATUSES", "Product", "ProductReport",
            "product_report"]
@@ -160,9 +161,11 @@ def _location(source_info) -> str:
   return ""
 
 
-def _walk(jaxpr, inherited: str | None, out: list) -> None:
+def _walk(jaxpr, inherited: str | None, prefix: str, out: list) -> None:
   for eqn in jaxpr.eqns:
-    name_stack = str(eqn.source_info.name_stack)
+    # Name stacks inside a sub-program (jit, remat, scan, custom_vjp) are
+    # relative to the equation that holds it.
+    name_stack = "/".join(p for p in (prefix, str(eqn.source_info.name_stack)) if p)
     status = _status(name_stack) or inherited
     if eqn.primitive.name in PRODUCT_PRIMITIVES:
       avals = [v.aval for v in eqn.invars[:2]]
@@ -171,7 +174,7 @@ def _walk(jaxpr, inherited: str | None, out: list) -> None:
                          dtypes=tuple(str(a.dtype) for a in avals),
                          scope=_scope(name_stack), location=_location(eqn.source_info)))
     for sub in jex.core.jaxprs_in_params(eqn.params):
-      _walk(sub, status, out)
+      _walk(sub, status, name_stack, out)
 
 
 def product_report(fn: Callable, *args, **kwargs) -> ProductReport:
@@ -181,9 +184,10 @@ def product_report(fn: Callable, *args, **kwargs) -> ProductReport:
     fn: a function that runs a quantized model's forward, e.g.
       ``qmodel.apply`` (:meth:`~fp8_linen.QuantizedModel.product_report` is
       this with ``fn=qmodel.apply``).
-    *args: its arguments (arrays or ``ShapeDtypeStruct``-free values: they
-      are closed over, so Python flags such as ``train=False`` stay static).
-    **kwargs: its keyword arguments.
+    *args: its arguments. Arrays may be given as ``jax.ShapeDtypeStruct``
+      (e.g. variables from ``jax.eval_shape(qmodel.init, ...)``: nothing
+      is computed); other values (``train=False``, ``None``) stay static.
+    **kwargs: its keyword arguments, the same way.
 
   Returns:
     A :class:`ProductReport`.
@@ -194,7 +198,17 @@ def product_report(fn: Callable, *args, **kwargs) -> ProductReport:
     >>> fl.product_report(jnp.matmul, jnp.ones((2, 3)), jnp.ones((3, 4))).counts
     {'unseen': 1}
   """
-  closed = jax.make_jaxpr(functools.partial(fn, *args, **kwargs))()
+  # Arrays (and ShapeDtypeStructs, so a report needs no real variables) become
+  # the traced arguments; everything else stays a static Python value.
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  dynamic = [isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in leaves]
+
+  def traced(*arrays):
+    it = iter(arrays)
+    a, kw = jax.tree.unflatten(tree, [next(it) if d else x for x, d in zip(leaves, dynamic)])
+    return fn(*a, **kw)
+
+  closed = jax.make_jaxpr(traced)(*[x for x, d in zip(leaves, dynamic) if d])
   out: list = []
-  _walk(closed.jaxpr, None, out)
+  _walk(closed.jaxpr, None, "", out)
   return ProductReport(tuple(out))
