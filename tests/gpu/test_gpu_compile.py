@@ -222,6 +222,22 @@ def test_grad_through_scan_of_quantize_model():
   assert_all_fp8(r, 7)
 
 
+class _MultiQueryScores(nn.Module):
+  """Attention scores with one key head broadcast against four query heads."""
+
+  @nn.compact
+  def __call__(self, x):
+    q = nn.DenseGeneral((4, 32), dtype=jnp.bfloat16, name="q")(x)
+    k = nn.DenseGeneral((1, 32), dtype=jnp.bfloat16, name="k")(x)
+    return jnp.einsum("btnh,bsnh->bnts", q, k)
+
+
+def test_multi_query_einsum_is_one_fp8_gemm():
+  """The broadcast key head is squeezed, not materialized: q, k and q.k are 3 x 3 fp8 GEMMs."""
+  r = compile_step(fl.quantize_model(_MultiQueryScores(), DELAYED), (2, 64, 128))
+  assert_all_fp8(r, 9)
+
+
 def test_fp8_layers_back_to_back_compile():
   """Smallest form of the same "cycle detected" failure: two fp8 layers, no bias between.
 
