@@ -71,8 +71,8 @@ STATUSES = ("quantized", "excluded", "skipped", "unseen")
 PRODUCT_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
 # Frames from these packages are never "where the product is written".
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep
-                      for f in (jax.__file__, functools.__file__, __file__))
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (jax.__file__, __file__))
+_STDLIB_DIR = os.path.dirname(os.path.abspath(functools.__file__)) + os.sep
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -155,7 +155,9 @@ def _location(source_info) -> str:
   tb = getattr(source_info, "traceback", None)
   for frame in (tb.frames if tb is not None else ()):
     path = os.path.abspath(frame.file_name)
-    if (not path.startswith(_LIBRARY_DIRS) and "<" not in path
+    installed = any(f"{os.sep}{d}{os.sep}" in path for d in ("site-packages", "dist-packages"))
+    stdlib = path.startswith(_STDLIB_DIR) and not installed
+    if (not path.startswith(_LIBRARY_DIRS) and not stdlib and "<" not in path
         and not any(f"{os.sep}{lib}{os.sep}" in path for lib in ("flax", "jaxlib"))):
       return f"{os.path.basename(path)}:{frame.line_num} ({frame.function_name})"
   return ""

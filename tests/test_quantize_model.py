@@ -400,6 +400,18 @@ def test_matmul_and_dot_are_quantized_and_x_at_w_is_reported():
     fl.quantize_model(Products(), on_unquantized="ignore").init(jax.random.key(0), x)
 
 
+def test_a_model_that_needs_concrete_values_still_inits():
+  class Concrete(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(int(jnp.sum(x > 0)))(x)   # a width read from the data: eager only
+
+  x = jnp.ones((2, 3))
+  with pytest.warns(UserWarning, match="could not trace the model to check its products"):
+    v = fl.quantize_model(Concrete()).init(jax.random.key(0), x)
+  assert v["params"]["Dense_0"]["kernel"].shape == (3, 6)
+
+
 @pytest.mark.parametrize("fn,ls,rs", [
     ("matmul", (2, 1, 3, 8), (5, 8, 4)),   # broadcast batch dims
     ("matmul", (8,), (3, 8, 4)),           # vector @ stack of matrices
