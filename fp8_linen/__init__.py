@@ -35,9 +35,11 @@ from fp8_linen.linen.dispatch import (
 from fp8_linen.model_quantization import (
     QuantizationRule,
     QuantizedModel,
+    projection_rules,
     quantization,
     quantize_model,
 )
+from fp8_linen.product_report import Product, ProductReport, product_report
 from fp8_linen.recipes import (
     FP8_DTYPES,
     ActivationRecipe,
@@ -127,6 +129,10 @@ __all__ = [
     "QuantizedModel",
     "quantization",
     "quantize_model",
+    "projection_rules",
+    "Product",
+    "ProductReport",
+    "product_report",
     # Flax NNX layers (fl.nnx.Linear, ...)
     "nnx",
     # training

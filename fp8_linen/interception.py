@@ -1,13 +1,25 @@
 """Scoped, context-local replacement of named JAX functions.
 
 :func:`intercept` replaces public JAX functions (``jax.lax.dot_general``,
-``jax.numpy.einsum``, ...) by dispatchers while at least one interception is
-active anywhere in the process, and routes each call to the handler of the
-interception active *in the calling context* (a ``contextvars`` value: another
-thread, or code outside the ``with`` block, gets the original function).
+``jax.numpy.einsum``, ``jax.numpy.matmul``, ... :data:`TARGETS`) by
+dispatchers while at least one interception is active anywhere in the
+process, and routes each call to the handler of the interception active *in
+the calling context* (a ``contextvars`` value: another thread, or code outside
+the ``with`` block, gets the original function, at the cost of one
+context-variable read per call while any interception is active).
 
-Code that must never be intercepted binds the originals when it is imported
-(:mod:`fp8_linen.core.lowering` does), or calls :func:`original`.
+What is never intercepted:
+
+* code inside a handler (it runs with no interception active in its
+  context);
+* the library's own products: :mod:`fp8_linen.core` binds the original lax
+  functions when it is imported, so a custom-gradient rule that JAX traces
+  later (the forward of ``jax.checkpoint``/``nn.remat`` during ``jax.grad``,
+  the body of ``nn.scan``), outside any handler, still reaches the originals
+  (``tests/test_quantize_model.py`` checks that no module of ``core`` or
+  ``linen`` names a target);
+* names bound before the interception began (``from jax.numpy import dot``)
+  and ``x @ w``.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -32,11 +44,15 @@ import jax.numpy as jnp
 
 __all__ = ["TARGETS", "intercept", "original", "is_target"]
 
-# The functions that can be intercepted: name -> (module, attribute).
+# The functions that can be intercepted: name -> (module, attribute). ``x @ w``
+# is not among them: ``Array.__matmul__`` calls jax's internal matmul, which no
+# public attribute reaches.
 TARGETS = {
     "jax.lax.dot_general": (jax.lax, "dot_general"),
     "jax.lax.conv_general_dilated": (jax.lax, "conv_general_dilated"),
     "jax.numpy.einsum": (jnp, "einsum"),
+    "jax.numpy.matmul": (jnp, "matmul"),
+    "jax.numpy.dot": (jnp, "dot"),
 }
 
 _ORIGINALS: dict[str, Callable] = {name: getattr(mod, attr) for name, (mod, attr)

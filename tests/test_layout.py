@@ -21,10 +21,12 @@ ALLOWED = {
     "linen": {"recipes", "core"},
     "nnx": {"recipes", "core"},
     "interception": set(),
-    "model_quantization": {"recipes", "core", "linen", "interception"},
+    "product_report": set(),
+    "model_quantization": {"recipes", "core", "linen", "interception", "product_report"},
     "training": {"core"},
     "monitor": {"core"},
-    "testing": {"recipes", "core", "linen", "model_quantization", "training", "root"},
+    "testing": {"recipes", "core", "linen", "model_quantization", "product_report", "training",
+                "root"},
 }
 
 

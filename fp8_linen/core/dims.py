@@ -148,8 +148,10 @@ class EinsumPlan:
   """How a two-operand einsum runs as a single ``dot_general``.
 
   Attributes:
-    lhs_sum_axes: axes of the left operand summed away before the product
-      (letters that appear only there and not in the output).
+    lhs_sum_axes: axes of the left operand summed away before the product:
+      letters that appear only there and not in the output, and size-1 axes
+      that broadcast against the right operand (summing a size-1 axis is a
+      squeeze; the letter then lives in the right operand alone).
     rhs_sum_axes: the same for the right operand.
     dimension_numbers: ``dot_general`` dimension numbers on the reduced operands.
     out_perm: permutation from the ``dot_general`` output (batch, lhs free,
@@ -172,17 +174,22 @@ def _expand_ellipsis(term: str, ndim: int, letters: str, name: str) -> str:
   if n < 0:
     raise ValueError(f"einsum: operand {name} has {ndim} dimensions, fewer than its "
                      f"subscripts {term!r} name")
+  # Right-aligned, as numpy broadcasts: a shorter ellipsis takes the last letters.
   return term.replace("...", letters[len(letters) - n:] if n else "")
 
 
 def einsum_plan(equation: str, lhs_shape: Sequence[int], rhs_shape: Sequence[int]) -> EinsumPlan:
   """Lowers ``jnp.einsum(equation, lhs, rhs)`` to one ``dot_general``.
 
-  Supported: any two-operand equation (explicit ``->`` or implicit output,
-  ``...`` for leading dimensions of equal rank and size in both operands),
-  batch, contracting and free dimensions in any order. Not supported (raises
-  ``NotImplementedError``): repeated letters within one operand (diagonals) and
-  ellipses that broadcast (different ranks or size-1 dimensions).
+  Supported: any two-operand equation (explicit ``->`` or implicit output),
+  batch, contracting and free dimensions in any order, and numpy
+  broadcasting: ellipses of different ranks (right-aligned) and size-1 axes
+  against larger ones (multi-/grouped-query attention: ``'btnh,bsnh->bnts'``
+  with one key head). A broadcast axis is squeezed out of the operand where
+  it has size 1, so it becomes a free (or summed) axis of the other operand
+  and nothing is materialized: with one key head, all query heads go through
+  one GEMM against the single key. Not supported (raises
+  ``NotImplementedError``): repeated letters within one operand (diagonals).
 
   Args:
     equation: the einsum equation, e.g. ``'...qhd,...khd->...hqk'``.
@@ -193,13 +200,17 @@ def einsum_plan(equation: str, lhs_shape: Sequence[int], rhs_shape: Sequence[int
     An :class:`EinsumPlan`.
 
   Raises:
-    ValueError: for malformed equations or mismatched sizes (naming them).
-    NotImplementedError: for the unsupported forms above.
+    ValueError: for malformed equations or sizes that do not broadcast
+      (naming them).
+    NotImplementedError: for the unsupported form above.
 
   Example:
     >>> from fp8_linen.core.dims import einsum_plan
     >>> einsum_plan('bd,df->bf', (2, 3), (3, 4)).dimension_numbers
     (((1,), (0,)), ((), ()))
+    >>> p = einsum_plan('btnh,bsnh->bnts', (1, 4, 2, 8), (1, 4, 1, 8))  # one key head
+    >>> p.rhs_sum_axes, p.dimension_numbers
+    ((2,), (((3,), (2,)), ((0,), (0,))))
   """
   eq = equation.replace(" ", "")
   if eq.count(",") != 1 or eq.count("->") > 1:
@@ -211,9 +222,6 @@ def einsum_plan(equation: str, lhs_shape: Sequence[int], rhs_shape: Sequence[int
   free_letters = "".join(c for c in string.ascii_letters if c not in used)
   nl = len(lhs_shape) - (len(lt) - 3) if "..." in lt else 0
   nr = len(rhs_shape) - (len(rt) - 3) if "..." in rt else 0
-  if "..." in lt and "..." in rt and nl != nr:
-    raise NotImplementedError(
-        f"einsum: broadcasting ellipses of different ranks in {equation!r} are not supported")
   ell = free_letters[:max(nl, nr, 0)]
   L = _expand_ellipsis(lt, len(lhs_shape), ell, "lhs")
   R = _expand_ellipsis(rt, len(rhs_shape), ell, "rhs")
@@ -230,20 +238,23 @@ def einsum_plan(equation: str, lhs_shape: Sequence[int], rhs_shape: Sequence[int
   for c in O:
     if c not in L and c not in R:
       raise ValueError(f"einsum: output subscript {c!r} of {equation!r} is in no operand")
-  sizes = {}
-  for term, shape, name in ((L, lhs_shape, "lhs"), (R, rhs_shape, "rhs")):
-    for c, s in zip(term, shape):
-      if c in sizes and sizes[c] != s:
-        if c in ell:
-          raise NotImplementedError(
-              f"einsum: broadcasting ellipsis dimensions in {equation!r} are not supported")
-        raise ValueError(f"einsum: subscript {c!r} of {equation!r} has size {sizes[c]} in lhs "
-                         f"but {s} in {name}")
-      sizes[c] = s
-  lsum = tuple(i for i, c in enumerate(L) if c not in R and c not in O)
-  rsum = tuple(i for i, c in enumerate(R) if c not in L and c not in O)
-  L2 = "".join(c for c in L if c in R or c in O)
-  R2 = "".join(c for c in R if c in L or c in O)
+  lsize, rsize = dict(zip(L, lhs_shape)), dict(zip(R, rhs_shape))
+  drop_l, drop_r = set(), set()  # size-1 axes that broadcast against the other operand
+  for c in L:
+    if c in R and lsize[c] != rsize[c]:
+      if lsize[c] == 1:
+        drop_l.add(c)
+      elif rsize[c] == 1:
+        drop_r.add(c)
+      else:
+        raise ValueError(f"einsum: subscript {c!r} of {equation!r} has size {lsize[c]} in lhs "
+                         f"but {rsize[c]} in rhs")
+  Lk = "".join(c for c in L if c not in drop_l)
+  Rk = "".join(c for c in R if c not in drop_r)
+  lsum = tuple(i for i, c in enumerate(L) if c in drop_l or (c not in Rk and c not in O))
+  rsum = tuple(i for i, c in enumerate(R) if c in drop_r or (c not in Lk and c not in O))
+  L2 = "".join(c for c in Lk if c in Rk or c in O)
+  R2 = "".join(c for c in Rk if c in Lk or c in O)
   batch = [c for c in L2 if c in R2 and c in O]
   contract = [c for c in L2 if c in R2 and c not in O]
   lfree = [c for c in L2 if c not in R2]

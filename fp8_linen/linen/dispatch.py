@@ -181,9 +181,25 @@ def quantized_conv_on(module: nn.Module, lhs, rhs, conv_kwargs: dict, recipe, ou
   return products_for(recipe).conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key)
 
 
+def _reduce(x, axes):
+  """Sums ``axes`` away; size-1 axes (broadcast ones) are squeezed, not reduced."""
+  if not axes:
+    return x
+  ones = tuple(a for a in axes if x.shape[a] == 1)
+  if len(ones) < len(axes):
+    x = jnp.sum(x, axis=tuple(a for a in axes if a not in ones), keepdims=True)
+  return jnp.squeeze(x, axis=axes)
+
+
 def quantized_einsum_on(module: nn.Module, equation: str, lhs, rhs, recipe, out_dtype=None,
                         key: str = "dot"):
   """Runs a two-operand einsum as one quantized ``dot_general`` on ``module``'s state.
+
+  Broadcasting equations (ellipses of different ranks, size-1 axes such as
+  the single key head of multi-query attention) run as one GEMM too: the
+  size-1 axis is squeezed out of its operand (see
+  :func:`~fp8_linen.core.dims.einsum_plan`), so the other operand's axis
+  becomes a free dimension of the GEMM and nothing is broadcast in memory.
 
   Args:
     module: the Linen module that owns the state (inside one of its methods).
@@ -198,10 +214,7 @@ def quantized_einsum_on(module: nn.Module, equation: str, lhs, rhs, recipe, out_
     The einsum result.
   """
   plan = einsum_plan(equation, jnp.shape(lhs), jnp.shape(rhs))
-  if plan.lhs_sum_axes:
-    lhs = jnp.sum(lhs, axis=plan.lhs_sum_axes)
-  if plan.rhs_sum_axes:
-    rhs = jnp.sum(rhs, axis=plan.rhs_sum_axes)
+  lhs, rhs = _reduce(lhs, plan.lhs_sum_axes), _reduce(rhs, plan.rhs_sum_axes)
   y = quantized_dot_general_on(module, lhs, rhs, plan.dimension_numbers, recipe,
                                out_dtype=out_dtype, key=key)
   if plan.out_perm != tuple(range(len(plan.out_perm))):

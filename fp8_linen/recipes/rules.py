@@ -17,26 +17,42 @@ import dataclasses
 import re
 from typing import Any
 
-__all__ = ["OPS", "QuantizationRule", "normalize_rules"]
+__all__ = ["OPS", "OPERANDS", "QuantizationRule", "normalize_rules"]
 
-OPS = ("dot_general", "einsum", "conv")
+# Op kinds: the Linen quantize_model intercepts all five; the NNX one matches
+# its layers as dot_general (Linear, LinearGeneral), einsum (Einsum) and conv.
+OPS = ("dot_general", "einsum", "conv", "matmul", "dot")
+OPERANDS = ("any", "weight", "activations", "embedding")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantizationRule:
-  """Which modules are quantized, and how.
+  """Which products are quantized, and how.
 
   Rules are tried in order; the first whose ``module_path`` matches the path of
   the module running an op (``'/'.join(module.path)``, e.g.
-  ``'decoder/layers_0/attn/query'``; ``re.fullmatch``) and whose ``ops`` include
-  the op decides.
+  ``'decoder/layers_0/attn/query'``; ``re.fullmatch``), whose ``ops`` include
+  the op and whose ``operands`` fit the product decides.
 
   Attributes:
     module_path: regular expression matched against the whole module path.
-    quantize: ``False`` keeps the matched modules in their original precision.
-    recipe: the recipe for matched modules (``None``: the one given to
+    quantize: ``False`` keeps the matched products in their original precision.
+    recipe: the recipe for matched products (``None``: the one given to
       :func:`quantize_model`).
     ops: which op kinds the rule applies to (a subset of :data:`OPS`).
+    operands: which products, by their operands: ``'any'``; ``'weight'`` (one
+      operand is a weight: it has the shape, up to the order of its axes, of
+      a ``params`` array the running module holds itself: projections,
+      convolutions, ``Embed.attend``); ``'activations'`` (no operand is: the
+      attention math ``q·k`` and ``p·v``); ``'embedding'`` (the weight is the
+      vocabulary table: the product of an ``nn.Embed`` (``attend``), or a
+      weight with the shape, up to transposition, of the largest ``nn.Embed``
+      table run earlier in the same call: a tied or untied logits head. A
+      projection whose weight has exactly that shape, ``(vocab, d)`` or
+      ``(d, vocab)``, would count too; real vocabularies make that rare, tiny
+      test configs need a vocabulary size unlike their other widths).
+    optional: ``True``: never reported when it matches nothing (the rules of
+      :func:`projection_rules` are; a model may have no attention).
 
   Example:
     >>> import fp8_linen as fl
@@ -48,6 +64,8 @@ class QuantizationRule:
   quantize: bool = True
   recipe: Any = None
   ops: tuple[str, ...] = OPS
+  operands: str = "any"
+  optional: bool = False
 
   def __post_init__(self):
     try:
@@ -62,6 +80,11 @@ class QuantizationRule:
     object.__setattr__(self, "ops", ops_)
     if not isinstance(self.quantize, bool):
       raise ValueError(f"QuantizationRule.quantize={self.quantize!r} must be True or False")
+    if self.operands not in OPERANDS:
+      raise ValueError(f"QuantizationRule.operands={self.operands!r}: allowed values are "
+                       f"{list(OPERANDS)}")
+    if not isinstance(self.optional, bool):
+      raise ValueError(f"QuantizationRule.optional={self.optional!r} must be True or False")
 
 
 def normalize_rules(rules) -> tuple[QuantizationRule, ...]:

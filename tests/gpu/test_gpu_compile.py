@@ -168,6 +168,76 @@ def test_decoder_block_through_quantize_model(dtype):
   assert_all_fp8(r, 24)
 
 
+class _MLPBlock(nn.Module):
+  """An unmodified two-layer MLP block (residual), as model code writes it."""
+
+  @nn.compact
+  def __call__(self, x):
+    dense = functools.partial(nn.Dense, dtype=jnp.bfloat16)
+    return x + dense(D, name="down")(nn.gelu(dense(2 * D, name="up")(x)))
+
+
+class _RematBlocks(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(2):
+      x = nn.remat(_MLPBlock)()(x)
+    return x
+
+
+class _ScanBody(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return _MLPBlock()(x), None
+
+
+class _ScannedBlocks(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    layers = nn.scan(nn.remat(_ScanBody), variable_axes={True: 0}, split_rngs={"params": True},
+                     length=3)
+    return layers()(x, None)[0]
+
+
+def test_grad_through_remat_of_quantize_model():
+  """Two rematerialized blocks of two Dense layers through quantize_model: all 14 GEMMs fp8.
+
+  4 projections x 3 (forward, dgrad, wgrad) = 12, plus the backward's
+  recomputation of each block's ``up`` forward (remat; ``down``'s output is
+  not needed to differentiate the block) = 14, every one an fp8 GEMM.
+  """
+  r = compile_step(fl.quantize_model(_RematBlocks(), DELAYED))
+  assert_all_fp8(r, 14)
+
+
+def test_grad_through_scan_of_quantize_model():
+  """Three scanned, rematerialized blocks through quantize_model: every GEMM fp8.
+
+  The HLO holds each loop body once: the forward body's 2 projections, and the
+  backward body's recomputed ``up`` forward plus dgrad and wgrad of both
+  projections (1 + 4): 7 products per layer, all fp8 (3 per Dense plus the
+  recomputation).
+  """
+  r = compile_step(fl.quantize_model(_ScannedBlocks(), DELAYED))
+  assert_all_fp8(r, 7)
+
+
+class _MultiQueryScores(nn.Module):
+  """Attention scores with one key head broadcast against four query heads."""
+
+  @nn.compact
+  def __call__(self, x):
+    q = nn.DenseGeneral((4, 32), dtype=jnp.bfloat16, name="q")(x)
+    k = nn.DenseGeneral((1, 32), dtype=jnp.bfloat16, name="k")(x)
+    return jnp.einsum("btnh,bsnh->bnts", q, k)
+
+
+def test_multi_query_einsum_is_one_fp8_gemm():
+  """The broadcast key head is squeezed, not materialized: q, k and q.k are 3 x 3 fp8 GEMMs."""
+  r = compile_step(fl.quantize_model(_MultiQueryScores(), DELAYED), (2, 64, 128))
+  assert_all_fp8(r, 9)
+
+
 def test_fp8_layers_back_to_back_compile():
   """Smallest form of the same "cycle detected" failure: two fp8 layers, no bias between.
 

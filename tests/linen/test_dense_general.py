@@ -40,6 +40,14 @@ def with_params(model, variables, params):
     ("bij,bjk->bki", (2, 3, 4), (2, 4, 5)),
     ("ijx,jk->ki", (2, 3, 7), (3, 4)),
     ("ij,jk", (2, 3), (3, 4)),
+    # Broadcasting: size-1 axes (multi-/grouped-query attention) and ellipses of
+    # different ranks; the size-1 axis is squeezed out of its operand.
+    ("btnh,bsnh->bnts", (1, 4, 2, 8), (1, 4, 1, 8)),
+    ("btnh,bsnh->bnts", (2, 4, 1, 8), (1, 5, 3, 8)),
+    ("btkgh,bskgh->bkgts", (2, 4, 2, 3, 8), (2, 5, 2, 1, 8)),
+    ("...ij,...jk->...ik", (2, 1, 2, 4), (3, 4, 5)),
+    ("...ij,...jk", (2, 1, 2, 4), (3, 4, 5)),
+    ("bij,bjk->ik", (1, 2, 3), (4, 3, 5)),     # a broadcast axis summed away
 ])
 def test_einsum_plan_matches_jnp_einsum(eq, ls, rs):
   a = np.random.RandomState(0).randn(*ls)
@@ -58,6 +66,15 @@ def test_einsum_plan_errors():
     einsum_plan("ii,ij->j", (3, 3), (3, 4))
   with pytest.raises(ValueError, match="exactly two operands"):
     einsum_plan("ij,jk,kl->il", (2, 3), (3, 4))
+  with pytest.raises(ValueError, match="size 2 in lhs but 3"):   # neither size is 1
+    einsum_plan("btnh,bsnh->bnts", (1, 4, 2, 8), (1, 4, 3, 8))
+
+
+def test_einsum_plan_squeezes_a_broadcast_axis_instead_of_materializing_it():
+  p = einsum_plan("btnh,bsnh->bnts", (1, 4, 2, 8), (1, 4, 1, 8))
+  # k's head axis is squeezed; q's heads become a free axis of the one GEMM.
+  assert p.rhs_sum_axes == (2,) and p.lhs_sum_axes == ()
+  assert p.dimension_numbers == (((3,), (2,)), ((0,), (0,)))
 
 
 # ----------------------------------------------------------------------------- QDenseGeneral
