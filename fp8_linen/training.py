@@ -50,6 +50,7 @@ import optax
 from flax import struct
 from flax.training import train_state as flax_train_state
 
+from fp8_linen.core.lowering import varying_axes
 from fp8_linen.core.owg import OWG
 
 __all__ = [
@@ -207,15 +208,6 @@ def _axes(axis_name) -> tuple:
   return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
-def _varying(x) -> frozenset | None:
-  """Mesh axes ``x`` varies over inside ``shard_map`` with ``check_vma`` (else ``None``)."""
-  mat = getattr(jax.typeof(x), "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(getattr(mat, "varying", ()) or ())
-  vma = getattr(jax.typeof(x), "vma", None)
-  return None if vma is None else frozenset(vma)
-
-
 def reduce_gradients(grads: Mapping, axis_name) -> dict:
   """Cross-device reduction for ``pmap``/``shard_map``: mean grads, max fp8 state.
 
@@ -248,16 +240,16 @@ def reduce_gradients(grads: Mapping, axis_name) -> dict:
   axes = _axes(axis_name)
   # Whether this trace tracks varying axes (shard_map's check_vma): an axis
   # index varies over its own axis exactly when it does.
-  tracked = {a for a in axes if a in (_varying(jax.lax.axis_index(a)) or frozenset())}
+  tracked = {a for a in axes if a in varying_axes(jax.lax.axis_index(a))}
 
-  def reduce(x, op, summed_scale):
-    varying = _varying(x) or frozenset()
-    mapped = tuple(a for a in axes if a not in tracked or a in varying)
-    already = tuple(a for a in axes if a in tracked and a not in varying)
-    if mapped:
-      x = op(x, mapped)
-    if already and summed_scale:
-      x = x / np.prod([jax.lax.axis_size(a) for a in already])
+  def reduce(x, op, mean: bool):
+    varying = varying_axes(x)
+    per_device = tuple(a for a in axes if a not in tracked or a in varying)
+    summed = tuple(a for a in axes if a in tracked and a not in varying)
+    if per_device:
+      x = op(x, per_device)
+    if summed and mean:  # JAX's sum over the devices, made a mean
+      x = x / np.prod([jax.lax.axis_size(a) for a in summed])
     return x
 
   out = {}

@@ -232,10 +232,11 @@ def test_shard_map_with_vma_checks_reduces_state_by_max():
                     in_specs=(P(), P("data"), P("data")), out_specs=P())
   g = jax.jit(f)(state.params, x, y)
   assert float(g[fl.OWG]["l1"]["input_amax_history"][0]) == 30.0
-  summed = jax.grad(lambda v: loss_fn(v, m.apply, x[:4], y[:4]) +
-                    loss_fn(v, m.apply, x[4:], y[4:]))(state.params)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               g["params"], summed["params"])
+  # Both devices quantize with the global amax's scale, as one device would:
+  # the sum of the two halves' mean losses is twice the whole batch's.
+  summed = jax.grad(lambda v: 2 * loss_fn(v, m.apply, x, y))(state.params)
+  jax.tree.map(lambda a, b: np.testing.assert_array_less(
+      np.linalg.norm(a - b), 2e-2 * np.linalg.norm(b)), g["params"], summed["params"])
 
 
 @pytest.mark.parametrize("recipe", [fl.rowwise_scaling(), fl.mx_block_scaling()],
@@ -403,10 +404,15 @@ def test_reduce_gradients_is_the_mean_with_and_without_vma_checks(check_vma):
   f = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(),
                     check_vma=check_vma)
   g = jax.jit(f)(state.params, x, y)
-  mean = jax.grad(lambda v: sum(loss_fn(v, m.apply, x[i:i + 4], y[i:i + 4])
-                                for i in range(0, 16, 4)) / 4)(state.params)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-               g["params"], mean["params"])
+  if check_vma:  # every device quantizes with the global amax: one device's numbers
+    mean = jax.grad(lambda v: loss_fn(v, m.apply, x, y))(state.params)
+  else:  # without vma tracking each device scales by its own amax
+    mean = jax.grad(lambda v: sum(loss_fn(v, m.apply, x[i:i + 4], y[i:i + 4])
+                                  for i in range(0, 16, 4)) / 4)(state.params)
+  # (fp8 rounding turns float-noise differences upstream into a few percent in
+  # single elements downstream; a sum instead of the mean would be 4 times off.)
+  jax.tree.map(lambda a, b: np.testing.assert_array_less(
+      np.linalg.norm(a - b), 2e-2 * np.linalg.norm(b)), g["params"], mean["params"])
   assert float(g[fl.OWG]["l1"]["input_amax_history"][0]) == pytest.approx(
       float(jnp.abs(x).max()))
 

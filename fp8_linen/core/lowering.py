@@ -59,6 +59,8 @@ __all__ = [
     "dot_out_sharding",
     "conv_out_sharding",
     "like_sharding",
+    "varying_axes",
+    "global_max",
     "lax_dot_general",
     "lax_conv_general_dilated",
 ]
@@ -251,6 +253,33 @@ def like_sharding(x, perm):
   for j, src in enumerate(perm):
     parts[src] = ex[1][j]
   return _sharding(ex[0], parts)
+
+
+def varying_axes(x) -> frozenset:
+  """Mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere, and
+  inside ``shard_map(check_vma=False)``, which does not track them)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(getattr(mat, "varying", ()) or ())
+  return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def global_max(a):
+  """``a`` max-reduced over the ``shard_map`` axes it varies on (``a`` elsewhere).
+
+  Under ``jit`` an amax over a sharded array is already the global one; inside
+  ``shard_map`` each device sees its own shard, and the scale it picks from
+  that amax must be the one a single device would pick.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import lowering
+    >>> float(lowering.global_max(jnp.float32(3.0)))
+    3.0
+  """
+  axes = varying_axes(a)
+  return jax.lax.pmax(a, tuple(sorted(axes))) if axes else a
 
 
 def gemm(a, b, dn, how: str, out_dtype, out_sharding=None):

@@ -391,8 +391,8 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
   """Quantizes ``x`` as ``cfg`` says, from a role's stored state.
 
   The one place a tensor (operand or gradient) is measured, scaled and cast:
-  ``a = amax(x)``, ``s = select_scale(cfg, scale, history, a)``, ``q =
-  quantize(x, cfg's dtype, s)``.
+  ``a = amax(x)`` (the global amax inside ``shard_map``), ``s =
+  select_scale(cfg, scale, history, a)``, ``q = quantize(x, cfg's dtype, s)``.
 
   Returns:
     ``(q, s, a)``: the fp8 tensor, the scale used and the observed amax.
@@ -406,6 +406,7 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
     >>> float(a), s.tolist()
     (896.0, [2.0])
   """
-  a = amax(x)
+  # Inside shard_map every device must pick the scale one device would.
+  a = lowering.global_max(amax(x))
   s = select_scale(cfg, scale, history, a)
   return quantize(x, cfg.jnp_dtype, s), s, a

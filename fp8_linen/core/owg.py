@@ -37,7 +37,7 @@ import jax.ad_checkpoint
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import numerics
+from fp8_linen.core import lowering, numerics
 from fp8_linen.recipes.fp8 import ScalingConfig
 
 __all__ = [
@@ -136,15 +136,6 @@ def fold_chain(observed, ct_chain, first: bool):
   return None, combined
 
 
-def _varying_axes(x) -> frozenset:
-  """Mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(getattr(mat, "varying", ()) or ())
-  return frozenset(getattr(aval, "vma", ()) or ())
-
-
 def match_varying(ct, like, reduce):
   """Makes cotangent ``ct`` vary over exactly the mesh axes its primal ``like`` does.
 
@@ -152,7 +143,7 @@ def match_varying(ct, like, reduce):
   axes the cotangent varies on: gradients are summed (``lax.psum``, what JAX's
   own autodiff does) and fp8 state is max-reduced (``lax.pmax``).
   """
-  want, have = _varying_axes(like), _varying_axes(ct)
+  want, have = lowering.varying_axes(like), lowering.varying_axes(ct)
   extra = tuple(sorted(have - want))
   if extra:
     ct = reduce(ct, extra)

@@ -151,3 +151,15 @@ def test_delayed_scaling_uses_the_history_and_current_only_when_empty(h, cur, al
   s = float(numerics.select_scale(cfg, jnp.array([0.25]), jnp.asarray(h), jnp.float32(cur))[0])
   expect = used / 448.0 if used > 0 else 0.25  # no information at all: keep the scale
   assert s == pytest.approx(max(expect, numerics.SCALE_FLOOR), rel=1e-6)
+
+
+@pytest.mark.parametrize("margin,a", [(1, 3.0e38), (64, 1.0e3), (64, 3.0e38), (-64, 1e-30)])
+def test_margins_the_validator_accepts_give_finite_scales_eagerly(margin, a):
+  # Op by op (no fusion that could reorder the arithmetic): amax * 2**margin
+  # used to overflow before the division by fp8_max.
+  for dtype in ("float8_e4m3fn", "float8_e5m2"):
+    for p2 in (False, True):
+      cfg = _cfg(dtype, margin=margin, power_of_two=p2)
+      s = numerics.scale_from_amax(jnp.float32(a), jnp.ones((1,)), cfg)
+      assert np.isfinite(float(s[0])) and float(s[0]) > 0
+      assert np.isfinite(float(numerics.scale_product(s, s)[0]))
