@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,8 @@ from fp8_linen.core import int_numerics, lowering, owg
 from fp8_linen.core.numerics import SCALE_FLOOR
 from fp8_linen.recipes.integer import IntQuantConfig
 
-__all__ = ["fake_quant_ste", "lsq_fake_quant", "lsq_plus_fake_quant", "observed_fake_quant"]
+__all__ = ["fake_quant_ste", "minmax_fake_quant", "lsq_fake_quant", "lsq_plus_fake_quant",
+           "observed_fake_quant", "lsq_elements"]
 
 
 def _pass_inside(g, v, qmin, qmax, dtype):
@@ -259,3 +261,34 @@ def observed_fake_quant(x, observer_range, *, cfg: IntQuantConfig, chain=None):
   first = chain is None
   return _observed(cfg, first, x, observer_range,
                    jnp.zeros((2,), jnp.float32) if first else chain)
+
+
+def minmax_fake_quant(view, axes, cfg: IntQuantConfig):
+  """STE fake quantization with scales from ``view``'s own min/max over ``axes``.
+
+  How an STE recipe quantizes a weight: no state, the range is the current
+  weight's (per tensor, channel or group, as :func:`~fp8_linen.core.int_numerics.int_view`
+  laid it out), and the range itself gets no gradient.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import int_ops
+    >>> from fp8_linen.recipes import IntQuantConfig
+    >>> int_ops.minmax_fake_quant(jnp.array([-1.0, 0.3, 2.0]), (0,), IntQuantConfig(bits=2)).tolist()
+    [0.0, 0.0, 2.0]
+  """
+  lo = jax.lax.stop_gradient(jnp.min(view, axis=axes, keepdims=True))
+  hi = jax.lax.stop_gradient(jnp.max(view, axis=axes, keepdims=True))
+  s, z = int_numerics.int_params_from_range(lo, hi, cfg)
+  return fake_quant_ste(view, s, z, qmin=cfg.qmin, qmax=cfg.qmax)
+
+
+def lsq_elements(x, view, axes, role: str) -> int:
+  """``N`` of LSQ's gradient scale ``1 / sqrt(N * Q_P)`` for one operand.
+
+  Activations (``role='input'``): the features per example (``x.size /
+  x.shape[0]``); weights: the elements one step covers.
+  """
+  if role == "input":
+    return x.size // x.shape[0] if x.ndim > 1 else x.size
+  return max(1, math.prod(view.shape[a] for a in axes))

@@ -106,8 +106,7 @@ def quantize_operand(module: nn.Module, role: str, x, contract_axes, cfg: IntQua
     return x
   view, axes = int_numerics.int_view(x, contract_axes, cfg)
   if cfg.learned:
-    n = (x.size // x.shape[0] if x.ndim > 1 else x.size) if role == "input" else \
-        max(1, math.prod(view.shape[a] for a in axes))
+    n = int_ops.lsq_elements(x, view, axes, role)
     return _lsq(module, role, view, axes, cfg, n).reshape(x.shape)
   if role == "input":
     rng = owg_value(module, f"{role}_range", jnp.zeros, (2,))
@@ -116,10 +115,7 @@ def quantize_operand(module: nn.Module, role: str, x, contract_axes, cfg: IntQua
                        "expected (2,)")
     return chained(module, f"{key}/{role}_observer",
                    lambda chain: int_ops.observed_fake_quant(x, rng, cfg=cfg, chain=chain))
-  lo = lax.stop_gradient(jnp.min(view, axis=axes, keepdims=True))
-  hi = lax.stop_gradient(jnp.max(view, axis=axes, keepdims=True))
-  s, z = int_numerics.int_params_from_range(lo, hi, cfg)
-  return int_ops.fake_quant_ste(view, s, z, qmin=cfg.qmin, qmax=cfg.qmax).reshape(x.shape)
+  return int_ops.minmax_fake_quant(view, axes, cfg).reshape(x.shape)
 
 
 def int_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe: IntRecipe,
