@@ -101,7 +101,8 @@ from fp8_linen.linen.dispatch import (quantized_conv_on, quantized_dot_general_o
                                       quantized_einsum_on)
 from fp8_linen.product_report import MARKERS, ProductReport, product_report
 from fp8_linen.recipes.fp8 import Fp8Recipe
-from fp8_linen.recipes.rules import OPERANDS, OPS, QuantizationRule, normalize_rules
+from fp8_linen.recipes.rules import (OPERANDS, OPS, QuantizationRule, normalize_rules,
+                                     report_unmatched)
 
 __all__ = ["OPS", "OPERANDS", "QuantizationRule", "QuantizedModel", "projection_rules",
            "quantize_model", "quantization"]
@@ -490,14 +491,9 @@ def quantization(recipe=None, rules: Sequence[QuantizationRule] | None = None, *
       yield
   finally:
     _SESSION.reset(token)
-  unmatched = [r for r, h in zip(rules, sess.hits) if h == 0 and not r.optional]
-  if unmatched and on_unmatched != "ignore":
-    msg = ("fp8_linen.quantize_model: these rules matched no module op (check the module "
-           "paths, e.g. with model.tabulate): " + ", ".join(
-               f"module_path={r.module_path!r} ops={r.ops}" for r in unmatched))
-    if on_unmatched == "raise":
-      raise ValueError(msg)
-    warnings.warn(msg, stacklevel=3)
+  report_unmatched(rules, sess.hits, on_unmatched, stacklevel=3,
+                   what="fp8_linen.quantize_model: these rules matched no module op (check "
+                        "the module paths, e.g. with model.tabulate)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import re
-import warnings
 from typing import Any, Sequence
 
 import jax.numpy as jnp
@@ -36,7 +35,7 @@ from jax import lax
 
 from fp8_linen.nnx import layers
 from fp8_linen.recipes.fp8 import Fp8Recipe
-from fp8_linen.recipes.rules import QuantizationRule, normalize_rules
+from fp8_linen.recipes.rules import QuantizationRule, normalize_rules, report_unmatched
 
 __all__ = ["quantize_model"]
 
@@ -178,12 +177,7 @@ def quantize_model(model: nnx.Module, recipe: Any = None,
     return node
 
   out = nnx.recursive_map(swap, model)
-  unmatched = [r for r, h in zip(rules, hits) if h == 0]
-  if unmatched and on_unmatched != "ignore":
-    msg = ("fp8_linen.nnx.quantize_model: these rules matched no layer (check the paths, "
-           "e.g. with nnx.iter_graph): " + ", ".join(
-               f"module_path={r.module_path!r} ops={r.ops}" for r in unmatched))
-    if on_unmatched == "raise":
-      raise ValueError(msg)
-    warnings.warn(msg, stacklevel=2)
+  report_unmatched(rules, hits, on_unmatched, stacklevel=2,
+                   what="fp8_linen.nnx.quantize_model: these rules matched no layer (check "
+                        "the paths, e.g. with nnx.iter_graph)")
   return out

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from typing import Any
 
-__all__ = ["OPS", "OPERANDS", "QuantizationRule", "normalize_rules"]
+__all__ = ["OPS", "OPERANDS", "QuantizationRule", "normalize_rules", "report_unmatched"]
 
 # Op kinds: the Linen quantize_model intercepts all five; the NNX one matches
 # its layers as dot_general (Linear, LinearGeneral), einsum (Einsum) and conv.
@@ -98,3 +99,24 @@ def normalize_rules(rules) -> tuple[QuantizationRule, ...]:
     if not isinstance(r, QuantizationRule):
       raise TypeError(f"rules must be QuantizationRule values, got {type(r).__name__}")
   return rules
+
+
+def report_unmatched(rules, hits, on_unmatched: str, *, what: str, stacklevel: int = 2) -> None:
+  """Warns about (``'warn'``) or raises for (``'raise'``) rules that matched nothing.
+
+  Args:
+    rules: the rules, in order.
+    hits: how many times each rule matched.
+    on_unmatched: ``'warn'``, ``'raise'`` or ``'ignore'``.
+    what: the message's opening (who found nothing, and how to look for paths).
+    stacklevel: for the warning.
+
+  Rules marked ``optional`` are never reported.
+  """
+  unmatched = [r for r, h in zip(rules, hits) if h == 0 and not r.optional]
+  if not unmatched or on_unmatched == "ignore":
+    return
+  msg = what + ": " + ", ".join(f"module_path={r.module_path!r} ops={r.ops}" for r in unmatched)
+  if on_unmatched == "raise":
+    raise ValueError(msg)
+  warnings.warn(msg, stacklevel=stacklevel + 1)
