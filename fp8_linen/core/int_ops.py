@@ -26,7 +26,8 @@ from fp8_linen.core.numerics import SCALE_FLOOR
 from fp8_linen.recipes.integer import IntQuantConfig
 
 __all__ = ["fake_quant_ste", "minmax_fake_quant", "lsq_fake_quant", "lsq_plus_fake_quant",
-           "observed_fake_quant", "lsq_elements"]
+           "observed_fake_quant", "lsq_elements", "lsq_backward", "observer_qparams",
+           "minmax_qparams"]
 
 
 def _pass_inside(g, v, qmin, qmax, dtype):
@@ -105,8 +106,14 @@ def _lsq_fwd(qmin, qmax, grad_scale, with_offset, x, step, offset):
   return _lsq(qmin, qmax, grad_scale, with_offset, x, step, offset), (x, step, offset)
 
 
-def _lsq_bwd(qmin, qmax, grad_scale, with_offset, res, g):
-  x, step, offset = res
+def lsq_backward(g, x, step, offset, *, qmin: int, qmax: int, grad_scale: float,
+                 with_offset: bool):
+  """LSQ/LSQ+ gradients ``(dx, d_step, d_offset)`` given ``g = dL/dx_hat``.
+
+  The closed forms of :func:`lsq_fake_quant` and :func:`lsq_plus_fake_quant`;
+  the integer product (:mod:`fp8_linen.core.int_product`) calls this same
+  function, so both give the same gradients.
+  """
   v, _ = _lsq_v(x, step, offset)
   g32 = g.astype(jnp.float32)
   below, above = v < qmin, v > qmax
@@ -121,6 +128,12 @@ def _lsq_bwd(qmin, qmax, grad_scale, with_offset, res, g):
                                  * grad_scale, offset) if with_offset
            else jnp.zeros_like(offset))
   return jnp.where(inside, g32, 0.0).astype(x.dtype), d_step, d_off
+
+
+def _lsq_bwd(qmin, qmax, grad_scale, with_offset, res, g):
+  x, step, offset = res
+  return lsq_backward(g, x, step, offset, qmin=qmin, qmax=qmax, grad_scale=grad_scale,
+                      with_offset=with_offset)
 
 
 _lsq.defvjp(_lsq_fwd, _lsq_bwd)
@@ -199,7 +212,8 @@ def _observe(cfg: IntQuantConfig, old, x):
   return jnp.where(empty, cur, new)
 
 
-def _observer_qparams(cfg, x, obs):
+def observer_qparams(cfg: IntQuantConfig, x, obs):
+  """``(new_range, scale, zero_point)`` of an observer that sees ``x``."""
   new = _observe(cfg, obs, x)
   s, z = int_numerics.int_params_from_range(-new[0], new[1], cfg)
   return new, s, z
@@ -207,12 +221,12 @@ def _observer_qparams(cfg, x, obs):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _observed(cfg, first, x, obs, chain):
-  _, s, z = _observer_qparams(cfg, x, obs)
+  _, s, z = observer_qparams(cfg, x, obs)
   return int_numerics.int_fake_quant(x, s, z, cfg.qmin, cfg.qmax), chain
 
 
 def _observed_fwd(cfg, first, x, obs, chain):
-  new, s, z = _observer_qparams(cfg, x, obs)
+  new, s, z = observer_qparams(cfg, x, obs)
   return (int_numerics.int_fake_quant(x, s, z, cfg.qmin, cfg.qmax), chain), (x, new, s, z)
 
 
@@ -277,10 +291,15 @@ def minmax_fake_quant(view, axes, cfg: IntQuantConfig):
     >>> int_ops.minmax_fake_quant(jnp.array([-1.0, 0.3, 2.0]), (0,), IntQuantConfig(bits=2)).tolist()
     [0.0, 0.0, 2.0]
   """
-  lo = jax.lax.stop_gradient(jnp.min(view, axis=axes, keepdims=True))
-  hi = jax.lax.stop_gradient(jnp.max(view, axis=axes, keepdims=True))
-  s, z = int_numerics.int_params_from_range(lo, hi, cfg)
+  s, z = minmax_qparams(jax.lax.stop_gradient(view), axes, cfg)
   return fake_quant_ste(view, s, z, qmin=cfg.qmin, qmax=cfg.qmax)
+
+
+def minmax_qparams(view, axes, cfg: IntQuantConfig):
+  """Scale and zero point from ``view``'s own min/max over ``axes`` (kept as size 1)."""
+  lo = jnp.min(view, axis=axes, keepdims=True)
+  hi = jnp.max(view, axis=axes, keepdims=True)
+  return int_numerics.int_params_from_range(lo, hi, cfg)
 
 
 def lsq_elements(x, view, axes, role: str) -> int:

@@ -51,15 +51,15 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import int_numerics, int_ops, lowering
+from fp8_linen.core import int_numerics, int_ops, int_product, lowering
 from fp8_linen.linen.state import chained, owg_value
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
-__all__ = ["int_dot_general_on", "int_conv_on", "quantize_operand"]
+__all__ = ["int_dot_general_on", "int_conv_on", "quantize_operand", "operand_params"]
 
 
-def _lsq(module: nn.Module, role: str, view, axes, cfg: IntQuantConfig, n: int):
-  """LSQ/LSQ+ fake quantization of ``view`` with params ``<role>_step``/``_offset``."""
+def _lsq_params(module: nn.Module, role: str, view, axes, cfg: IntQuantConfig):
+  """Declares ``<role>_step`` (and ``_offset``) and returns them broadcastable to ``view``."""
   shape = (1,) if role == "input" else tuple(1 if i in axes else d
                                               for i, d in enumerate(view.shape))
   red = tuple(range(view.ndim)) if role == "input" else axes
@@ -75,16 +75,46 @@ def _lsq(module: nn.Module, role: str, view, axes, cfg: IntQuantConfig, n: int):
   if step.shape != shape:
     raise ValueError(f"{'/'.join(module.path)}: {role}_step has shape {step.shape}, the "
                      f"recipe ({cfg.granularity}) asks for {shape}")
-  bshape = (step.reshape(()) if role == "input" else step)
-  g = 1.0 / math.sqrt(n * cfg.qmax)
+  as_view = (lambda t: t.reshape(())) if role == "input" else (lambda t: t)
   if cfg.estimator == "lsq":
-    return int_ops.lsq_fake_quant(view, bshape, qmin=cfg.qmin, qmax=cfg.qmax, grad_scale=g)
+    return (as_view(step),)
   offset = module.param(
       f"{role}_offset",
       lambda _: jnp.reshape(int_numerics.lsq_plus_init(view, red, cfg.qmin, cfg.qmax)[1], shape))
-  boff = offset.reshape(()) if role == "input" else offset
-  return int_ops.lsq_plus_fake_quant(view, bshape, boff, qmin=cfg.qmin, qmax=cfg.qmax,
-                                     grad_scale=g)
+  return as_view(step), as_view(offset)
+
+
+def _lsq(module: nn.Module, role: str, view, axes, cfg: IntQuantConfig, n: int):
+  """LSQ/LSQ+ fake quantization of ``view`` with params ``<role>_step``/``_offset``."""
+  params = _lsq_params(module, role, view, axes, cfg)
+  g = 1.0 / math.sqrt(n * cfg.qmax)
+  if cfg.estimator == "lsq":
+    return int_ops.lsq_fake_quant(view, params[0], qmin=cfg.qmin, qmax=cfg.qmax, grad_scale=g)
+  return int_ops.lsq_plus_fake_quant(view, *params, qmin=cfg.qmin, qmax=cfg.qmax, grad_scale=g)
+
+
+def _observer_range(module: nn.Module, role: str):
+  rng = owg_value(module, f"{role}_range", jnp.zeros, (2,))
+  if rng.shape != (2,):
+    raise ValueError(f"{'/'.join(module.path)}: {role}_range has shape {rng.shape}, "
+                     "expected (2,)")
+  return rng
+
+
+def operand_params(module: nn.Module, role: str, x, contract_axes, cfg: IntQuantConfig):
+  """Declares one operand's quantization variables; returns ``(params, grad_scale)``.
+
+  ``params`` as :func:`~fp8_linen.core.int_product.int_dot_general` takes them:
+  ``(range,)`` for an observer, ``()`` for a min/max weight, ``(step,)`` or
+  ``(step, offset)`` for LSQ/LSQ+.
+  """
+  view, axes = int_numerics.int_view(x, contract_axes, cfg)
+  if cfg.learned:
+    n = int_ops.lsq_elements(x, view, axes, role)
+    return _lsq_params(module, role, view, axes, cfg), 1.0 / math.sqrt(n * cfg.qmax)
+  if role == "input":
+    return (_observer_range(module, role),), 1.0
+  return (), 1.0
 
 
 def quantize_operand(module: nn.Module, role: str, x, contract_axes, cfg: IntQuantConfig | None,
@@ -109,13 +139,21 @@ def quantize_operand(module: nn.Module, role: str, x, contract_axes, cfg: IntQua
     n = int_ops.lsq_elements(x, view, axes, role)
     return _lsq(module, role, view, axes, cfg, n).reshape(x.shape)
   if role == "input":
-    rng = owg_value(module, f"{role}_range", jnp.zeros, (2,))
-    if rng.shape != (2,):
-      raise ValueError(f"{'/'.join(module.path)}: {role}_range has shape {rng.shape}, "
-                       "expected (2,)")
+    rng = _observer_range(module, role)
     return chained(module, f"{key}/{role}_observer",
                    lambda chain: int_ops.observed_fake_quant(x, rng, cfg=cfg, chain=chain))
   return int_ops.minmax_fake_quant(view, axes, cfg).reshape(x.shape)
+
+
+def _int_product_on(module: nn.Module, lhs, rhs, lc, rc, recipe: IntRecipe, key: str, run):
+  """Declares both operands' variables and runs ``run(**params)`` (an integer product)."""
+  lp, lg = operand_params(module, "input", lhs, lc, recipe.input)
+  rp, rg = operand_params(module, "kernel", rhs, rc, recipe.kernel)
+  kw = dict(kernel_params=rp, input_grad_scale=lg, kernel_grad_scale=rg)
+  if recipe.input.learned:
+    return run(input_params=lp, **kw)[0]
+  return chained(module, f"{key}/input_observer",
+                 lambda chain: run(input_params=lp, chain=chain, **kw))
 
 
 def int_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe: IntRecipe,
@@ -138,6 +176,11 @@ def int_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe: I
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   (lc, rc), _ = dimension_numbers
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  if int_product.dot_supported(recipe):
+    return _int_product_on(module, lhs, rhs, lc, rc, recipe, key,
+                           lambda **kw: int_product.int_dot_general(
+                               lhs, rhs, dimension_numbers, recipe=recipe, out_dtype=out_dtype,
+                               **kw))
   xq = quantize_operand(module, "input", lhs, lc, recipe.input, key)
   wq = quantize_operand(module, "kernel", rhs, rc, recipe.kernel, key)
   cd = jnp.dtype(recipe.compute_dtype)
@@ -170,6 +213,11 @@ def int_conv_on(module: nn.Module, lhs, rhs, conv_kwargs: dict, recipe: IntRecip
   l_contract = [d for d in range(lhs.ndim) if d != dn.lhs_spec[0]]
   r_contract = [d for d in range(rhs.ndim) if d != dn.rhs_spec[0]]
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  if int_product.conv_supported(recipe):
+    conv = int_product.conv_static(lhs.ndim, conv_kwargs, dn)
+    return _int_product_on(module, lhs, rhs, l_contract, r_contract, recipe, key,
+                           lambda **kw: int_product.int_conv_general_dilated(
+                               lhs, rhs, conv, recipe=recipe, out_dtype=out_dtype, **kw))
   xq = quantize_operand(module, "input", lhs, l_contract, recipe.input, key)
   wq = quantize_operand(module, "kernel", rhs, r_contract, recipe.kernel, key)
   cd = jnp.dtype(recipe.compute_dtype)

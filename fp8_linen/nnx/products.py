@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from fp8_linen.core import int_numerics, int_ops, lowering
+from fp8_linen.core import int_numerics, int_ops, int_product, lowering
 from fp8_linen.core.conv import fp8_conv_general_dilated
 from fp8_linen.core.dims import einsum_plan
 from fp8_linen.core.dot_general import fp8_dot_general
@@ -110,7 +110,8 @@ def declare(module: nnx.Module, recipe, kernel, kernel_contract) -> None:
     check_recipe(type(module).__name__, recipe)
 
 
-def _lsq(module, role: str, view, axes, cfg: IntQuantConfig, n: int):
+def _lsq_params(module, role: str, view, axes, cfg: IntQuantConfig):
+  """The learned step (and offset) of one operand, broadcastable to ``view``."""
   step_var = getattr(module, f"{role}_step")
   off_var = getattr(module, f"{role}_offset", None)
   shape = _step_shape(role, view, axes)
@@ -123,14 +124,40 @@ def _lsq(module, role: str, view, axes, cfg: IntQuantConfig, n: int):
   if step.shape != shape:
     raise ValueError(f"{type(module).__name__}: {role}_step has shape {step.shape}, the "
                      f"recipe ({cfg.granularity}) asks for {shape}")
-  bstep = step.reshape(()) if role == "input" else step
+  as_view = (lambda t: t.reshape(())) if role == "input" else (lambda t: t)
+  if cfg.estimator == "lsq":
+    return (as_view(step),)
+  return as_view(step), as_view(off_var[...])
+
+
+def _lsq(module, role: str, view, axes, cfg: IntQuantConfig, n: int):
+  params = _lsq_params(module, role, view, axes, cfg)
   g = 1.0 / math.sqrt(n * cfg.qmax)
   if cfg.estimator == "lsq":
-    return int_ops.lsq_fake_quant(view, bstep, qmin=cfg.qmin, qmax=cfg.qmax, grad_scale=g)
-  offset = off_var[...]
-  boff = offset.reshape(()) if role == "input" else offset
-  return int_ops.lsq_plus_fake_quant(view, bstep, boff, qmin=cfg.qmin, qmax=cfg.qmax,
-                                     grad_scale=g)
+    return int_ops.lsq_fake_quant(view, params[0], qmin=cfg.qmin, qmax=cfg.qmax, grad_scale=g)
+  return int_ops.lsq_plus_fake_quant(view, *params, qmin=cfg.qmin, qmax=cfg.qmax, grad_scale=g)
+
+
+def _operand_params(module, role: str, x, contract_axes, cfg: IntQuantConfig):
+  """``(params, grad_scale)`` of one operand for the integer product."""
+  view, axes = int_numerics.int_view(x, contract_axes, cfg)
+  if cfg.learned:
+    n = int_ops.lsq_elements(x, view, axes, role)
+    return _lsq_params(module, role, view, axes, cfg), 1.0 / math.sqrt(n * cfg.qmax)
+  if role == "input":
+    return (module.input_range[...],), 1.0
+  return (), 1.0
+
+
+def _int_product(module, lhs, rhs, lc, rc, recipe: IntRecipe, key: str, run):
+  """Runs ``run(**params)`` (an integer product) on ``module``'s variables."""
+  lp, lg = _operand_params(module, "input", lhs, lc, recipe.input)
+  rp, rg = _operand_params(module, "kernel", rhs, rc, recipe.kernel)
+  kw = dict(kernel_params=rp, input_grad_scale=lg, kernel_grad_scale=rg)
+  if recipe.input.learned:
+    return run(input_params=lp, **kw)[0]
+  return chained(module, f"{key}/input_observer",
+                 lambda chain: run(input_params=lp, chain=chain, **kw))
 
 
 def _int_operand(module, role: str, x, contract_axes, cfg: IntQuantConfig | None, key: str):
@@ -168,6 +195,11 @@ def dot_general(module: nnx.Module, lhs, rhs, dimension_numbers, recipe, out_dty
   check_recipe(type(module).__name__, recipe)
   (lc, rc), _ = dimension_numbers
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  if int_product.dot_supported(recipe):
+    return _int_product(module, lhs, rhs, lc, rc, recipe, key,
+                        lambda **kw: int_product.int_dot_general(
+                            lhs, rhs, dimension_numbers, recipe=recipe, out_dtype=out_dtype,
+                            **kw))
   xq = _int_operand(module, "input", lhs, lc, recipe.input, key)
   wq = _int_operand(module, "kernel", rhs, rc, recipe.kernel, key)
   cd = jnp.dtype(recipe.compute_dtype)
@@ -204,6 +236,11 @@ def conv(module: nnx.Module, lhs, rhs, conv_kwargs: dict, recipe, out_dtype=None
   l_contract = [d for d in range(lhs.ndim) if d != dn.lhs_spec[0]]
   r_contract = [d for d in range(rhs.ndim) if d != dn.rhs_spec[0]]
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  if int_product.conv_supported(recipe):
+    conv = int_product.conv_static(lhs.ndim, conv_kwargs, dn)
+    return _int_product(module, lhs, rhs, l_contract, r_contract, recipe, key,
+                        lambda **kw: int_product.int_conv_general_dilated(
+                            lhs, rhs, conv, recipe=recipe, out_dtype=out_dtype, **kw))
   xq = _int_operand(module, "input", lhs, l_contract, recipe.input, key)
   wq = _int_operand(module, "kernel", rhs, r_contract, recipe.kernel, key)
   cd = jnp.dtype(recipe.compute_dtype)

@@ -123,13 +123,24 @@ class IntQuantConfig:
 class IntRecipe:
   """An integer QAT recipe for one GEMM: an :class:`IntQuantConfig` per role.
 
-  The GEMM runs on fake-quantized operands in float (``compute_dtype``);
-  gradients are not quantized. ``None`` leaves a role in float.
+  With both roles quantized, the forward product multiplies the operands'
+  integer codes in one exact integer GEMM and applies the scales once; the
+  backward pass keeps the int8 codes (STE) or the operands (LSQ/LSQ+) and runs
+  the gradient GEMMs in float (``compute_dtype``); gradients are not
+  quantized. ``None`` leaves a role in float (the other is then fake-quantized
+  and the product runs in float). Convolutions run on codes for symmetric
+  grids without learned offsets; LSQ+ and zero-point grids fake-quantize there.
 
   Attributes:
     input: the activation (left operand); per-tensor only.
     kernel: the weight (right operand).
-    compute_dtype: dtype the fake-quantized operands are multiplied in.
+    compute_dtype: dtype of the gradient GEMMs (and of the float product when a
+      role is ``None`` or a convolution fake-quantizes).
+    gemm: the forward product: ``'int8'`` (int8 x int8 -> int32), ``'bf16'``
+      (codes upcast exactly to bfloat16, float32 accumulation; only where that
+      is exact, i.e. every partial sum stays below 2**24) or ``'auto'``
+      (``'int8'`` on GPU/TPU; on CPU ``'bf16'`` where exact, else ``'int8'``).
+      All give the same result.
 
   Example:
     >>> import fp8_linen as fl
@@ -140,6 +151,7 @@ class IntRecipe:
   input: IntQuantConfig | None = dataclasses.field(default_factory=IntQuantConfig)
   kernel: IntQuantConfig | None = dataclasses.field(default_factory=IntQuantConfig)
   compute_dtype: Literal["float32", "bfloat16"] = "float32"
+  gemm: Literal["auto", "int8", "bf16"] = "auto"
 
   def __post_init__(self):
     for role in ("input", "kernel"):
@@ -152,6 +164,7 @@ class IntRecipe:
           f"IntRecipe.input.granularity={self.input.granularity!r} is not supported: "
           "activation scales are per tensor; allowed values: ['tensor']")
     check_choice("IntRecipe", "compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
+    check_choice("IntRecipe", "gemm", self.gemm, ("auto", "int8", "bf16"))
 
 
 def int8_lsq(*, granularity: str = "channel") -> IntRecipe:
