@@ -360,6 +360,8 @@ class ProductCounts:
     triton_gemms: all Triton GEMM fusions.
     other_dots: dots lowered neither to a library call nor to a Triton GEMM
       (e.g. tiny ones emitted inside loop fusions).
+    int8_gemms: library or fusion GEMMs whose two operands are ``s8`` (the
+      integer products of integer QAT and serving, ``s8 x s8 -> s32``).
     custom_calls: ``(target, count)`` of every custom call, sorted by target.
   """
 
@@ -370,6 +372,7 @@ class ProductCounts:
   fp8_triton_gemms: int = 0
   triton_gemms: int = 0
   other_dots: int = 0
+  int8_gemms: int = 0
   custom_calls: tuple[tuple[str, int], ...] = ()
 
   @property
@@ -453,6 +456,11 @@ def _is_f8(etype: str | None) -> bool:
   return bool(etype) and etype.startswith("f8") and etype != "f8e8m0fnu"
 
 
+def _all_s8(etypes) -> bool:
+  etypes = list(etypes)
+  return len(etypes) == 2 and all(t == "s8" for t in etypes)
+
+
 def _operand_types(operands, table) -> list:
   return [t or table.get(n) for t, n in operands]
 
@@ -511,6 +519,7 @@ def count_products(hlo_text: str) -> ProductCounts:
         if target.startswith("__cublas$gemm") or target.startswith("__cublas$lt$matmul"):
           c["gemms"] += 1
           c["fp8_gemms"] += target == FP8_GEMM_TARGET
+          c["int8_gemms"] += _all_s8(_operand_types(operands[:2], table))
         elif target.startswith("__cudnn$conv"):
           c["convs"] += 1
           c["fp8_convs"] += all(map(_is_f8, _operand_types(operands[:2], table)))
@@ -528,6 +537,7 @@ def count_products(hlo_text: str) -> ProductCounts:
           continue
         gemm_fusion_comps.append(called.group(1))
         fp8 = len(dot) >= 2 and all(map(_is_f8, dot[:2]))
+        c["int8_gemms"] += len(dot) >= 2 and _all_s8(dot[:2])
         key = "gemms" if kind == "__cudnn$fusion" else "triton_gemms"
         c[key] += 1
         c["fp8_" + key] += fp8
@@ -539,7 +549,7 @@ def count_products(hlo_text: str) -> ProductCounts:
   return ProductCounts(
       fp8_gemms=c["fp8_gemms"], gemms=c["gemms"], fp8_convs=c["fp8_convs"], convs=c["convs"],
       fp8_triton_gemms=c["fp8_triton_gemms"], triton_gemms=c["triton_gemms"],
-      other_dots=c["other_dots"], custom_calls=tuple(sorted(targets.items())))
+      other_dots=c["other_dots"], int8_gemms=c["int8_gemms"], custom_calls=tuple(sorted(targets.items())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -569,7 +579,8 @@ class GpuCompileReport(ProductCounts):
     """One line: fp8 products / products, per kind, and temp memory."""
     return (f"fp8 {self.fp8_products}/{self.products} products (GEMMs {self.fp8_gemms}/"
             f"{self.gemms}, convs {self.fp8_convs}/{self.convs}, Triton "
-            f"{self.fp8_triton_gemms}/{self.triton_gemms}, other dots {self.other_dots}); "
+            f"{self.fp8_triton_gemms}/{self.triton_gemms}, other dots {self.other_dots}; "
+            f"int8 GEMMs {self.int8_gemms}); "
             f"temp {self.temp_bytes / 2**20:.1f} MiB")
 
 

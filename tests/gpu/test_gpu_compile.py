@@ -288,3 +288,23 @@ def test_cli_prints_the_table():
   rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.strip()}
   assert rows["qdense-delayed"][1] == "3/3", out.stdout
   assert rows["bf16-dense"][1] == "0/3", out.stdout
+
+
+# ----------------------------------------------------------------------------
+# Integer QAT: the forward product is an s8 x s8 -> s32 GEMM.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", [fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel")),
+                                    fl.int8_lsq()], ids=["ste", "lsq"])
+def test_integer_qat_forward_is_an_int8_gemm(recipe):
+  r = compile_step(fl.QDense(D, recipe=recipe))
+  assert (r.int8_gemms, r.products, r.fp8_products) == (1, 3, 0), r.summary()
+  r = compile_step(fl.QEinsum(shape=(D, 4, D // 4), einsum_str="td,dhk->thk", recipe=recipe))
+  assert (r.int8_gemms, r.products) == (1, 3), r.summary()
+
+
+def test_fake_quant_path_has_no_int8_gemm():
+  # A float input role keeps the fake-quantized float product: no s8 GEMM.
+  r = compile_step(fl.QDense(D, recipe=fl.IntRecipe(input=None)))
+  assert (r.int8_gemms, r.products) == (0, 3), r.summary()

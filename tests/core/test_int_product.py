@@ -1,0 +1,264 @@
+"""The integer product: exact integer GEMM on codes, int8 residuals, QAT gradients."""
+
+import contextlib
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import fp8_linen as fl
+from fp8_linen.core import int_numerics, int_ops, int_product
+
+DN = (((1,), (0,)), ((), ()))
+Q = fl.IntQuantConfig
+
+RECIPES = {
+    "ste_tensor": fl.IntRecipe(),
+    "ste_channel": fl.IntRecipe(kernel=Q(granularity="channel")),
+    "ste_group": fl.IntRecipe(kernel=Q(granularity="group", group_size=8)),
+    "ste_asym8": fl.IntRecipe(input=Q(symmetric=False),
+                              kernel=Q(symmetric=False, granularity="channel")),
+    "ste_asym8_group": fl.IntRecipe(input=Q(symmetric=False),
+                                    kernel=Q(symmetric=False, granularity="group", group_size=16)),
+    "ste_int4_narrow": fl.IntRecipe(input=Q(bits=4, narrow_range=True),
+                                    kernel=Q(bits=4, narrow_range=True, granularity="channel")),
+    "lsq8": fl.int8_lsq(),
+    "lsq4_plus": fl.int4_lsq_plus(),
+    "lsq8_plus": fl.IntRecipe(input=Q(symmetric=False, estimator="lsq+"),
+                              kernel=Q(symmetric=False, estimator="lsq+", granularity="channel")),
+}
+
+
+def _data(shape_x=(8, 32), shape_w=(32, 16), shift=0.0):
+  x = jax.random.normal(jax.random.key(0), shape_x) + shift
+  w = jax.random.normal(jax.random.key(1), shape_w) * 0.3
+  return x, w
+
+
+def _params(recipe, x, w, contract_w=(0,)):
+  """Input/kernel params as a layer would hold them (LSQ inits from the data)."""
+  def one(cfg, role, t, contract):
+    view, axes = int_numerics.int_view(t, contract, cfg)
+    red = tuple(range(view.ndim)) if role == "input" else axes
+    if not cfg.learned:
+      return (jnp.zeros(2),) if role == "input" else ()
+    if cfg.estimator == "lsq":
+      s = int_numerics.lsq_init_step(view, red, cfg.qmax)
+      return (s.reshape(()) if role == "input" else s,)
+    s, b = int_numerics.lsq_plus_init(view, red, cfg.qmin, cfg.qmax)
+    return ((s.reshape(()), b.reshape(())) if role == "input" else (s, b))
+  return one(recipe.input, "input", x, (1,)), one(recipe.kernel, "kernel", w, contract_w)
+
+
+def _fake_quant(recipe, x, w, lp, rp, gx=0.1, gw=0.2):
+  """The same quantization by the fake-quant ops (float operands)."""
+  def one(cfg, role, t, params, contract, g):
+    view, axes = int_numerics.int_view(t, contract, cfg)
+    if cfg.estimator == "lsq":
+      out = int_ops.lsq_fake_quant(view, params[0], qmin=cfg.qmin, qmax=cfg.qmax, grad_scale=g)
+    elif cfg.estimator == "lsq+":
+      out = int_ops.lsq_plus_fake_quant(view, *params, qmin=cfg.qmin, qmax=cfg.qmax,
+                                        grad_scale=g)
+    elif role == "input":
+      out = int_ops.observed_fake_quant(t, params[0], cfg=cfg)[0]
+    else:
+      out = int_ops.minmax_fake_quant(view, axes, cfg)
+    return out.reshape(t.shape)
+  return (one(recipe.input, "input", x, lp, (1,), gx), one(recipe.kernel, "kernel", w, rp, (0,), gw))
+
+
+def _int(recipe, x, w, lp, rp, **kw):
+  return int_product.int_dot_general(x, w, DN, recipe=recipe, input_params=lp, kernel_params=rp,
+                                     input_grad_scale=0.1, kernel_grad_scale=0.2, **kw)[0]
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_forward_is_the_float64_product_of_the_fake_quantized_operands(name):
+  recipe = RECIPES[name]
+  x, w = _data(shift=0.7 if "asym" in name or "plus" in name else 0.0)
+  lp, rp = _params(recipe, x, w)
+  y = np.asarray(_int(recipe, x, w, lp, rp), np.float64)
+  xq, wq = _fake_quant(recipe, x, w, lp, rp)
+  ref = np.asarray(xq, np.float64) @ np.asarray(wq, np.float64)
+  np.testing.assert_allclose(y, ref, rtol=2e-6, atol=2e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", ["ste_tensor", "ste_asym8_group", "lsq4_plus"])
+def test_int8_and_bf16_lowerings_agree_bit_for_bit(name):
+  base = RECIPES[name]
+  x, w = _data(shift=0.5)
+  lp, rp = _params(base, x, w)
+  ys = [_int(fl.IntRecipe(input=base.input, kernel=base.kernel, gemm=g), x, w, lp, rp)
+        for g in ("int8", "bf16")]
+  np.testing.assert_array_equal(ys[0], ys[1])
+
+
+def test_the_forward_gemm_is_int8_by_int8_to_int32():
+  recipe = fl.IntRecipe(kernel=Q(granularity="channel"), gemm="int8")
+  x, w = _data()
+  text = jax.jit(lambda x, w: _int(recipe, x, w, (jnp.zeros(2),), ())).lower(x, w).as_text()
+  dots = [l for l in text.splitlines() if "dot_general" in l]
+  assert any("xi8>, tensor<" in l and "xi32>" in l.split("->")[-1] for l in dots), dots
+
+
+def test_auto_gemm_on_cpu_uses_exact_bf16_below_the_bound_and_int8_above():
+  x_op = int_product.Operand(cfg=Q(), role="input", contract=(1,))
+  w_op = int_product.Operand(cfg=Q(), role="kernel", contract=(0,))
+  assert int_product.resolve_int_gemm("auto", 1024, x_op, w_op) == "bf16"  # 1024*128*128 = 2**24
+  assert int_product.resolve_int_gemm("auto", 1025, x_op, w_op) == "int8"
+  with fl.target_backend("gpu"):
+    assert int_product.resolve_int_gemm("auto", 16, x_op, w_op) == "int8"
+  with pytest.raises(ValueError, match=r"gemm='bf16' is not exact"):
+    int_product.resolve_int_gemm("bf16", 4096, x_op, w_op)
+
+
+def _residuals(f, *args):
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    jax.ad_checkpoint.print_saved_residuals(f, *args)
+  return [l.strip() for l in buf.getvalue().splitlines() if l.strip()]
+
+
+def test_ste_backward_keeps_only_int8_codes_and_small_scales():
+  recipe = RECIPES["ste_channel"]
+  x, w = _data((64, 128), (128, 96))
+  x = x.astype(jnp.bfloat16)
+  res = _residuals(lambda x, w, r: _int(recipe, x, w, (r,), ()), x, w, jnp.zeros(2))
+  big = [l for l in res if any(s in l for s in ("[64,128]", "[128,96]"))]
+  assert sorted(l.split("[")[0] for l in big) == ["i8", "i8"], res
+  small = [l for l in res if l not in big]
+  assert all(np.prod([int(d) for d in l.split("[")[1].split("]")[0].split(",") if d]) <= 96
+             for l in small), res
+
+
+def test_lsq_backward_keeps_the_operands_and_no_float_fake_quant_copy():
+  recipe = RECIPES["lsq8"]
+  x, w = _data((64, 128), (128, 96))
+  x = x.astype(jnp.bfloat16)
+  lp, rp = _params(recipe, x, w)
+  res = _residuals(lambda x, w, a, b: _int(recipe, x, w, (a,), (b,)), x, w, lp[0], rp[0])
+  big = [l for l in res if any(s in l for s in ("[64,128]", "[128,96]"))]
+  assert len(big) == 2 and all("from the argument" in l for l in big), res
+
+
+@pytest.mark.parametrize("name", ["lsq8", "lsq4_plus", "lsq8_plus"])
+def test_lsq_gradients_are_the_fake_quant_closed_forms(name):
+  recipe = RECIPES[name]
+  x, w = _data(shift=0.3)
+  lp, rp = _params(recipe, x, w)
+  r = jax.random.normal(jax.random.key(2), (8, 16))
+
+  def new(x, w, lp, rp):
+    return jnp.sum(_int(recipe, x, w, lp, rp) * r)
+
+  def old(x, w, lp, rp):
+    xq, wq = _fake_quant(recipe, x, w, lp, rp)
+    return jnp.sum((xq @ wq) * r)
+
+  g_new = jax.grad(new, argnums=(0, 1, 2, 3))(x, w, lp, rp)
+  g_old = jax.grad(old, argnums=(0, 1, 2, 3))(x, w, lp, rp)
+  for a, b in zip(jax.tree.leaves(g_new), jax.tree.leaves(g_old)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()))
+  assert any(float(np.abs(a).max()) > 0 for a in jax.tree.leaves(g_new[2]))
+
+
+def test_ste_weight_gradient_passes_at_the_weights_own_extremes():
+  # The range is the weight's own min/max, so no element is outside it: the
+  # element that sets the range gets its gradient (float rounding of w / s
+  # must not clip it).
+  recipe = RECIPES["ste_channel"]
+  x, w = _data()
+  r = jax.random.normal(jax.random.key(2), (8, 16))
+  dw = jax.grad(lambda w: jnp.sum(_int(recipe, x, w, (jnp.zeros(2),), ()) * r))(w)
+  xq, _ = _fake_quant(recipe, x, w, (jnp.zeros(2),), ())
+  np.testing.assert_allclose(dw, xq.T @ r, rtol=1e-5, atol=1e-5)
+  assert np.all(np.abs(np.asarray(dw)) > 0)
+
+
+def test_moving_average_observer_masks_the_clipped_elements():
+  recipe = fl.IntRecipe(input=Q(observer="moving_average", momentum=0.5))
+  x, w = _data()
+  rng = jnp.array([0.5, 0.5])  # the EMA range stays narrower than this batch
+  r = jnp.ones((8, 16))
+  dx = jax.grad(lambda x: jnp.sum(_int(recipe, x, w, (rng,), ()) * r))(x)
+  new, s, z = int_ops.observer_qparams(recipe.input, x, rng)
+  v = np.asarray(x) / float(s) + float(z)
+  outside = (v < recipe.input.qmin) | (v > recipe.input.qmax)
+  assert outside.any() and (~outside).any()
+  assert np.all(np.asarray(dx)[outside] == 0)
+  assert np.all(np.asarray(dx)[~outside] != 0)
+
+
+def test_observer_range_is_the_widest_of_two_uses():
+  recipe = fl.IntRecipe()
+  x, w = _data()
+
+  def f(rng):
+    y1, chain = int_product.int_dot_general(x, w, DN, recipe=recipe, input_params=(rng,))
+    y2, _ = int_product.int_dot_general(3 * x, w, DN, recipe=recipe, input_params=(rng,),
+                                        chain=chain)
+    return jnp.sum(y1) + jnp.sum(y2)
+
+  got = jax.grad(f)(jnp.zeros(2))
+  np.testing.assert_allclose(got, [3 * -float(x.min()), 3 * float(x.max())], rtol=1e-6)
+
+
+def test_conv_on_codes_matches_the_fake_quantized_float_conv():
+  recipe = fl.IntRecipe(kernel=Q(granularity="channel"), gemm="int8")
+  x = jax.random.normal(jax.random.key(0), (2, 9, 9, 4))
+  w = jax.random.normal(jax.random.key(1), (3, 3, 4, 6))
+  cdn = lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
+  conv = int_product.conv_static(4, dict(window_strides=(2, 1), padding="SAME"), cdn)
+  rng = jnp.zeros(2)
+  y, _ = int_product.int_conv_general_dilated(x, w, conv, recipe=recipe, input_params=(rng,))
+  xq = int_ops.observed_fake_quant(x, rng, cfg=recipe.input)[0]
+  view, axes = int_numerics.int_view(w, (0, 1, 2), recipe.kernel)
+  wq = int_ops.minmax_fake_quant(view, axes, recipe.kernel)
+  ref = lax.conv_general_dilated(np.asarray(xq, np.float64), np.asarray(wq, np.float64), (2, 1),
+                                 "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+  text = jax.jit(lambda x, w: int_product.int_conv_general_dilated(
+      x, w, conv, recipe=recipe, input_params=(rng,))[0]).lower(x, w).as_text()
+  assert any("convolution" in l and "xi8>" in l and "xi32>" in l for l in text.splitlines())
+  assert not int_product.conv_supported(fl.int4_lsq_plus())
+
+
+def test_jit_vmap_and_remat_give_the_eager_gradients():
+  recipe = RECIPES["lsq8"]
+  x, w = _data()
+  lp, rp = _params(recipe, x, w)
+  f = lambda x, w: jnp.sum(_int(recipe, x, w, lp, rp) ** 2)
+  ref = jax.grad(f, argnums=(0, 1))(x, w)
+  for g in (jax.jit(jax.grad(f, argnums=(0, 1))), jax.grad(jax.checkpoint(f), argnums=(0, 1))):
+    for a, b in zip(g(x, w), ref):
+      np.testing.assert_allclose(a, b, rtol=1e-6)
+  ys = jax.vmap(lambda xb: _int(recipe, xb, w, lp, rp))(x.reshape(2, 4, 32))
+  np.testing.assert_allclose(ys.reshape(8, 16), _int(recipe, x, w, lp, rp), rtol=1e-6)
+
+
+def test_empty_batch_is_zero_and_leaves_the_range():
+  recipe = fl.IntRecipe()
+  _, w = _data()
+  rng = jnp.array([1.0, 2.0])
+  x = jnp.zeros((0, 32))
+  y = _int(recipe, x, w, (rng,), ())
+  assert y.shape == (0, 16)
+  d_rng = jax.grad(lambda r: jnp.sum(_int(recipe, x, w, (r,), ())))(rng)
+  np.testing.assert_array_equal(d_rng, rng)
+
+
+def test_bad_input_names_the_argument():
+  x, w = _data()
+  with pytest.raises(ValueError, match="input_params"):
+    _int(fl.IntRecipe(), x, w, (), ())
+  with pytest.raises(ValueError, match="kernel_params"):
+    _int(fl.int8_lsq(), x, w, (jnp.ones(()),), ())
+  with pytest.raises(TypeError, match="lhs"):
+    _int(fl.IntRecipe(), x.astype(jnp.int32), w, (jnp.zeros(2),), ())
+  with pytest.raises(ValueError, match="input.*kernel"):
+    _int(fl.IntRecipe(input=None), x, w, (), ())
+  with pytest.raises(ValueError, match="gemm"):
+    fl.IntRecipe(gemm="int4")
