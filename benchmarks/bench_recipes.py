@@ -70,25 +70,8 @@ def main(argv=None) -> dict:
     arms = {"bf16_dense": nn.Dense(n, dtype=jnp.bfloat16)}
     arms.update({k: fl.QDense(n, dtype=jnp.bfloat16, recipe=r) for k, r in RECIPES.items()})
     x = jax.random.normal(jax.random.key(n), (n, n), jnp.bfloat16)
-    built = {k: common.build_train_arm(m, x, seed=1) for k, m in arms.items()}
-    times = common.time_arms(built, "bf16_dense", reps=args.runs, warmup=args.warmup)
-    residuals = {k: common.residual_bytes(arms[k], a.variables, x) for k, a in built.items()}
-    base_r = residuals["bf16_dense"]["bytes"]
-    base_temp = (built["bf16_dense"].memory or {}).get("temp_size_in_bytes")
-    rows = {}
-    for k, arm in built.items():
-      t, rb = times[k], residuals[k]["bytes"]
-      temp = (arm.memory or {}).get("temp_size_in_bytes")
-      rows[k] = {"median_ms": t["median_ms"], "min_ms": t["min_ms"], "max_ms": t["max_ms"],
-                 "ratio_vs_bf16": t["ratio"], "min_ratio": t["min_ratio"],
-                 "max_ratio": t["max_ratio"], "residual_bytes": rb,
-                 "residual_ratio_vs_bf16": rb / base_r, "memory": arm.memory,
-                 **({"temp_ratio_vs_bf16": temp / base_temp} if temp and base_temp else {}),
-                 **({"gpu_products": arm.products} if arm.products else {})}
-      print(f"n={n:5d} {k:>14}: {t['ratio']:.2f}x bf16 "
-            f"[{t['min_ratio']:.2f}, {t['max_ratio']:.2f}]  "
-            f"residuals {rb / 2**20:.2f} MiB ({rows[k]['residual_ratio_vs_bf16']:.2f}x)"
-            + (f"  temp {temp / 2**20:.1f} MiB" if temp else ""), flush=True)
+    rows = common.compare_train_arms(arms, x, baseline="bf16_dense", reps=args.runs,
+                                     warmup=args.warmup, label=f"n={n:5d}")
     out["results"][str(n)] = rows
   if args.out:
     with open(args.out, "w") as f:

@@ -32,7 +32,9 @@ import optax
 import fp8_linen as fl
 from fp8_linen.testing import gpu_compile
 
+# Both spellings: HLO's (s8, u32) and jaxpr's (i8, u32) as print_saved_residuals writes them.
 _DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1,
+                "i8": 1, "i16": 2, "i32": 4, "i64": 8, "u16": 2, "s16": 2,
                 "bool": 1, "pred": 1, "s64": 8, "u64": 8}
 
 
@@ -90,7 +92,9 @@ def saved_residuals(f: Callable, *args) -> list[dict]:
       continue
     dt, shape, rest = m.group(1), m.group(2), m.group(3)
     dims = [int(s) for s in shape.split(",") if s]
-    nbytes = (1 if dt.startswith("f8") else _DTYPE_BYTES.get(dt, 4)) * int(np.prod(dims))
+    if not dt.startswith("f8") and dt not in _DTYPE_BYTES:
+      raise ValueError(f"saved_residuals: unknown dtype {dt!r} in {line!r}")
+    nbytes = (1 if dt.startswith("f8") else _DTYPE_BYTES[dt]) * int(np.prod(dims))
     arg = re.match(r"from the argument (.*)", rest)
     out.append({"dtype": dt, "shape": dims, "bytes": nbytes,
                 "from_argument": arg.group(1) if arg else None,
@@ -264,6 +268,45 @@ def time_arms(arms: dict[str, TrainArm], baseline: str, reps: int = 20,
   base = times[baseline]["median_ms"]
   return {n: {**t, "ratio": t["median_ms"] / base, "min_ratio": t["min_ms"] / base,
               "max_ratio": t["max_ms"] / base} for n, t in times.items()}
+
+
+def compare_train_arms(models: dict, x, *, baseline: str, reps: int = 20, warmup: int = 3,
+                       label: str = "") -> dict[str, dict]:
+  """Builds, times (interleaved) and measures the residuals of each model's train step.
+
+  Args:
+    models: ``{name: Linen module}``, all run on ``x``.
+    x: the input.
+    baseline: the name every ratio is taken against.
+    reps: timed rounds.
+    warmup: untimed rounds first.
+    label: printed at the start of each line (e.g. the shape).
+
+  Returns:
+    ``{name: row}`` with times, ratios, residual bytes (and entries), memory and,
+    on a GPU, product counts; one line per arm is printed as it is done.
+  """
+  built = {k: build_train_arm(m, x, seed=1) for k, m in models.items()}
+  times = time_arms(built, baseline, reps=reps, warmup=warmup)
+  residuals = {k: residual_bytes(models[k], a.variables, x) for k, a in built.items()}
+  base_r = residuals[baseline]["bytes"]
+  base_temp = (built[baseline].memory or {}).get("temp_size_in_bytes")
+  rows = {}
+  for k, arm in built.items():
+    t, rb = times[k], residuals[k]["bytes"]
+    temp = (arm.memory or {}).get("temp_size_in_bytes")
+    rows[k] = {"median_ms": t["median_ms"], "min_ms": t["min_ms"], "max_ms": t["max_ms"],
+               "ratio_vs_bf16": t["ratio"], "min_ratio": t["min_ratio"],
+               "max_ratio": t["max_ratio"], "residual_bytes": rb,
+               "residual_ratio_vs_bf16": rb / base_r, "residual_entries": residuals[k]["entries"],
+               "memory": arm.memory,
+               **({"temp_ratio_vs_bf16": temp / base_temp} if temp and base_temp else {}),
+               **({"gpu_products": arm.products} if arm.products else {})}
+    print(f"{label} {k:>16}: {t['ratio']:.2f}x {baseline} "
+          f"[{t['min_ratio']:.2f}, {t['max_ratio']:.2f}]  "
+          f"residuals {rb / 2**20:.2f} MiB ({rows[k]['residual_ratio_vs_bf16']:.2f}x)"
+          + (f"  temp {temp / 2**20:.1f} MiB" if temp else ""), flush=True)
+  return rows
 
 
 def write_json(name: str, payload: dict, out_dir: str | None = None,

@@ -96,7 +96,7 @@ def test_run_all_quick_keeps_results(tmp_path):
   for name, job in jobs.items():
     if name == "plot_results":
       assert job.args[job.args.index("--results-dir") + 1] == str(tmp_path)
-    elif name == "bench_recipes" or name == "qat_digits":
+    elif name in ("bench_recipes", "bench_int_qat", "qat_digits"):
       assert job.args[job.args.index("--out") + 1].startswith(str(tmp_path)), name
     else:
       assert job.args[job.args.index("--out-dir") + 1] == str(tmp_path), name
@@ -133,6 +133,20 @@ def test_timed_step_keeps_three_fp8_products_per_layer():
   report = gpu_compile.compile_for_h100(common.make_train_step(model), state, x,
                                         jax.ShapeDtypeStruct((64, 128), jnp.bfloat16))
   assert (report.fp8_gemms, report.gemms) == (3, 3), report.summary()
+
+
+def test_bench_int_qat_tiny(tmp_path):
+  # The integer arms keep int8 codes (STE) for the backward: half of bf16's
+  # residual bytes; qwix and AQT run in the same process when installed.
+  b = _load("bench_int_qat")
+  out = tmp_path / "int.json"
+  payload = b.main(["--sizes", "64", "--runs", "1", "--warmup", "1", "--out", str(out)])
+  rows = payload["results"]["64"]
+  assert rows["bf16_dense"]["ratio_vs_bf16"] == 1.0
+  assert rows["int8_ste"]["residual_ratio_vs_bf16"] == pytest.approx(0.5, abs=0.02)
+  assert rows["int8_ste_s8gemm"]["residual_ratio_vs_bf16"] == pytest.approx(0.5, abs=0.02)
+  assert set(rows) >= {"qwix_int8", "aqt_int8", "int8_lsq", "int4_lsq_plus"}
+  assert json.loads(out.read_text())["meta"]["device"]
 
 
 def test_bench_dense_tiny(tmp_path):

@@ -58,11 +58,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8_linen.core import dims, int_numerics, int_ops, lowering, owg
+from fp8_linen.core.dot_general import grad_gemm
 from fp8_linen.core.numerics import SCALE_FLOOR
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["Operand", "Codes", "quantize", "dequantize", "resolve_int_gemm", "int_gemm",
-           "int_conv", "conv_static", "conv_supported", "dot_supported", "int_dot_general", "int_conv_general_dilated", "code_bound",
+           "int_conv", "conv_static", "operand_params", "run_product", "conv_supported", "dot_supported", "int_dot_general", "int_conv_general_dilated", "code_bound",
            "INT_GEMMS"]
 
 INT_GEMMS = ("auto", "int8", "bf16")
@@ -391,7 +392,6 @@ class _DotSpec(_Spec):
                     if self.w.cfg.granularity != "group" else None)
 
   def grads(self, g, xh, wh):
-    from fp8_linen.core.dot_general import grad_gemm  # pylint: disable=import-outside-toplevel
     one = jnp.ones((), jnp.float32)
     nd = (xh.ndim, wh.ndim)
     return (grad_gemm(g, wh, self.dn, *nd, "lhs", self.grad_how, jnp.float32, one, like=xh),
@@ -491,6 +491,45 @@ def _int_product_bwd(spec, res, cts):
 
 
 _int_product.defvjp(_int_product_fwd, _int_product_bwd)
+
+
+def operand_params(role: str, x, contract_axes, cfg: IntQuantConfig, *, lsq_params,
+                   observer_range):
+  """One operand's ``(params, grad_scale)`` as :func:`int_dot_general` takes them.
+
+  The layer APIs differ only in where the values live: ``lsq_params(role,
+  view, axes, cfg)`` returns the learned step (and offset) broadcastable to the
+  view, ``observer_range()`` the activation observer's range.
+  """
+  view, axes = int_numerics.int_view(x, contract_axes, cfg)
+  if cfg.learned:
+    n = int_ops.lsq_elements(x, view, axes, role)
+    return lsq_params(role, view, axes, cfg), 1.0 / math.sqrt(n * cfg.qmax)
+  if role == "input":
+    return (observer_range(),), 1.0
+  return (), 1.0
+
+
+def run_product(recipe: IntRecipe, lhs, rhs, lc, rc, params_of, chained, run):
+  """Runs one integer product with a layer's variables.
+
+  Args:
+    recipe: the :class:`~fp8_linen.IntRecipe` (both roles set).
+    lhs: the activation; ``lc`` its contracting axes.
+    rhs: the weight; ``rc`` its contracting axes.
+    params_of: ``fn(role, x, contract_axes, cfg) -> (params, grad_scale)``
+      (see :func:`operand_params`).
+    chained: ``fn(f) -> out`` that runs ``f(chain) -> (out, chain_out)`` on the
+      layer's observer chain.
+    run: ``fn(**kw) -> (out, chain_out)``: :func:`int_dot_general` or
+      :func:`int_conv_general_dilated` with everything but the params bound.
+  """
+  lp, lg = params_of("input", lhs, lc, recipe.input)
+  rp, rg = params_of("kernel", rhs, rc, recipe.kernel)
+  kw = dict(kernel_params=rp, input_grad_scale=lg, kernel_grad_scale=rg)
+  if recipe.input.learned:
+    return run(input_params=lp, **kw)[0]
+  return chained(lambda chain: run(input_params=lp, chain=chain, **kw))
 
 
 def _operands(recipe: IntRecipe, lc, rc, input_grad_scale, kernel_grad_scale, owner):

@@ -45,6 +45,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -108,13 +109,9 @@ def operand_params(module: nn.Module, role: str, x, contract_axes, cfg: IntQuant
   ``(range,)`` for an observer, ``()`` for a min/max weight, ``(step,)`` or
   ``(step, offset)`` for LSQ/LSQ+.
   """
-  view, axes = int_numerics.int_view(x, contract_axes, cfg)
-  if cfg.learned:
-    n = int_ops.lsq_elements(x, view, axes, role)
-    return _lsq_params(module, role, view, axes, cfg), 1.0 / math.sqrt(n * cfg.qmax)
-  if role == "input":
-    return (_observer_range(module, role),), 1.0
-  return (), 1.0
+  return int_product.operand_params(
+      role, x, contract_axes, cfg, lsq_params=functools.partial(_lsq_params, module),
+      observer_range=lambda: _observer_range(module, role))
 
 
 def quantize_operand(module: nn.Module, role: str, x, contract_axes, cfg: IntQuantConfig | None,
@@ -147,13 +144,9 @@ def quantize_operand(module: nn.Module, role: str, x, contract_axes, cfg: IntQua
 
 def _int_product_on(module: nn.Module, lhs, rhs, lc, rc, recipe: IntRecipe, key: str, run):
   """Declares both operands' variables and runs ``run(**params)`` (an integer product)."""
-  lp, lg = operand_params(module, "input", lhs, lc, recipe.input)
-  rp, rg = operand_params(module, "kernel", rhs, rc, recipe.kernel)
-  kw = dict(kernel_params=rp, input_grad_scale=lg, kernel_grad_scale=rg)
-  if recipe.input.learned:
-    return run(input_params=lp, **kw)[0]
-  return chained(module, f"{key}/input_observer",
-                 lambda chain: run(input_params=lp, chain=chain, **kw))
+  return int_product.run_product(
+      recipe, lhs, rhs, lc, rc, functools.partial(operand_params, module),
+      lambda f: chained(module, f"{key}/input_observer", f), run)
 
 
 def int_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe: IntRecipe,

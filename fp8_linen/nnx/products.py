@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 
 import jax.numpy as jnp
@@ -139,25 +140,16 @@ def _lsq(module, role: str, view, axes, cfg: IntQuantConfig, n: int):
 
 
 def _operand_params(module, role: str, x, contract_axes, cfg: IntQuantConfig):
-  """``(params, grad_scale)`` of one operand for the integer product."""
-  view, axes = int_numerics.int_view(x, contract_axes, cfg)
-  if cfg.learned:
-    n = int_ops.lsq_elements(x, view, axes, role)
-    return _lsq_params(module, role, view, axes, cfg), 1.0 / math.sqrt(n * cfg.qmax)
-  if role == "input":
-    return (module.input_range[...],), 1.0
-  return (), 1.0
+  return int_product.operand_params(
+      role, x, contract_axes, cfg, lsq_params=functools.partial(_lsq_params, module),
+      observer_range=lambda: module.input_range[...])
 
 
 def _int_product(module, lhs, rhs, lc, rc, recipe: IntRecipe, key: str, run):
   """Runs ``run(**params)`` (an integer product) on ``module``'s variables."""
-  lp, lg = _operand_params(module, "input", lhs, lc, recipe.input)
-  rp, rg = _operand_params(module, "kernel", rhs, rc, recipe.kernel)
-  kw = dict(kernel_params=rp, input_grad_scale=lg, kernel_grad_scale=rg)
-  if recipe.input.learned:
-    return run(input_params=lp, **kw)[0]
-  return chained(module, f"{key}/input_observer",
-                 lambda chain: run(input_params=lp, chain=chain, **kw))
+  return int_product.run_product(
+      recipe, lhs, rhs, lc, rc, functools.partial(_operand_params, module),
+      lambda f: chained(module, f"{key}/input_observer", f), run)
 
 
 def _int_operand(module, role: str, x, contract_axes, cfg: IntQuantConfig | None, key: str):
