@@ -215,11 +215,14 @@ def resolve_int_gemm(gemm: str, k: int, x: Operand, w: Operand, owner: str = "In
 
 
 def _code_product(a, b, how: str, fn):
-  """``fn(a, b, preferred)`` on int8 codes, as int32 (exact either way)."""
+  """``fn(a, b, preferred)`` on int8 codes: int32 (``'int8'``) or float32 (``'bf16'``).
+
+  Either holds the exact integer result: the ``'bf16'`` lowering is only
+  chosen where every partial sum stays below 2**24.
+  """
   if how == "int8":
     return fn(a, b, jnp.int32)
-  y = fn(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), jnp.float32)
-  return y.astype(jnp.int32)  # an exact integer below 2**24
+  return fn(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), jnp.float32)
 
 
 def _group_views(dn, lhs_shape, rhs_view_shape, group: bool):
@@ -280,6 +283,8 @@ def int_gemm(xc: Codes, wc: Codes, dn, *, lhs_shape, group: bool, how: str,
   mw = None if wc.centre is None else to_out(_full(wc.centre, wc.codes), lay.rhs_to_out
                                              ).astype(jnp.int32)
   # (c_x - m_x) . (c_w - m_w), exactly, in int32.
+  if mw is not None or mx is not None:
+    acc = acc.astype(jnp.int32)
   if mw is not None:
     acc = acc - mw * sx
   if mx is not None:
@@ -394,8 +399,12 @@ class _DotSpec(_Spec):
   def grads(self, g, xh, wh):
     one = jnp.ones((), jnp.float32)
     nd = (xh.ndim, wh.ndim)
-    return (grad_gemm(g, wh, self.dn, *nd, "lhs", self.grad_how, jnp.float32, one, like=xh),
-            grad_gemm(g, xh, self.dn, *nd, "rhs", self.grad_how, jnp.float32, one, like=wh))
+    # LSQ sums the gradient into its step in float32; STE casts it to the
+    # operand's dtype right away.
+    lt = jnp.float32 if self.x.cfg.learned else self.lhs_dtype
+    rt = jnp.float32 if self.w.cfg.learned else self.rhs_dtype
+    return (grad_gemm(g, wh, self.dn, *nd, "lhs", self.grad_how, lt, one, like=xh),
+            grad_gemm(g, xh, self.dn, *nd, "rhs", self.grad_how, rt, one, like=wh))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -412,7 +421,7 @@ class _ConvSpec(_Spec):
     fn = _conv_fn(self.conv, lowering.conv_out_sharding(xh, wh, self.conv[4]))
     _, vjp = jax.vjp(lambda a, b: fn(a, b, jnp.float32), xh.astype(up), wh.astype(up))
     gx, gw = vjp(g.astype(jnp.float32))
-    return gx.astype(jnp.float32), gw.astype(jnp.float32)
+    return gx, gw
 
 
 def _residual(op: Operand, x, c: Codes, inside):
@@ -451,7 +460,7 @@ def _role_grads(op: Operand, g_hat, x, inside, params, like, dtype):
     d_params = tuple(owg.match_varying(d, p, lax.psum) for d, p in zip(d_params, params))
     return owg.match_varying(dx, like, lax.psum), d_params
   if inside is not None:
-    g_hat = jnp.where(inside.reshape(g_hat.shape), g_hat, 0.0)
+    g_hat = jnp.where(inside.reshape(g_hat.shape), g_hat, jnp.zeros((), g_hat.dtype))
   return owg.match_varying(g_hat.astype(dtype), like, lax.psum), None
 
 
@@ -474,8 +483,11 @@ def _int_product_fwd(spec, lhs, rhs, lparams, rparams, chain):
 def _int_product_bwd(spec, res, cts):
   res_x, res_w, lparams, rparams, new = res
   g, ct_chain = cts
-  xh, x, x_in = _restore(spec.x, spec.lhs_shape, res_x, lparams, jnp.float32)
-  wh, w, w_in = _restore(spec.w, spec.rhs_shape, res_w, rparams, jnp.float32)
+  # The dequantized operands feed the gradient GEMMs only: build them in the
+  # GEMMs' dtype, so no float32 copy of an operand is materialized for bf16.
+  cd = jnp.bfloat16 if spec.grad_how == "bf16" else jnp.float32
+  xh, x, x_in = _restore(spec.x, spec.lhs_shape, res_x, lparams, cd)
+  wh, w, w_in = _restore(spec.w, spec.rhs_shape, res_w, rparams, cd)
   g_xh, g_wh = spec.grads(g, xh, wh)
   dx, dlp = _role_grads(spec.x, g_xh, x, x_in, lparams, xh, spec.lhs_dtype)
   dw, drp = _role_grads(spec.w, g_wh, w, w_in, rparams, wh, spec.rhs_dtype)
