@@ -87,6 +87,13 @@ RECIPES = {
     "int4_lsq": fl.IntRecipe(input=fl.IntQuantConfig(bits=4, estimator="lsq"),
                              kernel=fl.IntQuantConfig(bits=4, estimator="lsq",
                                                       granularity="channel")),
+    # Integer gradient GEMMs too (opt-in): does it still train?
+    "int8_lsq_int8_grads": fl.IntRecipe(input=fl.IntQuantConfig(estimator="lsq"),
+                                        kernel=fl.IntQuantConfig(estimator="lsq",
+                                                                 granularity="channel"),
+                                        grad_bits=8),
+    "int8_ste_int8_grads": fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel"),
+                                        grad_bits=8),
 }
 
 

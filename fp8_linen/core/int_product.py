@@ -384,6 +384,7 @@ class _Spec:
   first: bool
   lhs_shape: tuple
   rhs_shape: tuple
+  grad_bits: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -405,6 +406,41 @@ class _DotSpec(_Spec):
     rt = jnp.float32 if self.w.cfg.learned else self.rhs_dtype
     return (grad_gemm(g, wh, self.dn, *nd, "lhs", self.grad_how, lt, one, like=xh),
             grad_gemm(g, xh, self.dn, *nd, "rhs", self.grad_how, rt, one, like=wh))
+
+
+  def int_grads(self, g, xc: Codes, wc: Codes):
+    """Both gradient GEMMs on integer codes (``IntRecipe.grad_bits``).
+
+    Each operand's scale lies along the contracted axis of one gradient GEMM,
+    so it is folded into ``g`` before ``g`` is quantized for that GEMM: dgrad
+    quantizes ``g * s_w`` per row (over the weight's free axes), wgrad
+    quantizes ``g`` per column (over the activation's free axes; ``s_x`` is a
+    scalar). Both GEMMs are int8 x int8 -> int32 and their outputs are
+    multiplied by the gradient's scales (and ``s_x``).
+    """
+    one = jnp.ones((), jnp.float32)
+    lay = dims.layout(self.dn, len(self.lhs_shape), len(self.rhs_shape))
+    nd = (len(self.lhs_shape), len(self.rhs_shape))
+    g32 = g.astype(jnp.float32)
+    qmax = 2 ** (self.grad_bits - 1) - 1
+    g1 = g32 * _on_out(_full(wc.scale, wc.codes), lay.rhs_to_out, g32.ndim)
+    q1, s1 = _int_rows(g1, lay.rhs_free_out, qmax)
+    d_x = grad_gemm(q1, wc.codes, self.dn, *nd, "lhs", "fp8", jnp.int32, one)
+    d_x = d_x.astype(jnp.float32) * _on_out(s1, dims.flip(lay.lhs_to_out), d_x.ndim)
+    q2, s2 = _int_rows(g32, lay.lhs_free_out, qmax)
+    d_w = grad_gemm(q2, xc.codes.reshape(self.lhs_shape), self.dn, *nd, "rhs", "fp8",
+                    jnp.int32, one)
+    d_w = (d_w.astype(jnp.float32) * _on_out(s2, dims.flip(lay.rhs_to_out), d_w.ndim)
+           * jnp.reshape(xc.scale, ()))
+    return d_x, d_w
+
+
+def _int_rows(t, axes, qmax: int):
+  """``t`` quantized to int8 with one scale per slice along ``axes`` (kept size 1)."""
+  s = jnp.max(jnp.abs(t), axis=tuple(axes), keepdims=True) / qmax if axes else \
+      jnp.abs(t) / qmax
+  s = jnp.where(s > 0, s, jnp.ones_like(s))
+  return jnp.clip(jnp.round(t / s), -qmax, qmax).astype(jnp.int8), s
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -433,17 +469,17 @@ def _residual(op: Operand, x, c: Codes, inside):
 
 
 def _restore(op: Operand, x_shape, res, params, dtype):
-  """``(x_hat in x's shape, x or None, inside or None)`` from one residual."""
+  """``(codes, x_hat in x's shape, x or None, inside or None)`` from one residual."""
   if op.cfg.learned:
     (x,) = res
     c, _, _ = quantize(op, x, params)
-    return dequantize(c, dtype).reshape(x_shape), x, None
+    return c, dequantize(c, dtype).reshape(x_shape), x, None
   codes, scale, centre, packed = res
-  xh = dequantize(Codes(codes, scale, centre, None), dtype).reshape(x_shape)
+  c = Codes(codes, scale, centre, None)
   inside = None
   if packed is not None:
     inside = jnp.unpackbits(packed)[:codes.size].reshape(codes.shape).astype(bool)
-  return xh, None, inside
+  return c, dequantize(c, dtype).reshape(x_shape), None, inside
 
 
 def _role_grads(op: Operand, g_hat, x, inside, params, like, dtype):
@@ -486,9 +522,12 @@ def _int_product_bwd(spec, res, cts):
   # The dequantized operands feed the gradient GEMMs only: build them in the
   # GEMMs' dtype, so no float32 copy of an operand is materialized for bf16.
   cd = jnp.bfloat16 if spec.grad_how == "bf16" else jnp.float32
-  xh, x, x_in = _restore(spec.x, spec.lhs_shape, res_x, lparams, cd)
-  wh, w, w_in = _restore(spec.w, spec.rhs_shape, res_w, rparams, cd)
-  g_xh, g_wh = spec.grads(g, xh, wh)
+  xc, xh, x, x_in = _restore(spec.x, spec.lhs_shape, res_x, lparams, cd)
+  wc, wh, w, w_in = _restore(spec.w, spec.rhs_shape, res_w, rparams, cd)
+  if spec.grad_bits:
+    g_xh, g_wh = spec.int_grads(g, xc, wc)
+  else:
+    g_xh, g_wh = spec.grads(g, xh, wh)
   dx, dlp = _role_grads(spec.x, g_xh, x, x_in, lparams, xh, spec.lhs_dtype)
   dw, drp = _role_grads(spec.w, g_wh, w, w_in, rparams, wh, spec.rhs_dtype)
   chain_ct = jnp.zeros_like(ct_chain)
@@ -581,7 +620,8 @@ def _run(spec_cls, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params,
                   grad_how="bf16" if recipe.compute_dtype == "bfloat16" else "f32",
                   out_dtype=jnp.dtype(out_dtype or jnp.result_type(lhs, rhs)),
                   lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
-                  lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape), **static)
+                  lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape),
+                  grad_bits=recipe.grad_bits, **static)
   return _int_product(spec, lhs, rhs, lp, rp, owg.chain_init(2) if first else chain)
 
 
@@ -654,6 +694,9 @@ def int_conv_general_dilated(lhs, rhs, conv, *, recipe: IntRecipe, input_params=
   if not conv_supported(recipe):
     raise ValueError("int_conv_general_dilated: recipe needs symmetric grids without "
                      "offsets for both roles (see conv_supported)")
+  if recipe.grad_bits is not None:
+    raise ValueError(f"int_conv_general_dilated: recipe.grad_bits={recipe.grad_bits} is "
+                     "supported for dot products only; use grad_bits=None for convolutions")
   cdn = conv[4]
   lc = tuple(d for d in range(lhs.ndim) if d != cdn.lhs_spec[0])
   rc = tuple(d for d in range(rhs.ndim) if d != cdn.rhs_spec[0])

@@ -141,6 +141,12 @@ class IntRecipe:
       is exact, i.e. every partial sum stays below 2**24) or ``'auto'``
       (``'int8'`` on GPU/TPU; on CPU ``'bf16'`` where exact, else ``'int8'``).
       All give the same result.
+    grad_bits: ``None`` (float gradient GEMMs) or 2..8: both gradient GEMMs
+      run on integer codes, the output gradient quantized to ``grad_bits``
+      symmetric integers per row (dgrad, after folding in the weight's
+      channel scales) and per column (wgrad), round to nearest. Needs
+      symmetric grids without learned offsets and weights per tensor or
+      channel; dot products only (convolutions refuse it).
 
   Example:
     >>> import fp8_linen as fl
@@ -152,6 +158,7 @@ class IntRecipe:
   kernel: IntQuantConfig | None = dataclasses.field(default_factory=IntQuantConfig)
   compute_dtype: Literal["float32", "bfloat16"] = "float32"
   gemm: Literal["auto", "int8", "bf16"] = "auto"
+  grad_bits: int | None = None
 
   def __post_init__(self):
     for role in ("input", "kernel"):
@@ -165,6 +172,15 @@ class IntRecipe:
           "activation scales are per tensor; allowed values: ['tensor']")
     check_choice("IntRecipe", "compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
     check_choice("IntRecipe", "gemm", self.gemm, ("auto", "int8", "bf16"))
+    if self.grad_bits is not None:
+      check_int("IntRecipe", "grad_bits", self.grad_bits, 2, 8)
+      for role in ("input", "kernel"):
+        cfg = getattr(self, role)
+        if cfg is None or not cfg.symmetric or cfg.granularity == "group":
+          raise ValueError(
+              f"IntRecipe.grad_bits={self.grad_bits} needs {role} quantized on a symmetric "
+              f"grid per tensor or channel (got {role}={cfg!r}); allowed values for "
+              "grad_bits with it: [None]")
 
 
 def int8_lsq(*, granularity: str = "channel") -> IntRecipe:

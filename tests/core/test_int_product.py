@@ -262,3 +262,47 @@ def test_bad_input_names_the_argument():
     _int(fl.IntRecipe(input=None), x, w, (), ())
   with pytest.raises(ValueError, match="gemm"):
     fl.IntRecipe(gemm="int4")
+
+
+def _np_rows(t, axis, qmax=127):
+  s = np.abs(t).max(axis=axis, keepdims=True) / qmax
+  s = np.where(s > 0, s, 1.0)
+  return np.clip(np.round(t / s), -qmax, qmax) * s
+
+
+def test_integer_gradients_are_the_products_of_row_and_column_quantized_gradients():
+  base = RECIPES["ste_channel"]
+  recipe = fl.IntRecipe(input=base.input, kernel=base.kernel, grad_bits=8, gemm="int8")
+  x, w = _data()
+  r = jax.random.normal(jax.random.key(2), (8, 16))
+  rng = jnp.zeros(2)
+  dx, dw = jax.grad(lambda x, w: jnp.sum(_int(recipe, x, w, (rng,), ()) * r), argnums=(0, 1))(x, w)
+  # Reference another way: numpy, float64, the fake-quantized operands.
+  xq, wq = (np.asarray(t, np.float64) for t in _fake_quant(base, x, w, (rng,), ()))
+  s_w = np.abs(np.asarray(w, np.float64)).max(axis=0, keepdims=True) / 127
+  r64 = np.asarray(r, np.float64)
+  ref_dx = _np_rows(r64 * s_w, axis=1) @ (wq / s_w).T
+  ref_dw = xq.T @ _np_rows(r64, axis=0)
+  np.testing.assert_allclose(dx, ref_dx, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(dw, ref_dw, rtol=1e-4, atol=1e-5)
+  # ... and not the float gradients: the gradient really was quantized.
+  assert not np.allclose(dw, xq.T @ r64, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(dw, xq.T @ r64, rtol=0.05, atol=0.05)
+
+
+def test_integer_gradients_run_three_int8_gemms():
+  recipe = fl.IntRecipe(kernel=Q(granularity="channel"), grad_bits=8, gemm="int8")
+  x, w = _data()
+  f = jax.grad(lambda x, w: jnp.sum(_int(recipe, x, w, (jnp.zeros(2),), ()) ** 2), argnums=(0, 1))
+  text = jax.jit(f).lower(x, w).as_text()
+  dots = [l for l in text.splitlines() if "stablehlo.dot_general" in l]
+  assert len(dots) == 3 and all(l.count("xi8>") == 2 for l in dots), dots
+
+
+def test_grad_bits_needs_symmetric_grids():
+  with pytest.raises(ValueError, match="grad_bits"):
+    fl.IntRecipe(grad_bits=8, kernel=Q(granularity="group", group_size=4))
+  with pytest.raises(ValueError, match="grad_bits"):
+    fl.IntRecipe(grad_bits=8, input=Q(symmetric=False))
+  with pytest.raises(ValueError, match="grad_bits"):
+    fl.IntRecipe(grad_bits=9)
