@@ -15,11 +15,13 @@ reported as a ratio to the bf16 ``nn.Dense`` baseline. Arms:
 * ``int8_ste_s8gemm``: int8 STE forced onto the int8 x int8 -> int32 GEMM.
 
 qwix and AQT come with the ``bench`` extra; an arm whose library is missing is
-recorded as such. Residual bytes: ``print_saved_residuals`` of the layer
+recorded as such. With ``--h100 N`` every arm's step is also compiled for an
+H100 (deviceless, ``fp8_linen.testing.gpu_compile``): its s8 GEMMs and planned
+temporary memory. Residual bytes: ``print_saved_residuals`` of the layer
 (inputs and parameters the backward reads included, fp8/int state excluded);
 ``temp`` is the planned temporary memory of the jitted step.
 
-  python benchmarks/bench_int_qat.py --out benchmarks/results/cpu-int-qat.json
+  python benchmarks/bench_int_qat.py --h100 2048 --out benchmarks/results/cpu-int-qat.json
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import fp8_linen as fl  # noqa: E402
+from fp8_linen.testing import gpu_compile  # noqa: E402
 
 _BF16 = dict(compute_dtype="bfloat16")
 OURS = {
@@ -86,6 +89,22 @@ def arms_for(n: int) -> tuple[dict, list]:
   return {k: m for k, m in arms.items() if m is not None}, missing
 
 
+def h100_rows(n: int) -> dict:
+  """Each arm's train step compiled for an H100 (no GPU needed): products and temp memory."""
+  available = gpu_compile.availability()
+  if not available:
+    return {"unavailable": available.reason}
+  arms, missing = arms_for(n)
+  rows = {"device": "H100 (compile only)", "tokens": 2 * n, "width": n,
+          **{k: {"missing": True} for k in missing}}
+  for k, m in arms.items():
+    r = gpu_compile.compile_train_step(m, (2 * n, n), jnp.bfloat16)
+    rows[k] = {"int8_gemms": r.int8_gemms, "fp8_products": r.fp8_products,
+               "products": r.products, "temp_bytes": r.temp_bytes}
+    print(f"H100 (compile only) n={n} {k:>16}: {r.summary()}", flush=True)
+  return rows
+
+
 def main(argv=None) -> dict:
   """Runs the benchmark, writes ``--out`` (if given) and returns the payload."""
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -93,7 +112,15 @@ def main(argv=None) -> dict:
   ap.add_argument("--runs", type=int, default=20)
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--out", default=None, help="the JSON file to write")
+  ap.add_argument("--h100", type=int, default=None, metavar="N",
+                  help="also compile each arm's step for an H100 (deviceless) at width N")
   args = ap.parse_args(argv)
+  if args.h100:
+    try:  # before any JAX backend starts
+      gpu_compile.use_cpu_platform()
+    except gpu_compile.GpuCompileUnavailable as e:
+      print(f"no H100 compile: {e}")
+      args.h100 = None
   out = {"meta": {**common.environment(), "device": common.device_name(),
                   "backend": jax.default_backend(),
                   "dtype": "bfloat16 activations, float32 params", "runs": args.runs,
@@ -108,6 +135,8 @@ def main(argv=None) -> dict:
     rows.update(common.compare_train_arms(arms, x, baseline="bf16_dense", reps=args.runs,
                                           warmup=args.warmup, label=f"n={n:5d}"))
     out["results"][str(n)] = rows
+  if args.h100:
+    out["h100_compile"] = h100_rows(args.h100)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(out, f, indent=1)

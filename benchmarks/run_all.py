@@ -105,7 +105,7 @@ def plan(device: str, backend: str, quick: bool, quick_dir: str) -> list[Job]:
       Job("bench_layers", (), (layers,)),
       Job("bench_recipes", ("--out", recipes) + (("--sizes", "2048", "4096", "8192") if gpu else ()),
           (recipes,)),
-      Job("bench_int_qat", ("--out", int_qat), (int_qat,)),
+      Job("bench_int_qat", ("--h100", "2048", "--out", int_qat), (int_qat,)),
       Job("qat_digits", ("--out", digits), (digits,)),
       Job("bench_transformer", (), (transformer,)),
       Job("bench_h100_compile", (), (h100,)),
