@@ -404,8 +404,13 @@ class _DotSpec(_Spec):
     # operand's dtype right away.
     lt = jnp.float32 if self.x.cfg.learned else self.lhs_dtype
     rt = jnp.float32 if self.w.cfg.learned else self.rhs_dtype
-    return (grad_gemm(g, wh, self.dn, *nd, "lhs", self.grad_how, lt, one, like=xh),
-            grad_gemm(g, xh, self.dn, *nd, "rhs", self.grad_how, rt, one, like=wh))
+    how = self.grad_how
+    if how == "bf16" and lowering.current_backend() == "gpu":
+      # A GPU GEMM writes its output in the gradient's dtype straight from its
+      # float32 accumulator: no output-sized float32 buffer and cast.
+      how, g = "fp8", g.astype(jnp.bfloat16)
+    return (grad_gemm(g, wh, self.dn, *nd, "lhs", how, lt, one, like=xh),
+            grad_gemm(g, xh, self.dn, *nd, "rhs", how, rt, one, like=wh))
 
 
   def int_grads(self, g, xc: Codes, wc: Codes):
