@@ -50,6 +50,9 @@ class Arm:
       ``nnx_dense_cls`` (see ``JobConfig.api``).
     nnx_dense_cls: Replaces ``nnx.Linear`` in NNX models; called as
       ``nnx_dense_cls(in_features, out_features, dtype=..., rngs=...)``.
+    nnx_conv_cls: Replaces ``nnx.Conv`` in NNX models; called as
+      ``nnx_conv_cls(in_features, out_features, kernel_size, dtype=...,
+      rngs=...)``.
   """
 
   name: str
@@ -64,6 +67,7 @@ class Arm:
   recipe: Any = None
   api: str = 'linen'
   nnx_dense_cls: Callable[..., nnx.Module] = nnx.Linear
+  nnx_conv_cls: Callable[..., nnx.Module] = nnx.Conv
 
 
 _NNX_NOTE = 'Flax NNX model ({})'
@@ -73,7 +77,7 @@ def _with_api(arm: Arm, cfg: config_lib.JobConfig) -> Arm:
   """``arm`` as configured by ``cfg.api`` (its NNX twin for ``'nnx'``)."""
   if cfg.api == 'linen':
     return arm
-  layer = ('fp8_linen.nnx.Linear' if arm.quantized else 'nnx.Linear')
+  layer = ('fp8_linen.nnx.Linear/Conv' if arm.quantized else 'nnx.Linear/Conv')
   return dataclasses.replace(arm, api=cfg.api, notes=arm.notes + (_NNX_NOTE.format(layer),),
                              details=arm.details + (('api', cfg.api),))
 
@@ -89,11 +93,12 @@ def bf16_arm(cfg: config_lib.JobConfig) -> Arm:
 
 
 def _quantized_arm(name: str, recipe, cfg: config_lib.JobConfig) -> Arm:
-  """An arm with ``QDense`` and ``QConv`` (NNX: ``fl.nnx.Linear``) using ``recipe``."""
+  """An arm with ``QDense`` and ``QConv`` (NNX: ``fl.nnx.Linear``, ``Conv``) using ``recipe``."""
   return _with_api(Arm(
       name=name, dense_cls=functools.partial(fl.QDense, recipe=recipe),
       conv_cls=functools.partial(fl.QConv, recipe=recipe),
       nnx_dense_cls=functools.partial(fl.nnx.Linear, recipe=recipe),
+      nnx_conv_cls=functools.partial(fl.nnx.Conv, recipe=recipe),
       train_state_cls=fl.TrainState, quantized=True,
       details=(('recipe', repr(recipe)),), recipe=recipe), cfg)
 

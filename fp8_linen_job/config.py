@@ -30,7 +30,7 @@ ARMS = ('bf16', 'fp8', 'int8')
 """Arm names the job knows (see :mod:`fp8_linen_job.arms`)."""
 
 APIS = ('linen', 'nnx')
-"""Flax APIs the lm task's model can be written in (``JobConfig.api``)."""
+"""Flax APIs the tasks' models can be written in (``JobConfig.api``)."""
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
 """Where the shipped YAML configs live (package data, so a wheel has them)."""
@@ -168,10 +168,10 @@ class JobConfig:
       ``fp8_linen.IntRecipe()``, min/max observers with the straight-through
       estimator).
     progress: Show a tqdm progress bar per arm.
-    api: ``linen`` (default) or ``nnx``: build the ``lm`` task's transformer
-      in Flax NNX (``fp8_linen.nnx.Linear`` in the quantized arms,
-      ``nnx.Linear`` in ``bf16``; same architecture, data and seed). The
-      ``digits`` task has no NNX model.
+    api: ``linen`` (default) or ``nnx``: build every task's model in Flax
+      NNX (``fp8_linen.nnx.Linear``/``Conv`` in the quantized arms,
+      ``nnx.Linear``/``Conv`` in ``bf16``; same architecture, variable tree,
+      data and seed).
     lm: Settings of the ``lm`` task.
     digits: Settings of the ``digits`` task.
   """
@@ -202,9 +202,6 @@ class JobConfig:
         raise ConfigError(f'{name} must not be empty')
       if len(set(values)) != len(values):
         raise ConfigError(f'{name} has duplicates: {list(values)}')
-    if self.api == 'nnx' and 'digits' in self.tasks:
-      raise ConfigError("api: nnx has an NNX model for the lm task only; run "
-                        "it with tasks: [lm] (--tasks lm)")
     # Every recipe is checked, also those of arms not run this time, so a
     # typo surfaces when the config is loaded rather than in a later run.
     for f in dataclasses.fields(self):

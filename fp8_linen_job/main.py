@@ -94,8 +94,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  help=f'arms to train, from: {", ".join(config_lib.ARMS)}')
   p.add_argument('--seed', type=int, help='override the seed')
   p.add_argument('--api', choices=config_lib.APIS,
-                 help='Flax API of the lm model (default: linen; nnx: the '
-                 'same transformer built from fp8_linen.nnx layers)')
+                 help='Flax API of the models (default: linen; nnx: the '
+                 'same models built from fp8_linen.nnx layers)')
   p.add_argument('--resume', action='store_true',
                  help='continue each task/arm from its latest checkpoint in '
                  '--out (same data order and state as an uninterrupted run)')

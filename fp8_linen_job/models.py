@@ -11,9 +11,9 @@ Embeddings, layer norms, attention score math and (by default) the output
 head stay plain flax in the compute ``dtype``; only the injected layers change
 between arms.
 
-The same transformer is also written in Flax NNX (:class:`NnxTransformerLM`,
-``api: nnx``), with the same variable tree, and run by the job's functional
-train loop through :class:`NnxAsLinen`.
+The same models are also written in Flax NNX (:class:`NnxTransformerLM`,
+:class:`NnxDigitsCNN`; ``api: nnx``), with the same variable trees, and run by
+the job's functional train loop through :class:`NnxAsLinen`.
 """
 
 from __future__ import annotations
@@ -183,17 +183,19 @@ class DigitsCNN(nn.Module):
     return logits.astype(jnp.float32)
 
 
-# --- The same transformer in Flax NNX (``api: nnx``) -------------------------
+# --- The same models in Flax NNX (``api: nnx``) ------------------------------
 #
-# Attribute names follow the Linen modules' names (``block0/attn/qkv``, ...),
-# so the variables of both APIs have the same tree and the train loop, the
-# checkpoints and the quantization report are shared unchanged. Flax's NNX
-# layers use the same default initializers as their Linen twins (LeCun normal
-# kernels, zero biases, unit-variance embeddings, unit LayerNorm scales); only
-# the random draws differ.
+# Attribute names follow the Linen modules' names (``block0/attn/qkv``,
+# ``conv0``, ...), so the variables of both APIs have the same tree and the
+# train loop, the checkpoints and the quantization report are shared
+# unchanged. Flax's NNX layers use the same default initializers as their
+# Linen twins (LeCun normal kernels, zero biases, unit-variance embeddings,
+# unit LayerNorm scales) and the same convolution padding ('SAME'); only the
+# random draws differ.
 
 NnxFactory = Callable[..., nnx.Module]
-"""``dense_cls(in_features, out_features, dtype=..., rngs=...)``."""
+"""``dense_cls(in_features, out_features, dtype=..., rngs=...)``; a conv
+factory also takes ``kernel_size`` after ``out_features``."""
 
 
 class NnxCausalSelfAttention(nnx.Module):
@@ -286,6 +288,57 @@ class NnxTransformerLM(nnx.Module):
     for i in range(self.num_layers):
       x = getattr(self, f'block{i}')(x)
     return self.head(self.ln_f(x)).astype(jnp.float32)
+
+
+class NnxDigitsCNN(nnx.Module):
+  """:class:`DigitsCNN` in NNX: same architecture, same variable tree.
+
+  Args:
+    conv_features: Output channels of each 3x3 convolution (attributes
+      ``conv0``, ``conv1``, ...).
+    hidden: Width of the dense hidden layer (``fc``).
+    num_classes: Number of classes (``head``).
+    conv_cls: Builds the convolutions (``nnx.Conv`` or e.g.
+      ``functools.partial(fp8_linen.nnx.Conv, recipe=...)``).
+    dense_cls: Builds the hidden dense layer.
+    head_cls: Builds the classifier (``None``: ``nnx.Linear``).
+    dtype: Compute dtype.
+    image_size: Height and width of the (square) input images.
+    in_channels: Channels of the input images.
+    rngs: The ``nnx.Rngs``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> cnn = NnxDigitsCNN(conv_features=(4,), hidden=8, rngs=nnx.Rngs(0))
+    >>> cnn(jnp.zeros((2, 8, 8, 1))).shape, cnn.fc.kernel.shape
+    ((2, 10), (64, 8))
+  """
+
+  def __init__(self, *, conv_features: tuple[int, ...] = (32, 64), hidden: int = 128,
+               num_classes: int = 10, conv_cls: NnxFactory = nnx.Conv,
+               dense_cls: NnxFactory = nnx.Linear, head_cls: NnxFactory | None = None,
+               dtype: Any = jnp.bfloat16, image_size: int = 8, in_channels: int = 1,
+               rngs: nnx.Rngs):
+    self.num_convs = len(conv_features)
+    self.dtype = dtype
+    channels = in_channels
+    for i, features in enumerate(conv_features):
+      setattr(self, f'conv{i}', conv_cls(channels, features, (3, 3), dtype=dtype, rngs=rngs))
+      channels = features
+    # 'SAME' convolutions keep the image size; the 2x2 pool halves it.
+    pooled = (image_size // 2) ** 2 * channels
+    self.fc = dense_cls(pooled, hidden, dtype=dtype, rngs=rngs)
+    self.head = (head_cls or nnx.Linear)(hidden, num_classes, dtype=dtype, rngs=rngs)
+
+  def __call__(self, images: jax.Array) -> jax.Array:
+    """Maps ``float[batch, 8, 8, 1]`` images to ``float32[batch, classes]``."""
+    x = images.astype(self.dtype)
+    for i in range(self.num_convs):
+      x = nn.relu(getattr(self, f'conv{i}')(x))
+    x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+    x = nn.relu(self.fc(x.reshape(x.shape[0], -1)))
+    return self.head(x).astype(jnp.float32)
 
 
 class NnxAsLinen:

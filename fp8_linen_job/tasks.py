@@ -124,6 +124,16 @@ def digits_task(cfg: config_lib.JobConfig) -> Task:
                                    batch_size=s.batch_size, seed=cfg.seed)
 
   def build_model(arm: arms_lib.Arm) -> nn.Module:
+    if arm.api == 'nnx':
+      head = arm.nnx_dense_cls if s.quantize_head else None
+      return models.NnxAsLinen(
+          lambda rngs: models.NnxDigitsCNN(
+              conv_features=s.conv_features, hidden=s.hidden,
+              conv_cls=arm.nnx_conv_cls, dense_cls=arm.nnx_dense_cls,
+              head_cls=head, dtype=arm.dtype,
+              image_size=data.train_x.shape[1], in_channels=data.train_x.shape[3],
+              rngs=rngs),
+          calibrate=isinstance(arm.recipe, fl.IntRecipe))
     return arm.wrap_model(models.DigitsCNN(
         conv_features=s.conv_features, hidden=s.hidden,
         conv_cls=arm.conv_cls, dense_cls=arm.dense_cls,

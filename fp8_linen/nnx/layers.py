@@ -178,9 +178,10 @@ class Einsum(nnx.Einsum):
 
   Same arguments and ``nnx.Param`` s as ``nnx.Einsum``; the equation is
   lowered to one ``dot_general`` (the input is the ``input`` role, the kernel
-  the ``kernel`` role). fp8 recipes and integer recipes whose weight quantizer
-  is not learned (LSQ weight steps need the kernel's contracting axes, which
-  depend on the input) work.
+  the ``kernel`` role). Every recipe works. A learned (LSQ/LSQ+) weight
+  quantizer's ``kernel_step`` has the shape ``fl.QEinsum`` gives it for the
+  same equation and kernel: one step per kernel axis that the product does
+  not contract (for an input that does not broadcast against the kernel).
 
   Example:
     >>> import jax.numpy as jnp
@@ -195,13 +196,14 @@ class Einsum(nnx.Einsum):
                recipe: Any = Fp8Recipe(), rngs: nnx.Rngs, **kwargs):
     _no_override("Einsum", kwargs, "einsum_op")
     products.check_recipe("Einsum", recipe)
-    if isinstance(recipe, IntRecipe) and recipe.kernel is not None and recipe.kernel.learned:
-      raise NotImplementedError("Einsum: learned (LSQ) weight quantizers are not supported; "
-                                "use an STE weight quantizer or LinearGeneral")
     super().__init__(einsum_str, kernel_shape, bias_shape, einsum_op=_layer_einsum, rngs=rngs,
                      **kwargs)
     self.recipe = recipe
-    products.declare(self, recipe, None, None)
+    kernel, contract = None, None
+    if isinstance(recipe, IntRecipe) and recipe.kernel is not None and recipe.kernel.learned:
+      # LSQ weight steps have the shape of the kernel as the lowered product sees it.
+      kernel, contract = products.einsum_kernel(self.einsum_str, self.kernel[...])
+    products.declare(self, recipe, kernel, contract)
 
   def __call__(self, inputs, *args, **kwargs):
     inputs = _check_floating("Einsum", inputs)

@@ -45,7 +45,8 @@ from fp8_linen.nnx.state import ROLES, QuantState, chained, declare_role, read_r
 from fp8_linen.recipes.fp8 import Fp8Recipe
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
-__all__ = ["declare", "dot_general", "einsum", "conv", "calibrate", "check_recipe"]
+__all__ = ["declare", "einsum_kernel", "dot_general", "einsum", "conv", "calibrate",
+           "check_recipe"]
 
 _CALIBRATING: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_nnx_calibrating",
                                                                default=False)
@@ -57,6 +58,49 @@ def check_recipe(owner: str, recipe, conv: bool = False) -> None:
     return
   hint = " (call it: the function returns the recipe)" if callable(recipe) else ""
   raise TypeError(f"{owner}: recipe must be an Fp8Recipe or an IntRecipe, got {recipe!r}{hint}")
+
+
+def einsum_kernel(equation: str, kernel):
+  """The kernel as :func:`einsum`'s product sees it, and its contracting axes there.
+
+  An LSQ weight step covers the kernel's contracting axes in the
+  ``dot_general`` that :func:`einsum_plan` lowers ``equation`` to, after the
+  kernel axes the product sums away are reduced. The plan reads the input's
+  shape, which a constructor does not have: the input here has the kernel's
+  size on every shared subscript (and, under an ellipsis, the kernel's
+  ellipsis axes), which gives the plan of every input that does not broadcast
+  against the kernel. :func:`einsum` checks the step's shape against the real
+  input's at every call.
+
+  Args:
+    equation: the two-operand einsum equation (input, kernel), without spaces.
+    kernel: the kernel array.
+
+  Returns:
+    ``(kernel_operand, contracting_axes)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> k, axes = einsum_kernel('btd,dhk->bthk', jnp.ones((4, 2, 3)))
+    >>> k.shape, axes
+    ((4, 2, 3), (0,))
+  """
+  ins = equation.partition("->")[0]
+  lhs_term, rhs_term = ins.split(",")
+  rhs_letters = rhs_term.replace("...", "")
+  n_ell = kernel.ndim - len(rhs_letters) if "..." in rhs_term else 0
+  ell_at = rhs_term.find("...")
+  ell_shape = tuple(kernel.shape[ell_at:ell_at + n_ell]) if n_ell else ()
+  rhs_sizes = dict(zip(rhs_term.replace("...", "-" * n_ell), kernel.shape))
+  lhs_shape = []
+  for part in lhs_term.split("..."):
+    lhs_shape += [rhs_sizes.get(c, 1) for c in part]
+    lhs_shape += list(ell_shape)
+  lhs_shape = lhs_shape[:len(lhs_shape) - len(ell_shape)]  # no ellipsis after the last part
+  plan = einsum_plan(equation, tuple(lhs_shape), kernel.shape)
+  if plan.rhs_sum_axes:
+    kernel = jnp.sum(kernel, axis=plan.rhs_sum_axes)
+  return kernel, plan.dimension_numbers[0][1]
 
 
 def _step_shape(role: str, view, axes) -> tuple:

@@ -1,4 +1,4 @@
-"""The job's `api: nnx` option: the lm transformer in Flax NNX, same loop and report."""
+"""The job's `api: nnx` option: every task's model in Flax NNX, same loop and report."""
 
 import dataclasses
 
@@ -14,7 +14,7 @@ from fp8_linen_job import tasks as tasks_lib
 
 def _nnx_cfg(**kw):
   cfg = config_lib.load_config('tiny')
-  return dataclasses.replace(cfg, tasks=('lm',), api='nnx', progress=False, **kw)
+  return dataclasses.replace(cfg, **{'tasks': ('lm',), 'api': 'nnx', 'progress': False, **kw})
 
 
 def test_api_option_from_cli_and_yaml(tmp_path):
@@ -27,14 +27,15 @@ def test_api_option_from_cli_and_yaml(tmp_path):
   path.write_text('api: jax\n')
   with pytest.raises(config_lib.ConfigError, match="'jax'.*allowed values: linen, nnx"):
     config_lib.load_config(str(path))
-  with pytest.raises(config_lib.ConfigError, match='lm task only'):
-    config_lib.JobConfig(api='nnx')  # digits is among the default tasks
+  assert config_lib.JobConfig(api='nnx').tasks == config_lib.TASKS  # every task has one
 
 
-@pytest.mark.parametrize('arm', ['bf16', 'fp8'])
-def test_nnx_model_has_the_linen_variable_tree(arm):
-  cfg = _nnx_cfg()
-  task = tasks_lib.build_task('lm', cfg)
+@pytest.mark.parametrize('arm', ['bf16', 'fp8', 'int8'])
+@pytest.mark.parametrize('task_name', ['lm', 'digits'])
+def test_nnx_model_has_the_linen_variable_tree(task_name, arm):
+  # The train loop, checkpoints and the quantization report read the tree.
+  cfg = _nnx_cfg(tasks=(task_name,))
+  task = tasks_lib.build_task(task_name, cfg)
   linen_arm = arms_lib.build_arm(arm, dataclasses.replace(cfg, api='linen'))
   nnx_arm = arms_lib.build_arm(arm, cfg)
   key, x = jax.random.PRNGKey(0), task.example_input()
@@ -56,3 +57,24 @@ def test_nnx_fp8_and_bf16_arms_train_and_report(tmp_path):
   assert abs(fp8.history['loss'][0] - bf16.history['loss'][0]) < 0.1  # same init, data
   rows = [l.split() for l in paths['text'].splitlines() if l.startswith(('bf16', 'fp8'))]
   assert {'bf16', 'fp8'} <= {r[0] for r in rows}
+
+
+def test_nnx_digits_arms_learn(tmp_path):
+  # Wider than the tiny config and a higher rate, so 40 steps reach an
+  # accuracy only a working model gets (chance: 0.1).
+  cfg = config_lib.load_config('tiny')
+  digits = dataclasses.replace(cfg.digits, steps=40, batch_size=32, conv_features=(8,),
+                               hidden=32, learning_rate=1e-2, eval_every=0)
+  cfg = _nnx_cfg(tasks=('digits',), arms=('fp8', 'int8'), digits=digits)
+  (fp8, int8), paths = main_lib.run_job(cfg, str(tmp_path))
+  for r in (fp8, int8):
+    assert r.details['api'] == 'nnx' and any('NNX' in n for n in r.notes)
+    assert r.val_acc > 0.6, (r.arm, r.val_acc)
+    assert r.final_train_loss < 0.6 * r.history['loss'][0]
+  assert fp8.health['scales'] > 0 and fp8.health['nonfinite_scales'] == 0
+  assert fp8.health['amax_entries'] > fp8.health['zero_amax']  # histories written
+  assert int8.health['int_values'] > 0 and int8.health['nonfinite_int_values'] == 0
+  # The job traces the same layers as for the Linen CNN: the convolution's too.
+  assert any(k.startswith('conv0/') for k in fp8.history['trace'])
+  assert {k.rsplit('/', 1)[1] for k in int8.history['trace']} == {'input_step', 'kernel_step'}
+  assert 'digits' in paths['text']

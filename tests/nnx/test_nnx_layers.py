@@ -81,14 +81,56 @@ def test_other_layers(recipe):
   assert lg.kernel[...].shape == nnx.LinearGeneral(8, (2, 4), rngs=nnx.Rngs(0)).kernel.shape
   conv = fnnx.Conv(3, 4, (3, 3), recipe=recipe, rngs=nnx.Rngs(0))
   assert conv(_x((1, 6, 6, 3))).shape == (1, 6, 6, 4)
-  if not recipe.__class__.__name__ == "IntRecipe" or not recipe.kernel.learned:
-    es = fnnx.Einsum("btd,dh->bth", (8, 4), (4,), recipe=recipe, rngs=nnx.Rngs(0))
-    assert es(x3).shape == (2, 5, 4)
-  for layer, x in ((lg, x3), (conv, _x((1, 6, 6, 3)))):
+  es = fnnx.Einsum("btd,dh->bth", (8, 4), (4,), recipe=recipe, rngs=nnx.Rngs(0))
+  assert es(x3).shape == (2, 5, 4)
+  for layer, x in ((lg, x3), (conv, _x((1, 6, 6, 3))), (es, x3)):
     fnnx.calibrate(layer, x)
     grads = fnnx.grad(lambda m: jnp.sum(m(x) ** 2))(layer)
     fnnx.update_state(layer, grads)
     _assert_concrete(layer)
+
+
+# Kernels with a batch axis, several contracted axes, a summed axis, an ellipsis.
+EINSUMS = [("btd,dh->bth", (8, 4), (2, 5, 8)), ("btd,hdk->bthk", (2, 8, 3), (2, 5, 8)),
+           ("btnd,nde->bte", (2, 8, 4), (2, 5, 2, 8)), ("bd,dhx->bh", (8, 3, 2), (4, 8)),
+           ("...nd,...ndh->...nh", (2, 8, 4), (3, 2, 8))]
+
+
+@pytest.mark.parametrize("name", ["int8_lsq", "int4_lsq_plus"])
+@pytest.mark.parametrize("equation,kernel_shape,x_shape", EINSUMS,
+                         ids=[e[0] for e in EINSUMS])
+def test_einsum_learned_weight_steps_match_qeinsum(name, equation, kernel_shape, x_shape):
+  recipe = RECIPES[name]
+  x = _x(x_shape)
+  linen = fl.QEinsum(shape=kernel_shape, einsum_str=equation, use_bias=False, recipe=recipe)
+  want = jax.tree.map(jnp.shape, linen.init(jax.random.key(0), x)["params"])
+  layer = fnnx.Einsum(equation, kernel_shape, recipe=recipe, rngs=nnx.Rngs(0))
+  got = jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(layer, nnx.Param)))
+  assert got == want
+  assert "kernel_step" in got and ("kernel_offset" in got) == (name == "int4_lsq_plus")
+  assert layer(x).shape == linen.apply(linen.init(jax.random.key(0), x), x).shape
+
+
+@pytest.mark.parametrize("name", ["int8_lsq", "int4_lsq_plus"])
+def test_einsum_learned_weight_steps_train(name):
+  x = _x((16, 6, 8))
+  target = jnp.tanh(jnp.einsum("btd,dh->bth", x, _x((8, 4), seed=2)))
+  model = fnnx.Einsum("btd,dh->bth", (8, 4), (4,), recipe=RECIPES[name], rngs=nnx.Rngs(0))
+  assert model.kernel_step[...].shape == (1, 4)  # per output channel
+  fnnx.calibrate(model, x)
+  step0 = model.kernel_step[...]
+  opt = fnnx.Optimizer(model, optax.adam(2e-2))
+
+  @nnx.jit
+  def step(model, opt):
+    loss, grads = fnnx.value_and_grad(lambda m: jnp.mean((m(x) - target) ** 2))(model)
+    opt.update(model, grads)
+    return loss
+
+  losses = [float(step(model, opt)) for _ in range(8)]
+  assert losses[-1] < 0.8 * losses[0], losses
+  assert not np.array_equal(model.kernel_step[...], step0)
+  assert np.isfinite(model.kernel_step[...]).all() and (model.kernel_step[...] > 0).all()
 
 
 def test_seed_002_quantizer_gradient_and_state():

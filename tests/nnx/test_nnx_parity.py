@@ -16,6 +16,7 @@ RECIPES = {
     "mx": fl.mx_block_scaling(),
     "int_ste": fl.IntRecipe(),
     "int8_lsq": fl.int8_lsq(),
+    "int4_lsq_plus": fl.int4_lsq_plus(),
 }
 CONV_RECIPES = ["delayed", "current", "int_ste", "int8_lsq"]
 
@@ -55,6 +56,49 @@ def test_linear_matches_qdense(name):
   recipe = RECIPES[name]
   x = jax.random.normal(jax.random.key(1), (8, 64))
   _check(fl.QDense(16, recipe=recipe), fnnx.Linear(64, 16, recipe=recipe, rngs=nnx.Rngs(0)), x)
+
+
+# (QDenseGeneral arguments, LinearGeneral arguments, input shape): one contracted
+# axis to several features, several contracted axes, a batch axis in the kernel.
+GENERAL = {
+    "features": (dict(features=(2, 8), axis=-1), dict(in_features=32, out_features=(2, 8)),
+                 (4, 3, 32)),
+    "axes": (dict(features=16, axis=(-2, -1)),
+             dict(in_features=(4, 16), out_features=16, axis=(-2, -1)), (3, 4, 16)),
+    "batch": (dict(features=8, axis=-1, batch_dims=0),
+              dict(in_features=32, out_features=8, batch_axis={0: 2}), (2, 6, 32)),
+}
+
+
+@pytest.mark.parametrize("case", list(GENERAL))
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_linear_general_matches_qdense_general(name, case):
+  recipe = RECIPES[name]
+  linen_kw, nnx_kw, x_shape = GENERAL[case]
+  x = jax.random.normal(jax.random.key(1), x_shape)
+  _check(fl.QDenseGeneral(**linen_kw, recipe=recipe),
+         fnnx.LinearGeneral(**nnx_kw, recipe=recipe, rngs=nnx.Rngs(0)), x)
+
+
+# (equation, kernel shape, bias, input shape): a plain projection with a bias,
+# heads as a kernel batch axis, two contracted axes, a kernel axis summed away.
+EINSUMS = {
+    "proj": ("btd,dh->bth", (32, 16), True, (2, 4, 32)),
+    "heads": ("btd,hdk->bthk", (2, 32, 8), False, (2, 4, 32)),
+    "two_contracted": ("btnd,nde->bte", (2, 16, 8), True, (2, 4, 2, 16)),
+    "summed": ("bd,dhx->bh", (32, 8, 2), False, (4, 32)),
+}
+
+
+@pytest.mark.parametrize("case", list(EINSUMS))
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_einsum_matches_qeinsum(name, case):
+  recipe = RECIPES[name]
+  equation, kernel_shape, bias, x_shape = EINSUMS[case]
+  x = jax.random.normal(jax.random.key(1), x_shape)
+  bias_shape = (kernel_shape[-1],) if bias else None
+  _check(fl.QEinsum(shape=kernel_shape, einsum_str=equation, use_bias=bias, recipe=recipe),
+         fnnx.Einsum(equation, kernel_shape, bias_shape, recipe=recipe, rngs=nnx.Rngs(0)), x)
 
 
 @pytest.mark.parametrize("name", CONV_RECIPES)
