@@ -352,3 +352,45 @@ def test_served_weight_bytes_against_the_float_model(recipe, bound):
   if recipe == "int4_lsq_plus":
     kernel = sp["params"]["layers_0"]["kernel"]
     assert kernel.nbytes == kernel.size  # one byte per int4 element in memory on CPU
+
+
+# ----------------------------------------------------------------------------
+# Between consecutive quantized layers
+
+
+def _entry(hlo: str):
+  """``(name, type, opcode, operands)`` of the entry computation's instructions."""
+  text = hlo[hlo.index("\nENTRY"):]
+  comps, types = gpu_compile._parse_hlo(text.lstrip("\n"))  # pylint: disable=protected-access
+  (entry,) = comps.values()
+  return [(name, etype, opcode, [n for _, n in operands]) for name, etype, opcode, operands, _
+          in entry]
+
+
+def test_dense_relu_dense_requantizes_the_int32_accumulator_straight_to_int8():
+  """Dense -> ReLU -> Dense served: dequantize, bias, ReLU and the next quantize are one pass.
+
+  The instruction that reads the first GEMM's s32 accumulator writes the
+  second GEMM's s8 input; no float activation of the hidden layer exists in
+  the program. The arithmetic inside that pass is QAT's, so it stays exact.
+  """
+  r = fl.IntRecipe(gemm="int8")
+  model = nn.Sequential([fl.QDense(256, recipe=r), nn.relu, fl.QDense(128, recipe=r)])
+  v, x = _trained(model, (64, 128))
+  served, sp = fl.convert(model, v, x)
+  hlo = jax.jit(served.apply).lower(sp, x).compile().as_text()
+  instrs = _entry(hlo)
+  produced = {name: etype for name, etype, _, _ in instrs}
+  gemms = [i for i in instrs if produced[i[0]] == "s32"]
+  assert len(gemms) == 2
+  readers = [i for i in instrs if gemms[0][0] in i[3]]
+  assert len(readers) == 1 and readers[0][1] == "s8"      # s32 in, s8 out
+  assert readers[0][0] in gemms[1][3]                      # ... the next GEMM's input
+  entry = hlo[hlo.index("\nENTRY"):]
+  assert "s8[64,256]" in entry and "s32[64,256]" in entry
+  assert not re.search(r"(f32|bf16|f16)\[64,256\]", entry)  # no float hidden activation
+  # The QAT forward does have one: its observer measures the activation first.
+  qat = jax.jit(model.apply).lower(v, x).compile().as_text()
+  assert re.search(r"(f32|bf16|f16)\[64,256\]", qat[qat.index("\nENTRY"):])
+  np.testing.assert_array_equal(np.asarray(jax.jit(served.apply)(sp, x)),
+                                np.asarray(jax.jit(model.apply)(v, x)))
