@@ -10,7 +10,7 @@ Example:
   >>> state = state.apply_gradients(grads=jax.grad(loss)(state.params))
 """
 
-from fp8_linen.conversion import ServedModel, convert, weight_bytes
+from fp8_linen.conversion import ServedModel, ServedModule, convert, weight_bytes
 from fp8_linen.core.conv import fp8_conv_general_dilated
 from fp8_linen.core.dims import EinsumPlan, einsum_plan
 from fp8_linen.core.dot_general import fp8_dot_general
@@ -80,6 +80,7 @@ __version__ = "0.1.0"
 __all__ = [
     "convert",
     "ServedModel",
+    "ServedModule",
     "weight_bytes",
     # recipes
     "FP8_DTYPES",

@@ -1,4 +1,4 @@
-"""From QAT to a served model: :func:`convert` and :class:`ServedModel`.
+"""From QAT to a served model: :func:`convert`, :class:`ServedModule`, :class:`ServedModel`.
 
 After quantization-aware training, :func:`convert` turns a model and its
 trained variables into a model that computes in low precision:
@@ -46,6 +46,7 @@ import dataclasses
 from typing import Any, Mapping
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,7 +54,7 @@ import numpy as np
 from fp8_linen.core.owg import OWG
 from fp8_linen.linen import dispatch, serving
 
-__all__ = ["convert", "ServedModel", "weight_bytes"]
+__all__ = ["convert", "ServedModule", "ServedModel", "weight_bytes"]
 
 # Learned quantizer values of QAT: replaced by the served arrays.
 _TRAINING_ONLY = ("input_step", "input_offset", "kernel_step", "kernel_offset")
@@ -64,42 +65,80 @@ def _low_precision(dtype) -> bool:
   return not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize == 1
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ServedModel:
-  """A converted model: ``apply(served_params, *args)`` runs the served products.
+def _as_layer_sees(variables, kernel_dtypes):
+  """``variables`` with each stored kernel cast (exactly) to the float dtype QAT's layer saw.
+
+  Flax's ``promote_dtype`` has no implicit promotion for fp8, so the codes are
+  handed to the layer as float; the served product casts them back and XLA
+  removes the pair (the codes reach the GEMM).
+  """
+  if not isinstance(variables, Mapping) or "params" not in variables:
+    raise TypeError("the served model's apply: variables must be fl.convert's served params "
+                    "({'params': ...})")
+  params = flax.core.unfreeze(variables["params"])
+  for path, dtype in kernel_dtypes:
+    node = params
+    for p in path:
+      node = node[p]
+    k = jnp.asarray(node["kernel"])
+    if not _low_precision(k.dtype):
+      raise ValueError(f"{'/'.join(path)}: kernel is {k.dtype}, not the low-precision codes "
+                       "fl.convert stored; apply the served model to the params fl.convert "
+                       "returned")
+    node["kernel"] = k.astype(dtype)
+  return {**variables, "params": params}
+
+
+class ServedModule(nn.Module):
+  """A converted Linen model: the model itself, run in serving mode.
+
+  Its variables are the served params, at the model's own paths
+  (``nn.share_scope``). ``apply(served_params, *args)`` as for the model
+  (``method=`` names one of the model's methods).
 
   Attributes:
-    model: the QAT model (a Linen module or a
-      :class:`~fp8_linen.QuantizedModel`), run in serving mode.
+    model: the QAT model.
     kernel_dtypes: ``(path, dtype)`` of every stored kernel: the float dtype
-      the layer saw in QAT. The codes are handed to the layer in that dtype
-      (exact), since flax's ``promote_dtype`` has no implicit promotion for
-      fp8; the served product casts them back and XLA removes the pair.
+      the layer saw in QAT (see ``apply``).
+  """
+
+  model: nn.Module
+  kernel_dtypes: tuple = ()
+
+  def setup(self):
+    nn.share_scope(self, self.model)
+
+  def __call__(self, *args, **kwargs):
+    with dispatch.mode("serve"):
+      return self.model(*args, **kwargs)
+
+  def apply(self, variables, *args, method=None, **kwargs):  # pylint: disable=arguments-differ
+    """The served forward; the stored kernels are handed to the layers as QAT's dtype."""
+    variables = _as_layer_sees(variables, self.kernel_dtypes)
+    if method is not None:
+      name = method if isinstance(method, str) else method.__name__
+
+      def method(module, *a, **k):
+        with dispatch.mode("serve"):
+          return getattr(module.model, name)(*a, **k)
+    return super().apply(variables, *args, method=method, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServedModel:
+  """A converted :class:`~fp8_linen.QuantizedModel`: ``apply(served_params, *args)``.
+
+  Attributes:
+    model: the QAT :class:`~fp8_linen.QuantizedModel`, run in serving mode.
+    kernel_dtypes: as for :class:`ServedModule`.
   """
 
   model: Any
   kernel_dtypes: tuple = ()
 
-  def _as_layer_sees(self, variables):
-    params = flax.core.unfreeze(variables["params"])
-    for path, dtype in self.kernel_dtypes:
-      node = params
-      for p in path:
-        node = node[p]
-      k = jnp.asarray(node["kernel"])
-      if not _low_precision(k.dtype):
-        raise ValueError(f"{'/'.join(path)}: kernel is {k.dtype}, not the low-precision codes "
-                         "fl.convert stored; apply the served model to the params fl.convert "
-                         "returned")
-      node["kernel"] = k.astype(dtype)
-    return {**variables, "params": params}
-
   def apply(self, variables, *args, **kwargs):
     """The served forward (same arguments as the model's ``apply``)."""
-    if not isinstance(variables, Mapping) or "params" not in variables:
-      raise TypeError("ServedModel.apply: variables must be fl.convert's served params "
-                      "({'params': ...})")
-    variables = self._as_layer_sees(variables)
+    variables = _as_layer_sees(variables, self.kernel_dtypes)
     with dispatch.mode("serve"):
       return self.model.apply(variables, *args, **kwargs)
 
@@ -138,7 +177,9 @@ def convert(model, variables, *args, **kwargs):
     **kwargs: keyword arguments of the model's forward (``method=`` too).
 
   Returns:
-    ``(served_model, served_params)``: a :class:`ServedModel` and the
+    ``(served_model, served_params)``: a :class:`ServedModule` (a Linen
+    module, for a Linen model) or a :class:`ServedModel` (for a
+    ``QuantizedModel``), and the
     variables it reads (``{'params': ...}`` plus any non-quantization
     collection such as ``batch_stats``).
 
@@ -159,8 +200,8 @@ def convert(model, variables, *args, **kwargs):
     ...   print(str(e)[:48])
     <root>: has no trained quantization state: its f
   """
-  if isinstance(model, ServedModel):
-    raise TypeError("fl.convert: model is already a ServedModel")
+  if isinstance(model, (ServedModel, ServedModule)):
+    raise TypeError("fl.convert: model is already served")
   if not hasattr(model, "apply"):
     raise TypeError(f"fl.convert: model must be a Linen module or a QuantizedModel, got "
                     f"{type(model).__name__}")
@@ -219,7 +260,10 @@ def convert(model, variables, *args, **kwargs):
         node[k[len(serving.FROZEN):]] = v
   served = {c: v for c, v in variables.items() if c not in (OWG, serving.SERVED, "params")}
   served["params"] = params
-  return ServedModel(model=model, kernel_dtypes=tuple(kernel_dtypes)), served
+  kernel_dtypes = tuple(kernel_dtypes)
+  if isinstance(model, nn.Module):
+    return ServedModule(model, kernel_dtypes), served
+  return ServedModel(model=model, kernel_dtypes=kernel_dtypes), served
 
 
 def weight_bytes(tree) -> int:

@@ -394,3 +394,18 @@ def test_dense_relu_dense_requantizes_the_int32_accumulator_straight_to_int8():
   assert re.search(r"(f32|bf16|f16)\[64,256\]", qat[qat.index("\nENTRY"):])
   np.testing.assert_array_equal(np.asarray(jax.jit(served.apply)(sp, x)),
                                 np.asarray(jax.jit(model.apply)(v, x)))
+
+
+def test_the_served_layer_model_is_a_linen_module_at_the_same_paths():
+  model = nn.Sequential([fl.QDense(16, recipe=fl.Fp8Recipe()), nn.relu,
+                         fl.QDense(4, recipe=fl.Fp8Recipe())])
+  v, x = _trained(model, (4, 8))
+  served, sp = fl.convert(model, v, x)
+  assert isinstance(served, nn.Module) and isinstance(served, fl.ServedModule)
+  assert set(sp["params"]) == set(v["params"]) == {"layers_0", "layers_2"}
+  np.testing.assert_array_equal(np.asarray(jax.jit(served.apply)(sp, x)),
+                                np.asarray(jax.jit(model.apply)(v, x)))
+  qm = fl.quantize_model(nn.Dense(4), fl.int8_lsq(), on_unquantized="ignore")
+  vq = qm.init(jax.random.key(0), x)
+  served_q, _ = fl.convert(qm, vq, x)
+  assert isinstance(served_q, fl.ServedModel)
