@@ -17,9 +17,10 @@ trained variables into a model that computes in low precision:
 * the served products run the QAT forward from those arrays: int8 x int8 ->
   int32 (:func:`~fp8_linen.core.int_product.int_gemm`, the very function QAT
   runs) and fp8 x fp8 GEMMs, so the served model equals the QAT model in
-  evaluation bit for bit (STE observers: for batches inside the recorded
-  range; the QAT forward widens the range with each batch, the served one
-  keeps it).
+  evaluation bit for bit (``'minmax'`` STE observers: for batches inside the
+  recorded range, since the QAT forward folds each batch into the range and
+  the served one keeps it; a ``'moving_average'`` observer moves toward every
+  batch, so its QAT evaluation differs slightly from the frozen range).
 
 It works for models built from the library's layers (``QDense``,
 ``QDenseGeneral``, ``QEinsum``, ``QConv``, ``Fp8DotGeneral`` in a flax layer)
