@@ -152,7 +152,6 @@ def _records(tree, path=()):
   """``(path, record)`` of every product the conversion run wrote."""
   if serving.KERNEL_AT in tree:
     yield path, tree
-    return
   for k, v in tree.items():
     if isinstance(v, Mapping):
       yield from _records(v, path + (k,))
@@ -234,7 +233,6 @@ def convert(model, variables, *args, **kwargs):
                      "serve (build it from fl.QDense/QDenseGeneral/QEinsum/QConv or wrap it "
                      "with fl.quantize_model)")
   params = flax.core.unfreeze(variables["params"])
-  params = jax.tree.map(lambda x: x, params)  # a copy we may edit
   kernel_dtypes = []
   for path, rec in records:
     where = "/".join(path) or "<root>"
