@@ -10,6 +10,7 @@ Example:
   >>> state = state.apply_gradients(grads=jax.grad(loss)(state.params))
 """
 
+from fp8_linen.conversion import ServedModel, ServedModule, convert, weight_bytes
 from fp8_linen.core.conv import fp8_conv_general_dilated
 from fp8_linen.core.dims import EinsumPlan, einsum_plan
 from fp8_linen.core.dot_general import fp8_dot_general
@@ -25,6 +26,7 @@ from fp8_linen.core.qdq import dequantize, quantize
 from fp8_linen.linen.activation import Fp8Activation, fp8_activation
 from fp8_linen.linen.conv import QConv
 from fp8_linen.linen.dense import Fp8DotGeneral, QDense, QDenseGeneral, QEinsum
+from fp8_linen.linen import serving as _serving  # registers the convert/serve products
 from fp8_linen.linen.dispatch import (
     Products,
     quantized_conv_on,
@@ -76,6 +78,10 @@ from fp8_linen.training import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "convert",
+    "ServedModel",
+    "ServedModule",
+    "weight_bytes",
     # recipes
     "FP8_DTYPES",
     "ScalingConfig",

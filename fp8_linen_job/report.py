@@ -46,6 +46,8 @@ def _ratio(result: train_lib.ArmResult,
 TABLE_HEADER = ('arm', 'steps', 'train loss', 'val loss', 'val acc',
                 'ms/step', 'vs bf16')
 HEALTH_HEADER = ('arm', 'state values', 'non-finite', 'skipped amax')
+SERVED_HEADER = ('arm', 'served val loss', 'served val acc', 'vs QAT', 'weights',
+                 'vs f32')
 WIDTH = 80
 """Every line of the printed report fits a terminal this wide."""
 
@@ -72,6 +74,24 @@ def health_rows(results: Sequence[train_lib.ArmResult]) -> list[list[str]]:
     h = quant_state.summarize_health(r.health)
     rows.append([r.arm, str(h['values']), str(h['nonfinite']),
                  '-' if h['skipped'] is None else str(h['skipped'])])
+  return rows
+
+
+def served_rows(results: Sequence[train_lib.ArmResult]) -> list[list[str]]:
+  """Rows of SERVED_HEADER for the arms that were converted and served."""
+  rows = []
+  for r in results:
+    s = r.served
+    if not s:
+      continue
+    same = s['val_loss'] == r.val_loss and s['val_acc'] == r.val_acc
+    diff = ('equal' if same else
+            f"{s['val_loss'] - r.val_loss:+.1e}" if math.isfinite(r.val_loss)
+            else '-')
+    ratio = s['weight_bytes'] / s['float_weight_bytes']
+    rows.append([r.arm, _fmt(s['val_loss'], '.4f'), _fmt(s['val_acc'], '.4f'),
+                 diff, f"{s['weight_bytes'] / 1024:.0f} KiB",
+                 _fmt(ratio, '.2f') + 'x'])
   return rows
 
 
@@ -102,6 +122,11 @@ LEGEND = (
     'steps/ranges; non-finite: NaN/inf among them; skipped amax: '
     'observations missing from the steps trained (a NaN/inf batch is '
     'recorded as 0). Healthy: 0 non-finite, 0 skipped.',
+    'served model: fl.convert of the final state (weights stored as int8/fp8 '
+    'codes, input scales frozen), evaluated on the same held-out data; vs '
+    'QAT: "equal" when its loss and accuracy equal the QAT model\'s exactly, '
+    'else the loss difference; weights: bytes of the served params, vs f32: '
+    'against the QAT model\'s float32 params.',
 )
 
 
@@ -123,6 +148,9 @@ def format_report(results: Sequence[train_lib.ArmResult],
     if health:
       block += '\n\nquantization state\n' + format_table(health,
                                                          HEALTH_HEADER)
+    served = served_rows(task_results)
+    if served:
+      block += '\n\nserved model\n' + format_table(served, SERVED_HEADER)
     blocks.append(block)
   legend = '\n'.join(_wrap(p.format(window=train_lib.TRAIN_LOSS_WINDOW))
                       for p in LEGEND)

@@ -74,6 +74,11 @@ class ArmResult:
     total_steps: Steps the schedule runs to (``steps_done`` is less when the
       run was stopped early with ``stop_after``).
     checkpoint_step: Step of the latest checkpoint (``None``: none).
+    served: What the served model (:func:`fp8_linen.convert` of the final
+      state) gives on the held-out data: ``val_loss``, ``val_acc``,
+      ``weight_bytes`` (its params) and ``float_weight_bytes`` (the QAT
+      model's float params). ``None`` for unquantized and NNX arms and for
+      runs stopped before the last step.
   """
 
   task: str
@@ -92,6 +97,7 @@ class ArmResult:
   details: dict[str, str] = dataclasses.field(default_factory=dict)
   total_steps: int = 0
   checkpoint_step: int | None = None
+  served: dict[str, Any] | None = None
 
 
 class ResumeError(ValueError):
@@ -425,7 +431,33 @@ def train_arm(task: tasks_lib.Task, arm: arms_lib.Arm,
                       directory=ckpt_dir) from None
   finally:
     manager.close()
-  return summarize(task, arm, state, history, compile_s, checkpoint)
+  result = summarize(task, arm, state, history, compile_s, checkpoint)
+  if result.steps_done == task.steps:
+    result.served = serve_and_evaluate(task, arm, state)
+  return result
+
+
+def serve_and_evaluate(task: tasks_lib.Task, arm: arms_lib.Arm,
+                       state) -> dict[str, Any] | None:
+  """Converts the trained model (:func:`fp8_linen.convert`) and evaluates it.
+
+  The served model computes in low precision from int8/fp8 weights with
+  frozen input scales; on the held-out batches it gives the QAT model's
+  loss and accuracy.
+
+  Returns:
+    ``{'val_loss', 'val_acc', 'weight_bytes', 'float_weight_bytes'}``, or
+    ``None`` for an unquantized or NNX arm.
+  """
+  if not arm.quantized or arm.api != 'linen':
+    return None
+  model = task.build_model(arm)
+  served, params = fl.convert(model, state.params, task.example_input())
+  loss, acc = evaluate(jax.jit(make_eval_step(served.apply)), params,
+                       task.eval_batches)
+  return {'val_loss': loss, 'val_acc': acc,
+          'weight_bytes': fl.weight_bytes(params['params']),
+          'float_weight_bytes': fl.weight_bytes(state.params['params'])}
 
 
 def _train(task: tasks_lib.Task, arm: arms_lib.Arm, cfg: config_lib.JobConfig,

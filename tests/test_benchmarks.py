@@ -202,3 +202,18 @@ def test_scripts_import_only_the_public_api():
           assert ok, f"{path.name} imports {name}"
       if path.name != "bench_transformer.py":
         assert not any(n.startswith("fp8_linen_job") for n in names), path.name
+
+
+def test_bench_serving_quick(tmp_path):
+  bs = _load("bench_serving")
+  payload = bs.main(["--quick", "--reps", "2", "--warmup", "1", "--no-h100",
+                     "--out-dir", str(tmp_path)])
+  saved = json.loads((tmp_path / f"{payload['env']['platform']}-serving.json").read_text())
+  assert saved["device"] == ("CPU" if payload["env"]["platform"] == "cpu" else saved["device"])
+  rows = saved["results"]["batch_8"]
+  assert set(rows) == {"f32", "bf16", "int8", "int8_s8gemm", "int4", "fp8"}
+  assert all(r["median_ms"] > 0 for r in rows.values())
+  assert rows["int8_s8gemm"]["cpu_dots"] == ["s8 x s8 -> s32"] * 2
+  # The served weights are a quarter (int8, fp8) and an eighth (int4) of f32's, plus scales.
+  for name, bound in (("int8", 0.3), ("fp8", 0.3), ("int4", 0.17)):
+    assert rows[name]["weight_bytes"] < bound * rows["f32"]["weight_bytes"], name

@@ -25,6 +25,7 @@ ALLOWED = {
     "model_quantization": {"recipes", "core", "linen", "interception", "product_report"},
     "training": {"core"},
     "monitor": {"core"},
+    "conversion": {"core", "linen"},
     "testing": {"recipes", "core", "linen", "model_quantization", "product_report", "training",
                 "root"},
 }

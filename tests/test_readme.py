@@ -93,3 +93,10 @@ def test_readme_names_the_two_commands():
   text = README.read_text()
   assert 'pip install ".[job]" && python -m fp8_linen' in text
   assert 'pip install ".[test]" && python -m pytest' in text
+
+
+def test_served_model_snippet_stores_int8_and_matches_qat():
+  ns = _run("From QAT to a served model", 1)
+  assert ns["served_params"]["params"]["layers_0"]["kernel"].dtype == jnp.int8
+  assert fl.OWG not in ns["served_params"]
+  assert (ns["y"] == jax.jit(ns["model"].apply)(ns["variables"], ns["x"])).all()

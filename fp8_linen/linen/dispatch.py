@@ -23,6 +23,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Callable
 
@@ -38,7 +40,7 @@ from fp8_linen.recipes.fp8 import ActivationRecipe, Fp8Recipe, ScalingConfig
 from fp8_linen.recipes.integer import IntRecipe
 from fp8_linen.recipes.yaml import recipe_names
 
-__all__ = ["Products", "register_recipe", "products_for", "check_recipe", "recipe_error",
+__all__ = ["Products", "register_recipe", "MODES", "mode", "current_mode", "register_mode", "products_for", "check_recipe", "recipe_error",
            "fp8_dot_general_on", "fp8_conv_on",
            "quantized_dot_general_on", "quantized_einsum_on", "quantized_conv_on"]
 
@@ -83,6 +85,38 @@ _TABLE: dict[type, Products] = {
     Fp8Recipe: Products(dot_general=fp8_dot_general_on, conv=fp8_conv_on),
     IntRecipe: Products(dot_general=int_dot_general_on, conv=int_conv_on),
 }
+
+
+# Other modes than training: the same model definition runs other products
+# (``'convert'`` writes a layer's served arrays, ``'serve'`` reads them; see
+# :mod:`fp8_linen.linen.serving`, which fills these tables).
+MODES = ("convert", "serve")
+_MODE_TABLES: dict[str, dict[type, Products]] = {m: {} for m in MODES}
+_MODE: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_mode", default=None)
+
+
+@contextlib.contextmanager
+def mode(name: str | None):
+  """Runs every product of the block in mode ``name`` (``None``: training)."""
+  if name is not None and name not in MODES:
+    raise ValueError(f"dispatch.mode: name={name!r} must be None or one of {MODES}")
+  token = _MODE.set(name)
+  try:
+    yield
+  finally:
+    _MODE.reset(token)
+
+
+def current_mode() -> str | None:
+  """The mode products run in (``None``: training)."""
+  return _MODE.get()
+
+
+def register_mode(name: str, recipe_type: type, products: Products) -> None:
+  """The products ``recipe_type`` runs in mode ``name`` (see :func:`mode`)."""
+  if name not in MODES or not isinstance(products, Products):
+    raise TypeError(f"register_mode(name, recipe_type, products): name in {MODES}, a Products")
+  _MODE_TABLES[name][recipe_type] = products
 
 
 def register_recipe(recipe_type: type, products: Products) -> None:
@@ -133,15 +167,21 @@ def recipe_error(owner: str, recipe, accepted: str, example: str,
                    f"accepted: {accepted} (e.g. {example})")
 
 
-def products_for(recipe, owner: str = "recipe") -> Products:
+def products_for(recipe, owner: str = "recipe", in_mode: str | None = None) -> Products:
   """The table entry of ``recipe``'s type (or of its nearest registered base).
+
+  ``in_mode`` picks the table of a mode other than training (:func:`mode`).
 
   Raises:
     TypeError: naming ``owner`` (the layer) and the accepted recipe types.
   """
+  table = _TABLE if in_mode is None else _MODE_TABLES[in_mode]
   for klass in type(recipe).__mro__:
-    if klass in _TABLE:
-      return _TABLE[klass]
+    if klass in table:
+      return table[klass]
+  if in_mode is not None:
+    raise TypeError(f"{owner}: recipe={_short(recipe)} cannot run in mode {in_mode!r}: no "
+                    f"{in_mode} products are registered for {type(recipe).__name__}")
   raise recipe_error(owner, recipe, " or ".join(sorted(t.__name__ for t in _TABLE)),
                      "fl.delayed_scaling(), fl.current_scaling(), fl.int8_lsq()")
 
@@ -170,7 +210,9 @@ def check_recipe(owner: str, recipe, conv: bool = False) -> None:
 def quantized_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe,
                              out_dtype=None, key: str = "dot"):
   """Runs ``recipe``'s quantized ``dot_general`` on ``module``'s state."""
-  return products_for(recipe, type(module).__name__).dot_general(
+  owner = type(module).__name__
+  products_for(recipe, owner)
+  return products_for(recipe, owner, _MODE.get()).dot_general(
       module, lhs, rhs, dimension_numbers, recipe, out_dtype, key)
 
 
@@ -178,7 +220,8 @@ def quantized_conv_on(module: nn.Module, lhs, rhs, conv_kwargs: dict, recipe, ou
                       key: str = "conv"):
   """Runs ``recipe``'s quantized convolution on ``module``'s state."""
   check_recipe(type(module).__name__, recipe, conv=True)
-  return products_for(recipe).conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key)
+  return products_for(recipe, type(module).__name__, _MODE.get()).conv(
+      module, lhs, rhs, conv_kwargs, recipe, out_dtype, key)
 
 
 def _reduce(x, axes):

@@ -173,6 +173,13 @@ def test_fp8_arm_tiny_run(tmp_path):
   row = [l for l in paths['text'].splitlines() if l.startswith('fp8')][1]
   assert row.split()[2:] == ['0', '0']
   assert os.path.getsize(os.path.join(str(tmp_path), report.SCALES_PNG)) > 1000
+  # The converted model, run from fp8 weights, gives the QAT model's numbers.
+  assert bf16.served is None
+  assert fp8.served['val_loss'] == fp8.val_loss
+  assert fp8.served['val_acc'] == fp8.val_acc
+  assert fp8.served['weight_bytes'] < fp8.served['float_weight_bytes']
+  served_row = [l for l in paths['text'].splitlines() if l.startswith('fp8')][2]
+  assert served_row.split()[3] == 'equal'
 
 
 def test_resume_equals_straight_fp8(tiny_cfg, tmp_path):
@@ -193,6 +200,11 @@ def test_int8_arm_tiny_run_traces_lsq_steps(tiny_cfg, tmp_path):
   assert all(len(v) == 8 and min(v) > 0 for v in trace.values())
   # The steps are trained: they move.
   assert any(v[0] != v[-1] for v in trace.values())
+  # Served from int8 weights: the QAT model's loss and accuracy, exactly.
+  assert result.served['val_loss'] == result.val_loss
+  assert result.served['val_acc'] == result.val_acc
+  # The tiny CNN's biases and per-channel scales weigh as much as its kernels.
+  assert result.served['weight_bytes'] < 0.5 * result.served['float_weight_bytes']
 
 
 def test_int8_arm_with_observers_traces_ranges(tiny_cfg, tmp_path):

@@ -1,0 +1,282 @@
+"""From QAT to a served model: :func:`convert`, :class:`ServedModule`, :class:`ServedModel`.
+
+After quantization-aware training, :func:`convert` turns a model and its
+trained variables into a model that computes in low precision:
+
+* every quantized weight is quantized once, with the scale the QAT forward
+  used, and stored in place of the float ``kernel`` as ``int8``, ``int4``
+  (``jnp.int4``) or fp8 codes, with its scales next to it
+  (:mod:`fp8_linen.core.serve` lists the names);
+* activation quantization is frozen from the trained state (fp8 delayed: the
+  scale the amax history gives; LSQ/LSQ+: the learned step/offset; STE
+  observers: the recorded range). fp8 current, row-wise and MX scaling
+  measure each batch, in serving too;
+* training-only state is dropped: the ``_overwrite_with_gradient`` collection
+  (amax histories, observer ranges) and the learned quantizer parameters
+  become the few arrays serving reads;
+* the served products run the QAT forward from those arrays: int8 x int8 ->
+  int32 (:func:`~fp8_linen.core.int_product.int_gemm`, the very function QAT
+  runs) and fp8 x fp8 GEMMs, so the served model equals the QAT model in
+  evaluation bit for bit (``'minmax'`` STE observers: for batches inside the
+  recorded range, since the QAT forward folds each batch into the range and
+  the served one keeps it; a ``'moving_average'`` observer moves toward every
+  batch, so its QAT evaluation differs slightly from the frozen range).
+
+It works for models built from the library's layers (``QDense``,
+``QDenseGeneral``, ``QEinsum``, ``QConv``, ``Fp8DotGeneral`` in a flax layer)
+and for :func:`~fp8_linen.quantize_model`'d models: the same model code runs
+in a conversion mode that writes the served arrays and in a serving mode
+that reads them (:mod:`fp8_linen.linen.serving`).
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import fp8_linen as fl
+  >>> model = fl.QDense(4, recipe=fl.int8_lsq())
+  >>> x = jax.random.normal(jax.random.key(0), (8, 16))
+  >>> variables = model.init(jax.random.key(1), x)
+  >>> served, params = fl.convert(model, variables, x)
+  >>> params['params']['kernel'].dtype
+  dtype('int8')
+  >>> bool((served.apply(params, x) == model.apply(variables, x)).all())
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp8_linen.core.owg import OWG
+from fp8_linen.linen import dispatch, serving
+
+__all__ = ["convert", "ServedModule", "ServedModel", "weight_bytes"]
+
+# Learned quantizer values of QAT: replaced by the served arrays.
+_TRAINING_ONLY = ("input_step", "input_offset", "kernel_step", "kernel_offset")
+
+
+def _low_precision(dtype) -> bool:
+  dtype = jnp.dtype(dtype)
+  return not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize == 1
+
+
+def _as_layer_sees(variables, kernel_dtypes):
+  """``variables`` with each stored kernel cast (exactly) to the float dtype QAT's layer saw.
+
+  Flax's ``promote_dtype`` has no implicit promotion for fp8, so the codes are
+  handed to the layer as float; the served product casts them back and XLA
+  removes the pair (the codes reach the GEMM).
+  """
+  if not isinstance(variables, Mapping) or "params" not in variables:
+    raise TypeError("the served model's apply: variables must be fl.convert's served params "
+                    "({'params': ...})")
+  params = flax.core.unfreeze(variables["params"])
+  for path, dtype in kernel_dtypes:
+    node = params
+    for p in path:
+      node = node[p]
+    k = jnp.asarray(node["kernel"])
+    if not _low_precision(k.dtype):
+      raise ValueError(f"{'/'.join(path)}: kernel is {k.dtype}, not the low-precision codes "
+                       "fl.convert stored; apply the served model to the params fl.convert "
+                       "returned")
+    node["kernel"] = k.astype(dtype)
+  return {**variables, "params": params}
+
+
+class ServedModule(nn.Module):
+  """A converted Linen model: the model itself, run in serving mode.
+
+  Its variables are the served params, at the model's own paths
+  (``nn.share_scope``). ``apply(served_params, *args)`` as for the model
+  (``method=`` names one of the model's methods).
+
+  Attributes:
+    model: the QAT model.
+    kernel_dtypes: ``(path, dtype)`` of every stored kernel: the float dtype
+      the layer saw in QAT (see ``apply``).
+  """
+
+  model: nn.Module
+  kernel_dtypes: tuple = ()
+
+  def setup(self):
+    nn.share_scope(self, self.model)
+
+  def __call__(self, *args, **kwargs):
+    with dispatch.mode("serve"):
+      return self.model(*args, **kwargs)
+
+  def apply(self, variables, *args, method=None, **kwargs):  # pylint: disable=arguments-differ
+    """The served forward; the stored kernels are handed to the layers as QAT's dtype."""
+    variables = _as_layer_sees(variables, self.kernel_dtypes)
+    if method is not None:
+      name = method if isinstance(method, str) else method.__name__
+
+      def method(module, *a, **k):
+        with dispatch.mode("serve"):
+          return getattr(module.model, name)(*a, **k)
+    return super().apply(variables, *args, method=method, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServedModel:
+  """A converted :class:`~fp8_linen.QuantizedModel`: ``apply(served_params, *args)``.
+
+  Attributes:
+    model: the QAT :class:`~fp8_linen.QuantizedModel`, run in serving mode.
+    kernel_dtypes: as for :class:`ServedModule`.
+  """
+
+  model: Any
+  kernel_dtypes: tuple = ()
+
+  def apply(self, variables, *args, **kwargs):
+    """The served forward (same arguments as the model's ``apply``)."""
+    variables = _as_layer_sees(variables, self.kernel_dtypes)
+    with dispatch.mode("serve"):
+      return self.model.apply(variables, *args, **kwargs)
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def _records(tree, path=()):
+  """``(path, record)`` of every product the conversion run wrote."""
+  if serving.KERNEL_AT in tree:
+    yield path, tree
+  for k, v in tree.items():
+    if isinstance(v, Mapping):
+      yield from _records(v, path + (k,))
+
+
+def _node(tree: dict, path) -> dict:
+  for p in path:
+    tree = tree.setdefault(p, {})
+  return tree
+
+
+def convert(model, variables, *args, **kwargs):
+  """Turns a QAT model and its trained variables into a served model and params.
+
+  Args:
+    model: a Linen module built from the library's layers, or a
+      :class:`~fp8_linen.QuantizedModel`.
+    variables: its trained variables (``params`` and the
+      ``_overwrite_with_gradient`` collection, as training left them).
+    *args: example inputs of the model's forward (arrays or
+      ``jax.ShapeDtypeStruct``; only their shapes matter): conversion traces
+      the forward once to find every quantized product and its layout.
+    **kwargs: keyword arguments of the model's forward (``method=`` too).
+
+  Returns:
+    ``(served_model, served_params)``: a :class:`ServedModule` (a Linen
+    module, for a Linen model) or a :class:`ServedModel` (for a
+    ``QuantizedModel``), and the
+    variables it reads (``{'params': ...}`` plus any non-quantization
+    collection such as ``batch_stats``).
+
+  Raises:
+    ValueError: naming the layer, for a layer without trained quantization
+      state, a recipe that cannot be served, variables that do not fit the
+      model, or a model with no quantized product.
+    TypeError: for arguments of the wrong kind.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> model = fl.QDense(3)
+    >>> x = jnp.ones((2, 5))
+    >>> try:
+    ...   fl.convert(model, model.init(jax.random.key(0), x), x)
+    ... except ValueError as e:
+    ...   print(str(e)[:48])
+    <root>: has no trained quantization state: its f
+  """
+  if isinstance(model, (ServedModel, ServedModule)):
+    raise TypeError("fl.convert: model is already served")
+  if not hasattr(model, "apply"):
+    raise TypeError(f"fl.convert: model must be a Linen module or a QuantizedModel, got "
+                    f"{type(model).__name__}")
+  if not isinstance(variables, Mapping) or "params" not in variables:
+    raise TypeError("fl.convert: variables must be the model's variables ({'params': ..., "
+                    f"'{OWG}': ...}}), got {type(variables).__name__}")
+  if not args and not {k for k in kwargs if k != "method"}:
+    raise TypeError("fl.convert(model, variables, *example_inputs): give example inputs of "
+                    "the forward (arrays or jax.ShapeDtypeStruct) so it can be traced once")
+  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_array)
+  traced = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+
+  def run(v, arrays):
+    full = list(leaves)
+    for i, a in zip(traced, arrays):
+      full[i] = a
+    a, k = jax.tree.unflatten(treedef, full)
+    with dispatch.mode("convert"):
+      return model.apply(v, *a, mutable=[serving.SERVED], **k)[1]
+
+  examples = [jnp.zeros(leaves[i].shape, leaves[i].dtype) for i in traced]
+  try:
+    state = jax.jit(run)(variables, examples)
+  except flax.errors.FlaxError as e:
+    raise ValueError(f"fl.convert: the variables do not fit the model: {e}") from e
+  records = list(_records(flax.core.unfreeze(state).get(serving.SERVED, {})))
+  if not records:
+    raise ValueError("fl.convert: the model ran no quantized product, so there is nothing to "
+                     "serve (build it from fl.QDense/QDenseGeneral/QEinsum/QConv or wrap it "
+                     "with fl.quantize_model)")
+  params = flax.core.unfreeze(variables["params"])
+  kernel_dtypes = []
+  for path, rec in records:
+    where = "/".join(path) or "<root>"
+    if not bool(rec[serving.OK]):
+      raise ValueError(
+          f"{where}: has no trained quantization state: its frozen input scale would come "
+          f"from an empty amax history / observer range. Convert the variables of a trained "
+          f"(or calibrated) model, including the '{OWG}' collection")
+    node = _node(params, path)
+    for name in _TRAINING_ONLY:
+      node.pop(name, None)
+    at, equal = int(rec[serving.KERNEL_AT]), bool(rec[serving.KERNEL_EQUAL])
+    prefix = serving.FOLD if at >= 0 and equal else serving.LIVE
+    if prefix == serving.FOLD:
+      dest_path = path if at == 0 else path[:-1]
+      dest = _node(params, dest_path)
+      old = jnp.asarray(dest["kernel"])
+      dest["kernel"] = jnp.reshape(rec[serving.FOLD + "kernel"], old.shape)
+      kernel_dtypes.append((tuple(dest_path), str(old.dtype)))
+    for k, v in rec.items():
+      if k.startswith(prefix) and k != serving.FOLD + "kernel":
+        node[k[len(prefix):]] = v
+      elif k.startswith(serving.FROZEN):
+        node[k[len(serving.FROZEN):]] = v
+  served = {c: v for c, v in variables.items() if c not in (OWG, serving.SERVED, "params")}
+  served["params"] = params
+  kernel_dtypes = tuple(kernel_dtypes)
+  if isinstance(model, nn.Module):
+    return ServedModule(model, kernel_dtypes), served
+  return ServedModel(model=model, kernel_dtypes=kernel_dtypes), served
+
+
+def weight_bytes(tree) -> int:
+  """Bytes of the arrays in ``tree`` as stored: ``jnp.int4`` counted at half a byte.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> fl.weight_bytes({'k': jnp.zeros((4, 4), jnp.int4), 's': jnp.zeros((4,))})
+    24
+  """
+  total = 0.0
+  for leaf in jax.tree.leaves(tree):
+    dtype = jnp.dtype(leaf.dtype)
+    bits = 4 if dtype == jnp.dtype(jnp.int4) else 8 * dtype.itemsize
+    total += leaf.size * bits / 8
+  return int(np.ceil(total))

@@ -1,0 +1,47 @@
+"""The served forward (``fl.convert``) compiled for an H100 without a GPU: what XLA:GPU selects.
+
+int8 and int4 weights serve as s8 x s8 -> s32 cuBLASLt GEMMs (int4 is unpacked
+to int8: there is no int4 GEMM), fp8 weights as cuBLASLt fp8 GEMMs; between
+two served layers one fused pass turns the accumulator into the next GEMM's
+low-precision input.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+import fp8_linen as fl
+
+RECIPES = {"int8": fl.int8_lsq(), "int4": fl.int4_lsq_plus(), "fp8": fl.Fp8Recipe()}
+
+
+def _served(recipe):
+  model = nn.Sequential([fl.QDense(256, recipe=recipe), nn.relu, fl.QDense(128, recipe=recipe)])
+  x = jax.random.normal(jax.random.key(0), (64, 128))
+  v = model.init(jax.random.key(1), x)
+  v = fl.merge_owg(v, jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2))(v))
+  return fl.convert(model, v, x), x
+
+
+def _gemm_operands(report, h100):
+  comps, types = h100._parse_hlo(report.hlo)  # pylint: disable=protected-access
+  out = []
+  for comp, instrs in comps.items():
+    for _, etype, opcode, operands, attrs in instrs:
+      if opcode == "custom-call" and "__cublas" in attrs:
+        target = h100._TARGET.search(attrs).group(1)  # pylint: disable=protected-access
+        out.append((target, *h100._operand_types(operands[:2], types[comp])))  # pylint: disable=protected-access
+  return out
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_served_products_on_h100(h100, name):
+  (served, sp), x = _served(RECIPES[name])
+  report = h100.compile_for_h100(served.apply, sp, x)
+  gemms = _gemm_operands(report, h100)
+  if name == "fp8":
+    assert gemms == [("__cublas$lt$matmul$f8", "f8e4m3fn", "f8e4m3fn")] * 2
+  else:
+    assert gemms == [("__cublas$lt$matmul", "s8", "s8")] * 2
+  assert report.other_dots == 0
