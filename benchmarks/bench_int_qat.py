@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 
@@ -138,9 +137,7 @@ def main(argv=None) -> dict:
   if args.h100:
     out["h100_compile"] = h100_rows(args.h100)
   if args.out:
-    with open(args.out, "w") as f:
-      json.dump(out, f, indent=1)
-    print("wrote", args.out)
+    print("wrote", common.write_json_to(args.out, out))
   return out
 
 

@@ -18,7 +18,6 @@ temp memory of the jitted step is recorded too.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -74,9 +73,7 @@ def main(argv=None) -> dict:
                                      warmup=args.warmup, label=f"n={n:5d}")
     out["results"][str(n)] = rows
   if args.out:
-    with open(args.out, "w") as f:
-      json.dump(out, f, indent=1)
-    print("wrote", args.out)
+    print("wrote", common.write_json_to(args.out, out))
   return out
 
 

@@ -320,8 +320,12 @@ def write_json(name: str, payload: dict, out_dir: str | None = None,
     device: the file-name prefix (default :func:`device_name`).
   """
   out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-  path = os.path.join(out_dir, f"{device or device_name()}-{name}.json")
-  os.makedirs(os.path.dirname(path), exist_ok=True)
+  return write_json_to(os.path.join(out_dir, f"{device or device_name()}-{name}.json"), payload)
+
+
+def write_json_to(path: str, payload: dict) -> str:
+  """Writes ``payload`` to ``path`` (folders created) and returns the path."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:
     json.dump(payload, f, indent=1, sort_keys=True)
   return path

@@ -1,14 +1,15 @@
 """Runs every benchmark script in sequence, then draws the plots.
 
-Order: bench_dense, bench_layers, bench_recipes, bench_int_qat, qat_digits, bench_transformer,
-bench_h100_compile, plot_results. Each runs as its own subprocess (a fresh JAX backend each, so
+Order: bench_dense, bench_layers, bench_recipes, bench_int_qat, bench_serving,
+qat_digits, bench_transformer, bench_h100_compile, plot_results. Each runs as its own subprocess (a fresh JAX backend each, so
 one script's compiled programs and memory cannot skew the next) and gets one
 summary line: OK or FAILED (exit code), seconds, and what it wrote. The exit
 code is non-zero if any script failed; the others still run.
 
 How long: a full run on the 2-core CPU machine takes roughly 10-20 minutes
 (an estimate, not a measurement: bench_dense ~1-2 min, bench_layers ~2 min,
-bench_recipes ~2 min, bench_int_qat ~4 min, qat_digits ~3 min (its last full run took 157 s),
+bench_recipes ~2 min, bench_int_qat ~4 min, bench_serving ~2 min, qat_digits
+~3 min (its last full run took 157 s),
 bench_transformer ~4-8 min, most of it the 3 x 150 parity steps and
 compilation, bench_h100_compile ~1.5 min: compiles only, for an H100, on the
 CPU; it prints "skipped" and writes nothing where the CUDA plugin of the test
@@ -42,8 +43,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_DIR = os.path.join(HERE, "results")
-ORDER = ("bench_dense", "bench_layers", "bench_recipes", "bench_int_qat", "qat_digits",
-         "bench_transformer",
+ORDER = ("bench_dense", "bench_layers", "bench_recipes", "bench_int_qat", "bench_serving",
+         "qat_digits", "bench_transformer",
          "bench_h100_compile", "plot_results")
 """Every script, in the order it runs."""
 
@@ -86,6 +87,7 @@ def plan(device: str, backend: str, quick: bool, quick_dir: str) -> list[Job]:
   recipes = os.path.join(out, f"{device}-recipes.json")
   digits = os.path.join(out, f"{device}-qat-digits.json")
   int_qat = os.path.join(out, f"{device}-int-qat.json")
+  serving = os.path.join(out, f"{device}-serving.json")
   transformer = os.path.join(out, f"{device}-transformer.json")
   if quick:
     return [
@@ -95,6 +97,7 @@ def plan(device: str, backend: str, quick: bool, quick_dir: str) -> list[Job]:
             (recipes,)),
         Job("bench_int_qat", ("--sizes", "128", "--runs", "3", "--warmup", "1", "--out", int_qat),
             (int_qat,)),
+        Job("bench_serving", ("--quick", "--reps", "3", "--out-dir", out), (serving,)),
         Job("qat_digits", ("--seeds", "1", "--epochs", "2", "--out", digits), (digits,)),
         Job("bench_transformer", ("--quick", "--out-dir", out), (transformer,)),
         Job("bench_h100_compile", ("--quick", "--out-dir", out), (h100,)),
@@ -106,6 +109,7 @@ def plan(device: str, backend: str, quick: bool, quick_dir: str) -> list[Job]:
       Job("bench_recipes", ("--out", recipes) + (("--sizes", "2048", "4096", "8192") if gpu else ()),
           (recipes,)),
       Job("bench_int_qat", ("--h100", "2048", "--out", int_qat), (int_qat,)),
+      Job("bench_serving", ("--out-dir", out), (serving,)),
       Job("qat_digits", ("--out", digits), (digits,)),
       Job("bench_transformer", (), (transformer,)),
       Job("bench_h100_compile", (), (h100,)),
