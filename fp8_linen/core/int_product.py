@@ -39,11 +39,12 @@ Example:
   >>> import jax, jax.numpy as jnp
   >>> import fp8_linen as fl
   >>> from fp8_linen.core import int_product
-  >>> x = jnp.array([[1.0, -2.0], [0.5, 4.0]]); w = jnp.array([[1.0], [2.0]])
+  >>> # Ranges of 127 make both scales 1, so the codes are the values themselves.
+  >>> x = jnp.array([[1.0, -2.0], [127.0, 4.0]]); w = jnp.array([[1.0], [127.0]])
   >>> y, _ = int_product.int_dot_general(x, w, (((1,), (0,)), ((), ())), recipe=fl.IntRecipe(),
   ...     input_params=(jnp.zeros(2),), kernel_params=())
   >>> y.ravel().tolist()
-  [-3.0, 8.5]
+  [-253.0, 635.0]
 """
 
 from __future__ import annotations
