@@ -141,24 +141,29 @@ def _missing(module, what: str) -> ValueError:
                     "apply the served model to the params fl.convert returned")
 
 
+def _served(module, lhs, rhs, out_dtype, required, run):
+  """Reads ``module``'s served arrays, checks ``required`` are there, runs ``run(arrays, dtype)``."""
+  arrays = served_arrays(module)
+  for name in required:
+    if name not in arrays:
+      raise _missing(module, name)
+  return run(arrays, jnp.dtype(out_dtype or jnp.result_type(lhs, rhs)))
+
+
 def _serve_fp8_dot(module, lhs, rhs, dimension_numbers, recipe, out_dtype, key):
   del key
-  arrays = served_arrays(module)
-  if recipe.granularity == "tensor" and recipe.input.scaling == "delayed" and \
-      "input_scale" not in arrays:
-    raise _missing(module, "input_scale")
-  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
-  return serve.fp8_dot(lhs, rhs, dimension_numbers, recipe=recipe, arrays=arrays,
-                       folded="kernel_scale" in arrays, out_dtype=out_dtype)
+  frozen = recipe.granularity == "tensor" and recipe.input.scaling == "delayed"
+  return _served(module, lhs, rhs, out_dtype, ("input_scale",) if frozen else (),
+                 lambda arrays, dt: serve.fp8_dot(
+                     lhs, rhs, dimension_numbers, recipe=recipe, arrays=arrays,
+                     folded="kernel_scale" in arrays, out_dtype=dt))
 
 
 def _serve_fp8_conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key):
   del key
-  arrays = served_arrays(module)
-  if "kernel_scale" not in arrays:
-    raise _missing(module, "kernel_scale")
-  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
-  return serve.fp8_conv(lhs, rhs, conv_kwargs, recipe=recipe, arrays=arrays, out_dtype=out_dtype)
+  return _served(module, lhs, rhs, out_dtype, ("kernel_scale",),
+                 lambda arrays, dt: serve.fp8_conv(lhs, rhs, conv_kwargs, recipe=recipe,
+                                                   arrays=arrays, out_dtype=dt))
 
 
 # ----------------------------------------------------------------------------
@@ -218,23 +223,18 @@ def _convert_int_conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key):
 def _serve_int_dot(module, lhs, rhs, dimension_numbers, recipe, out_dtype, key):
   del key
   _check_int(module, recipe)
-  arrays = served_arrays(module)
-  if "input_scale" not in arrays:
-    raise _missing(module, "input_scale")
-  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
-  return serve.int_dot(lhs, rhs, dimension_numbers, recipe=recipe, arrays=arrays,
-                       folded="kernel_scale" in arrays, out_dtype=out_dtype)
+  return _served(module, lhs, rhs, out_dtype, ("input_scale",),
+                 lambda arrays, dt: serve.int_dot(
+                     lhs, rhs, dimension_numbers, recipe=recipe, arrays=arrays,
+                     folded="kernel_scale" in arrays, out_dtype=dt))
 
 
 def _serve_int_conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key):
   del key
   _check_int(module, recipe)
-  arrays = served_arrays(module)
-  for name in ("input_scale", "kernel_scale"):
-    if name not in arrays:
-      raise _missing(module, name)
-  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
-  return serve.int_conv(lhs, rhs, conv_kwargs, recipe=recipe, arrays=arrays, out_dtype=out_dtype)
+  return _served(module, lhs, rhs, out_dtype, ("input_scale", "kernel_scale"),
+                 lambda arrays, dt: serve.int_conv(lhs, rhs, conv_kwargs, recipe=recipe,
+                                                   arrays=arrays, out_dtype=dt))
 
 
 dispatch.register_mode("convert", Fp8Recipe,
