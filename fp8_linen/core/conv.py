@@ -47,7 +47,7 @@ from fp8_linen.core import lowering, numerics, owg
 from fp8_linen.core.product import ProductSpec, product
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
-__all__ = ["ConvSpec", "fp8_conv_general_dilated"]
+__all__ = ["ConvSpec", "fp8_conv_general_dilated", "fp8_conv_of", "conv_config"]
 
 
 def _conv(a, b, cfg, compute_dtype, preferred=None):
@@ -129,6 +129,27 @@ def _fp8_wgrad(q_l, q_g, q_r, cfg):
   return jnp.transpose(w, perm)
 
 
+def fp8_conv_of(q_l, s_l, q_r, s_r, conv_cfg, gemm: str, out_dtype):
+  """The forward convolution of two fp8 operands with scalar scales, lowered as ``gemm``.
+
+  Shared by the training product and the served model (``core/serve.py``).
+  ``conv_cfg`` is :func:`conv_config`'s tuple.
+  """
+  if gemm == "fp8":  # dequantize-then-conv: the cuDNN fp8 graph form
+    return _conv(_deq(q_l, s_l), _deq(q_r, s_r), conv_cfg, jnp.float32).astype(out_dtype)
+  up = jnp.bfloat16 if gemm == "bf16" else jnp.float32  # fp8 -> bf16 is exact
+  y = _conv(q_l, q_r, conv_cfg, up, preferred=jnp.float32)
+  return (y * jnp.reshape(numerics.scale_product(s_l, s_r), ())).astype(out_dtype)
+
+
+def conv_config(n: int, window_strides, padding, lhs_dilation, rhs_dilation, dn,
+                feature_group_count: int) -> tuple:
+  """Checked, static convolution arguments for ``n`` spatial dimensions (see :func:`fp8_conv_of`)."""
+  return (_ints("window_strides", window_strides, n), _padding(padding, n),
+          _ints("lhs_dilation", lhs_dilation, n), _ints("rhs_dilation", rhs_dilation, n),
+          dn, feature_group_count)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ConvSpec(ProductSpec):
   """A per-tensor fp8 convolution (a spec of :func:`fp8_linen.core.product.product`)."""
@@ -139,13 +160,7 @@ class ConvSpec(ProductSpec):
     c_l, c_r, _ = self.cfgs
     q_l, s_l, a_l = numerics.quantize_with(c_l, *states[0], lhs)
     q_r, s_r, a_r = numerics.quantize_with(c_r, *states[1], rhs)
-    if self.gemm == "fp8":  # dequantize-then-conv: the cuDNN fp8 graph form
-      y = _conv(_deq(q_l, s_l), _deq(q_r, s_r), self.conv_cfg, jnp.float32)
-      y = y.astype(self.out_dtype)
-    else:
-      up = jnp.bfloat16 if self.gemm == "bf16" else jnp.float32  # fp8 -> bf16 is exact
-      y = _conv(q_l, q_r, self.conv_cfg, up, preferred=jnp.float32)
-      y = (y * jnp.reshape(numerics.scale_product(s_l, s_r), ())).astype(self.out_dtype)
+    y = fp8_conv_of(q_l, s_l, q_r, s_r, self.conv_cfg, self.gemm, self.out_dtype)
     return y, (q_l, q_r), (a_l, a_r), (s_l, s_r)
 
   def backward(self, q_l, q_r, extras, states, g):
@@ -263,9 +278,8 @@ def fp8_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=Non
         f"fp8_conv_general_dilated: lhs has {in_feat} input features but rhs expects "
         f"{k_in} x feature_group_count={feature_group_count}; lhs.shape={lhs.shape}, "
         f"rhs.shape={rhs.shape}")
-  conv_cfg = (_ints("window_strides", window_strides, n), _padding(padding, n),
-              _ints("lhs_dilation", lhs_dilation, n), _ints("rhs_dilation", rhs_dilation, n),
-              dn, feature_group_count)
+  conv_cfg = conv_config(n, window_strides, padding, lhs_dilation, rhs_dilation, dn,
+                         feature_group_count)
   states = tuple(owg.check_state(name, st) for name, st in zip(
       owg.ROLES, (input_state, kernel_state, output_grad_state)))
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))

@@ -26,6 +26,7 @@ from typing import NamedTuple, Sequence
 __all__ = [
     "DimensionNumbers",
     "canonical_dn",
+    "conv_contract",
     "free_dims",
     "grad_dims",
     "Layout",
@@ -48,6 +49,16 @@ def canonical_dn(dimension_numbers, lhs_ndim: int, rhs_ndim: int) -> DimensionNu
   if len(dn[0][0]) != len(dn[0][1]) or len(dn[1][0]) != len(dn[1][1]):
     raise ValueError(f"dimension_numbers {dimension_numbers} pair unequal numbers of dimensions")
   return dn
+
+
+def conv_contract(lhs_ndim: int, rhs_ndim: int, cdn) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """The contracting axes of a convolution's operands, as a GEMM would have them.
+
+  Every input axis but the batch axis (features and the window), every kernel
+  axis but the output-feature axis; ``cdn`` is a ``ConvDimensionNumbers``.
+  """
+  return (tuple(d for d in range(lhs_ndim) if d != cdn.lhs_spec[0]),
+          tuple(d for d in range(rhs_ndim) if d != cdn.rhs_spec[0]))
 
 
 def free_dims(ndim: int, contract: Sequence[int], batch: Sequence[int]) -> list[int]:

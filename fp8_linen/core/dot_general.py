@@ -25,7 +25,7 @@ from fp8_linen.core import dims, lowering, numerics, owg
 from fp8_linen.core.product import ProductSpec, product
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
-__all__ = ["TensorDot", "RowDot", "BlockDot", "fp8_dot_general", "grad_gemm"]
+__all__ = ["TensorDot", "RowDot", "BlockDot", "fp8_dot_general", "grad_gemm", "relayout", "relayout_like"]
 
 
 def grad_gemm(g, other, dn, lhs_ndim: int, rhs_ndim: int, wrt: str, how: str, out_dtype,
@@ -44,14 +44,15 @@ def grad_gemm(g, other, dn, lhs_ndim: int, rhs_ndim: int, wrt: str, how: str, ou
   return jnp.transpose(y, perm)
 
 
-def _relayout(t, pairs, dst_ndim: int):
+def relayout(t, pairs, dst_ndim: int):
+  """``t`` (size 1 off the listed axes) moved along ``(src, dst)`` pairs into ``dst_ndim`` axes."""
   squeeze, perm, shape = dims.relayout_axes(t.shape, pairs, dst_ndim)
   return jnp.transpose(jnp.squeeze(t, axis=squeeze), perm).reshape(shape)
 
 
-def _relayout_like(t, pairs, ref):
-  """:func:`_relayout` into ``ref``'s layout, sharded to broadcast against ``ref``."""
-  return lowering.reshard_like(_relayout(t, pairs, ref.ndim), ref)
+def relayout_like(t, pairs, ref):
+  """:func:`relayout` into ``ref``'s layout, sharded to broadcast against ``ref``."""
+  return lowering.reshard_like(relayout(t, pairs, ref.ndim), ref)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,8 +99,8 @@ class RowDot(_DotSpec):
     q_r = numerics.quantize(rhs, k_cfg.jnp_dtype, s_r)
     y = lowering.gemm(q_l, q_r, self.dn, self.gemm, self.out_dtype,
                       lowering.dot_out_sharding(q_l, q_r, self.dn))
-    s_out = numerics.scale_product(_relayout_like(s_l, lay.lhs_to_out, y),
-                                   _relayout_like(s_r, lay.rhs_to_out, y))
+    s_out = numerics.scale_product(relayout_like(s_l, lay.lhs_to_out, y),
+                                   relayout_like(s_r, lay.rhs_to_out, y))
     y = (y.astype(jnp.float32) * s_out).astype(self.out_dtype)
     return y, (q_l, q_r), (numerics.amax(lhs), numerics.amax(rhs)), (s_l, s_r)
 
@@ -113,17 +114,17 @@ class RowDot(_DotSpec):
     # Each operand's scale lies along the *contracted* axis of one gradient
     # GEMM, so it is folded into g before g is quantized for that GEMM.
     # dgrad contracts rhs's free axes: fold s_r into g, scale g per row.
-    g1 = g32 * _relayout_like(s_r, lay.rhs_to_out, g32)
+    g1 = g32 * relayout_like(s_r, lay.rhs_to_out, g32)
     s_g1 = numerics.row_scale(g1, lay.rhs_free_out, g_cfg)
     q_g1 = numerics.quantize(g1, g_cfg.jnp_dtype, s_g1)
     d_lhs = grad_gemm(q_g1, q_r, self.dn, *nd, "lhs", self.gemm, jnp.float32, one, like=q_l)
-    d_lhs = (d_lhs * _relayout_like(s_g1, dims.flip(lay.lhs_to_out), d_lhs)).astype(self.lhs_dtype)
+    d_lhs = (d_lhs * relayout_like(s_g1, dims.flip(lay.lhs_to_out), d_lhs)).astype(self.lhs_dtype)
     # wgrad contracts lhs's free axes: fold s_l into g, scale g per column.
-    g2 = g32 * _relayout_like(s_l, lay.lhs_to_out, g32)
+    g2 = g32 * relayout_like(s_l, lay.lhs_to_out, g32)
     s_g2 = numerics.row_scale(g2, lay.lhs_free_out, g_cfg)
     q_g2 = numerics.quantize(g2, g_cfg.jnp_dtype, s_g2)
     d_rhs = grad_gemm(q_g2, q_l, self.dn, *nd, "rhs", self.gemm, jnp.float32, one, like=q_r)
-    d_rhs = (d_rhs * _relayout_like(s_g2, dims.flip(lay.rhs_to_out), d_rhs)).astype(self.rhs_dtype)
+    d_rhs = (d_rhs * relayout_like(s_g2, dims.flip(lay.rhs_to_out), d_rhs)).astype(self.rhs_dtype)
     return d_lhs, d_rhs, numerics.amax(g)
 
 

@@ -59,12 +59,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8_linen.core import dims, int_numerics, int_ops, lowering, owg
-from fp8_linen.core.dot_general import grad_gemm
+from fp8_linen.core.dot_general import grad_gemm, relayout
 from fp8_linen.core.numerics import SCALE_FLOOR
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["Operand", "Codes", "quantize", "dequantize", "resolve_int_gemm", "int_gemm",
-           "int_conv", "conv_static", "operand_params", "run_product", "conv_supported", "dot_supported", "int_dot_general", "int_conv_general_dilated", "code_bound",
+           "int_conv", "encode", "contracted", "conv_static", "operand_params", "run_product", "conv_supported", "dot_supported", "int_dot_general", "int_conv_general_dilated", "code_bound",
            "INT_GEMMS"]
 
 INT_GEMMS = ("auto", "int8", "bf16")
@@ -163,23 +163,36 @@ def quantize(op: Operand, x, params):
     range (``None`` otherwise); ``inside`` is the STE mask in the view's shape
     where it can differ from all-ones (:attr:`Operand.keeps_mask`), else ``None``.
   """
-  cfg = op.cfg
-  view, axes = int_numerics.int_view(x, op.contract, cfg)
+  view, axes = int_numerics.int_view(x, op.contract, op.cfg)
   s, z, b, new = _params_of(op, x, view, axes, params)
+  c, inside = encode(op, view, s, z, b)
+  return c, new, inside
+
+
+def encode(op: Operand, view, scale, zero_point=None, offset=None):
+  """``view`` as :class:`Codes` with given parameters; also the STE mask (or ``None``).
+
+  STE (``zero_point`` given): ``clamp(round(x / s) + z)``, the expression of
+  :func:`~fp8_linen.core.int_numerics.int_fake_quant`; LSQ/LSQ+:
+  ``clamp(round((x - offset) / s))``, that of
+  :func:`~fp8_linen.core.int_ops.lsq_fake_quant`. The codes are stored shifted
+  into ``int8`` (:attr:`Operand.shift`).
+  """
+  cfg = op.cfg
   x32 = view.astype(jnp.float32)
   inside = None
-  if z is not None:  # STE: the same expression as int_numerics.int_fake_quant
-    v = x32 / s + z
-    q = jnp.clip(jnp.round(x32 / s) + z, cfg.qmin, cfg.qmax)
+  if zero_point is not None:
+    q = jnp.clip(jnp.round(x32 / scale) + zero_point, cfg.qmin, cfg.qmax)
     if op.keeps_mask:
+      v = x32 / scale + zero_point
       inside = (v >= cfg.qmin) & (v <= cfg.qmax)
-  else:  # LSQ/LSQ+: the same expression as int_ops.lsq_fake_quant
-    q = jnp.clip(jnp.round(((x32 - b) if b is not None else x32) / s), cfg.qmin, cfg.qmax)
-  codes = (q - op.shift).astype(jnp.int8)
+  else:
+    q = jnp.clip(jnp.round(((x32 - offset) if offset is not None else x32) / scale),
+                 cfg.qmin, cfg.qmax)
   centre = None
   if op.has_centre:
-    centre = (z if z is not None else jnp.zeros_like(s)) - op.shift
-  return Codes(codes, s, centre, b), new, inside
+    centre = (zero_point if zero_point is not None else jnp.zeros_like(scale)) - op.shift
+  return Codes((q - op.shift).astype(jnp.int8), scale, centre, offset), inside
 
 
 def dequantize(c: Codes, dtype=jnp.float32):
@@ -191,6 +204,13 @@ def dequantize(c: Codes, dtype=jnp.float32):
   if c.offset is not None:
     y = y + c.offset
   return y.astype(dtype)
+
+
+def contracted(cfg: IntQuantConfig, rhs_shape, rc) -> int:
+  """How many elements one integer partial sum adds up: a group, or all contracted ones."""
+  if cfg.granularity == "group":
+    return cfg.group_size
+  return math.prod(rhs_shape[a] for a in rc)
 
 
 def code_bound(k: int, x: Operand, w: Operand) -> int:
@@ -244,14 +264,7 @@ def _group_views(dn, lhs_shape, rhs_view_shape, group: bool):
   return vdn, lshape
 
 
-def _on_out(t, pairs, ref_ndim):
-  """An operand-shaped factor (size 1 on its contracting axes) in output layout."""
-  squeeze, perm, shape = dims.relayout_axes(t.shape, pairs, ref_ndim)
-  return jnp.transpose(jnp.squeeze(t, axis=squeeze), perm).reshape(shape)
-
-
-def int_gemm(xc: Codes, wc: Codes, dn, *, lhs_shape, group: bool, how: str,
-             out_sharding=None):
+def int_gemm(xc: Codes, wc: Codes, dn, *, lhs_shape, group: bool, how: str):
   """``dot_general(x_hat, w_hat, dn)`` in float32 from the codes of both operands.
 
   ``xc`` is the activation quantized per tensor (codes in ``lhs_shape``),
@@ -268,11 +281,14 @@ def int_gemm(xc: Codes, wc: Codes, dn, *, lhs_shape, group: bool, how: str,
   cx = xc.codes.reshape(lshape)
   (vlc, vrc), _ = vdn
   lay = dims.layout(vdn, cx.ndim, wc.codes.ndim)
+  # On an explicit mesh the product is told its output sharding (not for the
+  # group view, whose reshaped operands JAX reshards itself).
+  out_sharding = None if group else lowering.dot_out_sharding(cx, wc.codes, dn)
   fn = lambda a, b, pref: lowering.lax_dot_general(a, b, vdn, preferred_element_type=pref,
                                                    out_sharding=out_sharding)
   acc = _code_product(cx, wc.codes, how, fn)
   k = math.prod(cx.shape[a] for a in vlc)
-  to_out = lambda t, pairs: _on_out(t, pairs, acc.ndim)
+  to_out = lambda t, pairs: relayout(t, pairs, acc.ndim)
   # Row sums of the codes, needed when the other operand has a zero point or offset.
   need_sx = wc.centre is not None or wc.offset is not None
   need_sw = xc.centre is not None or xc.offset is not None
@@ -323,7 +339,7 @@ def _conv_fn(conv, out_sharding=None):
       out_sharding=out_sharding)
 
 
-def int_conv(xc: Codes, wc: Codes, conv, *, how: str, out_sharding=None):
+def int_conv(xc: Codes, wc: Codes, conv, *, how: str):
   """``conv(x_hat, w_hat)`` in float32 from the codes (no zero points or offsets).
 
   ``conv`` is ``(strides, padding, lhs_dilation, rhs_dilation,
@@ -335,6 +351,7 @@ def int_conv(xc: Codes, wc: Codes, conv, *, how: str, out_sharding=None):
       or wc.offset is not None:
     raise ValueError("int_conv: convolutions of integer codes need symmetric grids "
                      "without zero points or offsets")
+  out_sharding = lowering.conv_out_sharding(xc.codes, wc.codes, conv[4])
   acc = _code_product(xc.codes, wc.codes, how, _conv_fn(conv, out_sharding))
   cdn = conv[4]
   shape = [1] * acc.ndim
@@ -394,9 +411,7 @@ class _DotSpec(_Spec):
 
   def forward(self, xc, wc, lhs_shape):
     return int_gemm(xc, wc, self.dn, lhs_shape=lhs_shape, how=self.how,
-                    group=self.w.cfg.granularity == "group",
-                    out_sharding=lowering.dot_out_sharding(xc.codes, wc.codes, self.dn)
-                    if self.w.cfg.granularity != "group" else None)
+                    group=self.w.cfg.granularity == "group")
 
   def grads(self, g, xh, wh):
     one = jnp.ones((), jnp.float32)
@@ -429,14 +444,14 @@ class _DotSpec(_Spec):
     nd = (len(self.lhs_shape), len(self.rhs_shape))
     g32 = g.astype(jnp.float32)
     qmax = 2 ** (self.grad_bits - 1) - 1
-    g1 = g32 * _on_out(_full(wc.scale, wc.codes), lay.rhs_to_out, g32.ndim)
+    g1 = g32 * relayout(_full(wc.scale, wc.codes), lay.rhs_to_out, g32.ndim)
     q1, s1 = _int_rows(g1, lay.rhs_free_out, qmax)
     d_x = grad_gemm(q1, wc.codes, self.dn, *nd, "lhs", "fp8", jnp.int32, one)
-    d_x = d_x.astype(jnp.float32) * _on_out(s1, dims.flip(lay.lhs_to_out), d_x.ndim)
+    d_x = d_x.astype(jnp.float32) * relayout(s1, dims.flip(lay.lhs_to_out), d_x.ndim)
     q2, s2 = _int_rows(g32, lay.lhs_free_out, qmax)
     d_w = grad_gemm(q2, xc.codes.reshape(self.lhs_shape), self.dn, *nd, "rhs", "fp8",
                     jnp.int32, one)
-    d_w = (d_w.astype(jnp.float32) * _on_out(s2, dims.flip(lay.rhs_to_out), d_w.ndim)
+    d_w = (d_w.astype(jnp.float32) * relayout(s2, dims.flip(lay.rhs_to_out), d_w.ndim)
            * jnp.reshape(xc.scale, ()))
     return d_x, d_w
 
@@ -455,8 +470,7 @@ class _ConvSpec(_Spec):
 
   def forward(self, xc, wc, lhs_shape):
     del lhs_shape
-    return int_conv(xc, wc, self.conv, how=self.how,
-                    out_sharding=lowering.conv_out_sharding(xc.codes, wc.codes, self.conv[4]))
+    return int_conv(xc, wc, self.conv, how=self.how)
 
   def grads(self, g, xh, wh):
     up = jnp.bfloat16 if self.grad_how == "bf16" else jnp.float32
@@ -680,9 +694,7 @@ def int_dot_general(lhs, rhs, dimension_numbers, *, recipe: IntRecipe, input_par
       raise ValueError(f"int_dot_general: lhs dimension {ld} (size {lhs.shape[ld]}) does not "
                        f"match rhs dimension {rd} (size {rhs.shape[rd]})")
   x_op, w_op = _operands(recipe, lc, rc, input_grad_scale, kernel_grad_scale, "int_dot_general")
-  k = math.prod(rhs.shape[a] for a in rc)
-  if recipe.kernel.granularity == "group":
-    k = recipe.kernel.group_size
+  k = contracted(recipe.kernel, rhs.shape, rc)
   return _run(_DotSpec, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params, out_dtype,
               chain, "int_dot_general", dn=dn)
 
@@ -704,10 +716,9 @@ def int_conv_general_dilated(lhs, rhs, conv, *, recipe: IntRecipe, input_params=
     raise ValueError(f"int_conv_general_dilated: recipe.grad_bits={recipe.grad_bits} is "
                      "supported for dot products only; use grad_bits=None for convolutions")
   cdn = conv[4]
-  lc = tuple(d for d in range(lhs.ndim) if d != cdn.lhs_spec[0])
-  rc = tuple(d for d in range(rhs.ndim) if d != cdn.rhs_spec[0])
+  lc, rc = dims.conv_contract(lhs.ndim, rhs.ndim, cdn)
   x_op, w_op = _operands(recipe, lc, rc, input_grad_scale, kernel_grad_scale,
                          "int_conv_general_dilated")
-  k = math.prod(rhs.shape[a] for a in rc)
+  k = contracted(recipe.kernel, rhs.shape, rc)
   return _run(_ConvSpec, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params,
               out_dtype, chain, "int_conv_general_dilated", conv=conv)

@@ -46,7 +46,11 @@ import math
 
 import jax.numpy as jnp
 
+from jax import lax
+
+from fp8_linen.core import conv as conv_ops
 from fp8_linen.core import dims, int_numerics, int_ops, int_product, lowering, numerics
+from fp8_linen.core.dot_general import relayout_like
 from fp8_linen.recipes.fp8 import Fp8Recipe, ScalingConfig
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
@@ -147,9 +151,7 @@ def _input_codes(cfg: IntQuantConfig, x, arrays) -> int_product.Codes:
   s = arrays["input_scale"]
   if op.kind == "observer":
     z = arrays.get("input_zero_point", jnp.zeros((), jnp.float32))
-    q = jnp.clip(jnp.round(jnp.asarray(x).astype(jnp.float32) / s) + z, cfg.qmin, cfg.qmax)
-    centre = (z - op.shift) if op.has_centre else None
-    return int_product.Codes((q - op.shift).astype(jnp.int8), s, centre, None)
+    return int_product.encode(op, jnp.asarray(x), s, z)[0]
   params = (s,) if op.kind == "lsq" else (s, arrays["input_offset"])
   c, _, _ = int_product.quantize(op, jnp.asarray(x), params)
   return c
@@ -195,12 +197,10 @@ def int_dot(lhs, kernel, dimension_numbers, *, recipe: IntRecipe, arrays: dict, 
   wc = (_kernel_codes(recipe.kernel, kernel, arrays, rc) if folded
         else _live_codes(recipe.kernel, kernel, arrays, rc))
   x_op, w_op = _operand(recipe.input, "input", lc), _operand(recipe.kernel, "kernel", rc)
-  group = recipe.kernel.granularity == "group"
-  k = recipe.kernel.group_size if group else math.prod(kernel.shape[a] for a in rc)
-  how = int_product.resolve_int_gemm(recipe.gemm, k, x_op, w_op)
-  y = int_product.int_gemm(xc, wc, dn, lhs_shape=lhs.shape, group=group, how=how,
-                           out_sharding=None if group else
-                           lowering.dot_out_sharding(xc.codes, wc.codes, dn))
+  how = int_product.resolve_int_gemm(
+      recipe.gemm, int_product.contracted(recipe.kernel, kernel.shape, rc), x_op, w_op)
+  y = int_product.int_gemm(xc, wc, dn, lhs_shape=lhs.shape, how=how,
+                           group=recipe.kernel.granularity == "group")
   return y.astype(out_dtype)
 
 
@@ -213,20 +213,17 @@ def int_conv(lhs, kernel, conv_kwargs: dict, *, recipe: IntRecipe, arrays: dict,
   input (frozen parameters) and the dequantized stored kernel, convolved in
   ``recipe.compute_dtype``.
   """
-  from jax import lax  # pylint: disable=import-outside-toplevel
   lhs, kernel = jnp.asarray(lhs), jnp.asarray(kernel)
   dn = lax.conv_dimension_numbers(lhs.shape, kernel.shape, conv_kwargs["dimension_numbers"])
-  rc = [d for d in range(kernel.ndim) if d != dn.rhs_spec[0]]
+  lc, rc = dims.conv_contract(lhs.ndim, kernel.ndim, dn)
   wc = _kernel_codes(recipe.kernel, kernel, arrays, rc)
   if int_product.conv_supported(recipe):
     xc = _input_codes(recipe.input, lhs, arrays)
-    lc = [d for d in range(lhs.ndim) if d != dn.lhs_spec[0]]
     x_op, w_op = _operand(recipe.input, "input", lc), _operand(recipe.kernel, "kernel", rc)
-    how = int_product.resolve_int_gemm(recipe.gemm, math.prod(kernel.shape[a] for a in rc),
-                                       x_op, w_op)
-    conv = int_product.conv_static(lhs.ndim, conv_kwargs, dn)
-    y = int_product.int_conv(xc, wc, conv, how=how,
-                             out_sharding=lowering.conv_out_sharding(xc.codes, wc.codes, dn))
+    how = int_product.resolve_int_gemm(
+        recipe.gemm, int_product.contracted(recipe.kernel, kernel.shape, rc), x_op, w_op)
+    y = int_product.int_conv(xc, wc, int_product.conv_static(lhs.ndim, conv_kwargs, dn),
+                             how=how)
     return y.astype(out_dtype)
   cfg = recipe.input
   if cfg.estimator == "ste":
@@ -313,12 +310,6 @@ def _tensor_q(cfg: ScalingConfig, x, scale):
   return numerics.quantize(x, cfg.jnp_dtype, s), s
 
 
-def _relayout(t, pairs, ref):
-  squeeze, perm, shape = dims.relayout_axes(t.shape, pairs, ref.ndim)
-  return lowering.reshard_like(jnp.transpose(jnp.squeeze(t, axis=squeeze), perm).reshape(shape),
-                               ref)
-
-
 def fp8_dot(lhs, kernel, dimension_numbers, *, recipe: Fp8Recipe, arrays: dict, folded: bool,
             out_dtype):
   """The served fp8 ``dot_general``: fp8 x fp8 GEMM, the scales applied once.
@@ -349,8 +340,8 @@ def fp8_dot(lhs, kernel, dimension_numbers, *, recipe: Fp8Recipe, arrays: dict, 
       q_r = numerics.quantize(kernel, k_cfg.jnp_dtype, s_r)
     q_l = numerics.quantize(lhs, in_cfg.jnp_dtype, s_l)
     y = lowering.gemm(q_l, q_r, dn, how, out_dtype, lowering.dot_out_sharding(q_l, q_r, dn))
-    s_out = numerics.scale_product(_relayout(s_l, lay.lhs_to_out, y),
-                                   _relayout(s_r, lay.rhs_to_out, y))
+    s_out = numerics.scale_product(relayout_like(s_l, lay.lhs_to_out, y),
+                                   relayout_like(s_r, lay.rhs_to_out, y))
     return (y.astype(jnp.float32) * s_out).astype(out_dtype)
   bs = recipe.block_size
   l_axis, r_axis = lc[-1], rc[-1]
@@ -367,21 +358,11 @@ def fp8_dot(lhs, kernel, dimension_numbers, *, recipe: Fp8Recipe, arrays: dict, 
 
 def fp8_conv(lhs, kernel, conv_kwargs: dict, *, recipe: Fp8Recipe, arrays: dict, out_dtype):
   """The served fp8 convolution (per tensor): the forward of :mod:`fp8_linen.core.conv`."""
-  from jax import lax  # pylint: disable=import-outside-toplevel
-  from fp8_linen.core import conv as ops  # pylint: disable=import-outside-toplevel
   lhs, kernel = jnp.asarray(lhs), jnp.asarray(kernel)
-  n = lhs.ndim - 2
   dn = lax.conv_dimension_numbers(lhs.shape, kernel.shape, conv_kwargs["dimension_numbers"])
-  cfg = (ops._ints("window_strides", conv_kwargs["window_strides"], n),  # pylint: disable=protected-access
-         ops._padding(conv_kwargs["padding"], n),  # pylint: disable=protected-access
-         ops._ints("lhs_dilation", conv_kwargs.get("lhs_dilation"), n),  # pylint: disable=protected-access
-         ops._ints("rhs_dilation", conv_kwargs.get("rhs_dilation"), n),  # pylint: disable=protected-access
-         dn, conv_kwargs.get("feature_group_count", 1))
+  cfg = conv_ops.conv_config(lhs.ndim - 2, conv_kwargs["window_strides"], conv_kwargs["padding"],
+                         conv_kwargs.get("lhs_dilation"), conv_kwargs.get("rhs_dilation"), dn,
+                             conv_kwargs.get("feature_group_count", 1))
   q_r, s_r = kernel.astype(recipe.kernel.jnp_dtype), arrays["kernel_scale"]
   q_l, s_l = _tensor_q(recipe.input, lhs, arrays.get("input_scale"))
-  if lowering.resolve_gemm(recipe) == "fp8":  # dequantize-then-conv: the cuDNN fp8 graph form
-    return ops._conv(ops._deq(q_l, s_l), ops._deq(q_r, s_r), cfg,  # pylint: disable=protected-access
-                     jnp.float32).astype(out_dtype)
-  up = jnp.bfloat16 if lowering.resolve_gemm(recipe) == "bf16" else jnp.float32
-  y = ops._conv(q_l, q_r, cfg, up, preferred=jnp.float32)  # pylint: disable=protected-access
-  return (y * jnp.reshape(numerics.scale_product(s_l, s_r), ())).astype(out_dtype)
+  return conv_ops.fp8_conv_of(q_l, s_l, q_r, s_r, cfg, lowering.resolve_gemm(recipe), out_dtype)

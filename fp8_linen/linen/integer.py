@@ -52,7 +52,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import int_numerics, int_ops, int_product, lowering
+from fp8_linen.core import dims, int_numerics, int_ops, int_product, lowering
 from fp8_linen.linen.state import chained, owg_value
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
@@ -203,8 +203,7 @@ def int_conv_on(module: nn.Module, lhs, rhs, conv_kwargs: dict, recipe: IntRecip
     raise TypeError(f"int_conv_on needs an IntRecipe, got {type(recipe).__name__}")
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, conv_kwargs["dimension_numbers"])
-  l_contract = [d for d in range(lhs.ndim) if d != dn.lhs_spec[0]]
-  r_contract = [d for d in range(rhs.ndim) if d != dn.rhs_spec[0]]
+  l_contract, r_contract = dims.conv_contract(lhs.ndim, rhs.ndim, dn)
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
   if int_product.conv_supported(recipe):
     conv = int_product.conv_static(lhs.ndim, conv_kwargs, dn)

@@ -130,7 +130,7 @@ def _convert_fp8_conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key):
   in_state, k_state = _fp8_states(module, recipe)
   rhs = jnp.asarray(rhs)
   dn = lax.conv_dimension_numbers(jnp.shape(lhs), rhs.shape, conv_kwargs["dimension_numbers"])
-  rc = tuple(d for d in range(rhs.ndim) if d != dn.rhs_spec[0])
+  _, rc = dims.conv_contract(jnp.ndim(lhs), rhs.ndim, dn)
   _record(module, rhs, serve.fold_fp8_kernel(recipe, rhs, rc, k_state), {},
           serve.freeze_fp8_input(recipe, in_state), _fp8_state_ok(recipe, in_state))
   return y
@@ -215,8 +215,7 @@ def _convert_int_conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key):
   y = int_conv_on(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key)
   dn = lax.conv_dimension_numbers(jnp.shape(lhs), jnp.shape(rhs),
                                   conv_kwargs["dimension_numbers"])
-  lc = tuple(d for d in range(jnp.ndim(lhs)) if d != dn.lhs_spec[0])
-  rc = tuple(d for d in range(jnp.ndim(rhs)) if d != dn.rhs_spec[0])
+  lc, rc = dims.conv_contract(jnp.ndim(lhs), jnp.ndim(rhs), dn)
   return _convert_int(module, lhs, rhs, lc, rc, recipe, y)
 
 

@@ -39,7 +39,7 @@ from jax import lax
 
 from fp8_linen.core import int_numerics, int_ops, int_product, lowering
 from fp8_linen.core.conv import fp8_conv_general_dilated
-from fp8_linen.core.dims import einsum_plan
+from fp8_linen.core.dims import conv_contract, einsum_plan
 from fp8_linen.core.dot_general import fp8_dot_general
 from fp8_linen.nnx.state import ROLES, QuantState, chained, declare_role, read_role
 from fp8_linen.recipes.fp8 import Fp8Recipe
@@ -269,8 +269,7 @@ def conv(module: nnx.Module, lhs, rhs, conv_kwargs: dict, recipe, out_dtype=None
         output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain))
   check_recipe(type(module).__name__, recipe)
   dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, conv_kwargs["dimension_numbers"])
-  l_contract = [d for d in range(lhs.ndim) if d != dn.lhs_spec[0]]
-  r_contract = [d for d in range(rhs.ndim) if d != dn.rhs_spec[0]]
+  l_contract, r_contract = conv_contract(lhs.ndim, rhs.ndim, dn)
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
   if int_product.conv_supported(recipe):
     conv = int_product.conv_static(lhs.ndim, conv_kwargs, dn)
