@@ -1,0 +1,101 @@
+"""``fp8_linen.testing.hlo`` on hand-written optimized HLO (needs no plugin)."""
+
+import pytest
+
+from fp8_linen.testing import hlo
+
+# A TPU-style module: every product is a `convolution`, some inside fusions; a batched
+# matmul written as a windowed convolution over dilated inputs; an all-reduce over a
+# tuple and an async all-gather; a while loop with a known trip count.
+_TPU = """\
+HloModule m
+
+%fused_gemm (p0: f8e4m3fn[64,32], p1: f8e5m2[32,16]) -> f32[64,16] {
+  %p0 = f8e4m3fn[64,32]{1,0:T(8,128)} parameter(0)
+  %p1 = f8e5m2[32,16]{1,0:T(8,128)} parameter(1)
+  ROOT %c = f32[64,16]{1,0:T(8,128)} convolution(%p0, %p1), dim_labels=bf_io->bf
+}
+
+%fused_batched (q: bf16[4,512,2,128], k: bf16[4,512,2,128]) -> f32[4,2,512,512] {
+  %q = bf16[4,512,2,128]{3,2,1,0} parameter(0)
+  %k = bf16[4,512,2,128]{3,2,1,0} parameter(1)
+  ROOT %s = f32[4,2,512,512]{3,2,1,0} convolution(%q, %k), window={size=4x2 stride=3x1 lhs_dilate=4x2}, dim_labels=0b1f_0o1i->01bf
+}
+
+%body (t: (s32[], bf16[8,8])) -> (s32[], bf16[8,8]) {
+  %t = (s32[], bf16[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %a = bf16[8,8]{1,0} get-tuple-element(%t), index=1
+  %m = bf16[8,8]{1,0} convolution(%a, %a), dim_labels=bf_io->bf
+  ROOT %r = (s32[], bf16[8,8]{1,0}) tuple(%i, %m)
+}
+
+%cond (t.1: (s32[], bf16[8,8])) -> pred[] {
+  %t.1 = (s32[], bf16[8,8]{1,0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (a: f8e4m3fn[64,32], b: f8e5m2[32,16], q: bf16[4,512,2,128], g: f32[1024], h: f32[256], w: bf16[8,8]) -> f32[64,16] {
+  %a = f8e4m3fn[64,32]{1,0} parameter(0)
+  %b = f8e5m2[32,16]{1,0} parameter(1)
+  %q = bf16[4,512,2,128]{3,2,1,0} parameter(2)
+  %g = f32[1024]{0} parameter(3)
+  %h = f32[256]{0} parameter(4)
+  %w = bf16[8,8]{1,0} parameter(5)
+  %f1 = f32[64,16]{1,0} fusion(%a, %b), kind=kOutput, calls=%fused_gemm
+  %f2 = f32[4,2,512,512]{3,2,1,0} fusion(%q, %q), kind=kOutput, calls=%fused_batched
+  %ar = (f32[1024]{0}, f32[256]{0}) all-reduce(%g, %h), channel_id=1, to_apply=%cond
+  %ags = ((f8e4m3fn[64,32]{1,0}), (f8e4m3fn[256,32]{1,0}), u32[]) all-gather-start(%a), channel_id=2, dimensions={0}
+  %agd = f8e4m3fn[256,32]{1,0} all-gather-done(%ags)
+  %init = (s32[], bf16[8,8]{1,0}) tuple(%h, %w)
+  %loop = (s32[], bf16[8,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %out = f32[64,16]{1,0} copy(%f1)
+}
+"""
+
+
+def test_tpu_products_read_the_operand_dtypes_inside_fusions():
+  ps = {p.name: p for p in hlo.products(hlo.parse(_TPU))}
+  assert ps["c"].operands == ("f8e4m3fn", "f8e5m2") and ps["c"].operand_class == "fp8"
+  assert ps["c"].kind == "convolution" and ps["c"].low_precision
+  assert ps["s"].operands == ("bf16", "bf16") and not ps["s"].low_precision
+
+
+def test_flops_of_a_gemm_written_as_a_convolution():
+  ps = {p.name: p for p in hlo.products(hlo.parse(_TPU))}
+  assert ps["c"].flops == 2 * 64 * 16 * 32
+
+
+def test_flops_of_a_batched_matmul_written_as_a_dilated_window_convolution():
+  # (b=4, h=2) batches of 512x128 @ 128x512: the window only ever finds one real element.
+  ps = {p.name: p for p in hlo.products(hlo.parse(_TPU))}
+  assert ps["s"].flops == 2 * 4 * 2 * 512 * 512 * 128
+
+
+def test_collectives_count_each_operation_once_with_its_full_bytes():
+  cs = hlo.collectives(hlo.parse(_TPU))
+  assert hlo.collective_totals(cs) == {"all-gather": (1, 256 * 32), "all-reduce": (1, 1280 * 4)}
+  (gather,) = [c for c in cs if c.kind == "all-gather"]
+  assert gather.dtypes == ("f8e4m3fn",)
+
+
+def test_kernels_take_loop_trip_counts_and_skip_bookkeeping():
+  ks = {k.name: k for k in hlo.kernels(hlo.parse(_TPU))}
+  assert set(ks) == {"f1", "f2", "m", "out"}
+  assert ks["m"].count == 5 and ks["m"].flops == (("bf16", 2 * 8 * 8 * 8),)
+  assert ks["f1"].flops == (("fp8", 2 * 64 * 16 * 32),)
+  assert ks["f1"].bytes_read == 64 * 32 + 32 * 16 and ks["f1"].bytes_written == 64 * 16 * 4
+  assert not ks["out"].is_product
+
+
+@pytest.mark.parametrize("lhs,rhs,want", [("f8e4m3fn", "f8e5m2", "fp8"), ("s8", "s8", "int8"),
+                                          ("f4e2m1fn", "f4e2m1fn", "fp4"), ("f32", "bf16", "f32"),
+                                          ("bf16", "bf16", "bf16"), ("f8e4m3fn", "bf16", "bf16")])
+def test_operand_class(lhs, rhs, want):
+  assert hlo.operand_class(lhs, rhs) == want
+
+
+def test_sub_byte_and_fp8_array_sizes():
+  assert hlo.ArrayType("f4e2m1fn", (16, 2)).nbytes == 16
+  assert hlo.ArrayType("f8e8m0fnu", (10,)).nbytes == 10
+  assert hlo.ArrayType("bf16", (3, 4)).nbytes == 24
