@@ -26,8 +26,8 @@ ALLOWED = {
     "training": {"core"},
     "monitor": {"core"},
     "conversion": {"core", "linen"},
-    "testing": {"recipes", "core", "linen", "model_quantization", "product_report", "training",
-                "root"},
+    "testing": {"recipes", "core", "linen", "nnx", "model_quantization", "product_report",
+                "training", "conversion", "root"},
 }
 
 

@@ -280,14 +280,15 @@ def test_unavailable_after_backends_started_says_why():
 
 def test_cli_prints_the_table():
   out = subprocess.run(
-      [sys.executable, "-m", "fp8_linen.testing.gpu_compile", "--only", "qdense-delayed",
-       "--only", "bf16-dense", "--no-triton"],
+      [sys.executable, "-m", "fp8_linen.testing.gpu_compile", "--case", "qdense-delayed",
+       "--case", "bf16-dense"],
       capture_output=True, text=True, timeout=300,
       env={k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"})
   assert out.returncode == 0, out
-  rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.strip()}
-  assert rows["qdense-delayed"][1] == "3/3", out.stdout
-  assert rows["bf16-dense"][1] == "0/3", out.stdout
+  rows = {tuple(line.split()[:2]): line.split() for line in out.stdout.splitlines()
+          if line.strip()}
+  assert rows[("qdense-delayed", "h100")][2] == "3/3", out.stdout
+  assert rows[("bf16-dense", "h100")][2] == "0/3", out.stdout
 
 
 # ----------------------------------------------------------------------------

@@ -24,22 +24,15 @@ def _served(recipe):
   return fl.convert(model, v, x), x
 
 
-def _gemm_operands(report, h100):
-  comps, types = h100._parse_hlo(report.hlo)  # pylint: disable=protected-access
-  out = []
-  for comp, instrs in comps.items():
-    for _, etype, opcode, operands, attrs in instrs:
-      if opcode == "custom-call" and "__cublas" in attrs:
-        target = h100._TARGET.search(attrs).group(1)  # pylint: disable=protected-access
-        out.append((target, *h100._operand_types(operands[:2], types[comp])))  # pylint: disable=protected-access
-  return out
+def _gemm_operands(report):
+  return [(p.target, *p.operands) for p in report.product_list if p.kind == "cublas"]
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_served_products_on_h100(h100, name):
   (served, sp), x = _served(RECIPES[name])
   report = h100.compile_for_h100(served.apply, sp, x)
-  gemms = _gemm_operands(report, h100)
+  gemms = _gemm_operands(report)
   if name == "fp8":
     assert gemms == [("__cublas$lt$matmul$f8", "f8e4m3fn", "f8e4m3fn")] * 2
   else:
