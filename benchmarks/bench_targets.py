@@ -1,0 +1,256 @@
+"""Estimated step time of a decoder block per recipe on every accelerator (estimate, compile only).
+
+For a pre-LN decoder block (causal-free self-attention and a GELU MLP;
+d_model 1024, 4096 and 8192; 8192 tokens = batch 4 x sequence 2048; heads of
+128; MLP 4 x d_model; bf16 activations, float32 parameters) each recipe is
+applied by ``fl.quantize_model(block, recipe, rules=fl.projection_rules())``
+(the projections quantized, the attention math in bf16, as users train) and
+its training step (``targets.make_train_step``: loss, dL/dx and all
+gradients) is compiled for every one-device target: H100, B200, TPU v5e, v6e
+and TPU7x (``fp8_linen.testing.targets``; no GPU or TPU needed). Per arm:
+
+* what the program multiplies (products by operand class);
+* the **estimated step time (estimate, compile only)**: per top-level kernel,
+  max(FLOPs / the target's published peak for its operand class, bytes / HBM
+  bandwidth) plus a per-kernel floor (``fp8_linen.testing.estimate``; the
+  peaks and their sources are written into the JSON), and its ratio to bf16;
+* the low-precision GEMMs' share of that time;
+* the bytes read and written by the kernels without products (amax, cast,
+  transpose, element-wise) against bf16's: the overhead fused kernels remove;
+* the temp memory XLA plans.
+
+Each target's compiles run in a child process: libtpu 0.0.42 crashes (a stack
+overflow in its convolution cost model) on some attention programs for TPU7x,
+and a crash must cost one cell, not the run.
+
+**On a machine where JAX has a GPU or TPU** the same steps are also timed
+there (median of ``--reps``, arms interleaved, random inputs and cotangent)
+and the measured time is printed beside the estimate for that device (when it
+is one of the targets). Here (CPU only) the script says no device was found
+and prints the estimates.
+
+Writes ``benchmarks/results/estimate-targets.json`` (device "estimate
+(compile only)"); a measured run also writes ``<device>-targets.json``.
+
+Usage:
+  python benchmarks/bench_targets.py                       # all widths, targets, arms (~40 min)
+  python benchmarks/bench_targets.py --widths 1024 --targets h100 tpu-v6e
+  python benchmarks/bench_targets.py --quick --out /tmp/t.json   # tiny block, smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEVICE = "estimate (compile only)"
+ARMS = ("bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "mx_block", "int8_ste",
+        "int8_lsq")
+WIDTHS = (1024, 4096, 8192)
+TARGETS = ("h100", "b200", "tpu-v5e", "tpu-v6e", "tpu7x")
+# device_kind of a real device -> the target whose peaks its estimate uses.
+KINDS = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H100": "h100", "NVIDIA B200": "b200",
+         "TPU v5 lite": "tpu-v5e", "TPU v6 lite": "tpu-v6e", "TPU7x": "tpu7x"}
+
+
+def recipe(arm: str):
+  import fp8_linen as fl  # pylint: disable=import-outside-toplevel
+  return {"bf16": None, "fp8_delayed": fl.delayed_scaling(), "fp8_current": fl.current_scaling(),
+          "fp8_rowwise": fl.rowwise_scaling(), "mx_block": fl.mx_block_scaling(),
+          "int8_ste": fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel")),
+          "int8_lsq": fl.int8_lsq()}[arm]
+
+
+def model(arm: str, d: int, heads: int):
+  """The block for one arm: unmodified (bf16) or quantized by path rules."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import fp8_linen as fl  # pylint: disable=import-outside-toplevel
+  from fp8_linen.testing import targets  # pylint: disable=import-outside-toplevel
+  block = targets.DecoderBlock(num_heads=heads, qkv_features=d, mlp=4 * d, dtype=jnp.bfloat16)
+  r = recipe(arm)
+  return block if r is None else fl.quantize_model(block, r, rules=fl.projection_rules())
+
+
+def _shape(d: int, quick: bool) -> tuple[tuple[int, int, int], int]:
+  return ((2, 64, d), max(d // 64, 1)) if quick else ((4, 2048, d), d // 128)
+
+
+def row_of(report, est) -> dict:
+  """One arm's JSON row from its compile report and estimate."""
+  return {"estimate_ms": est.seconds * 1e3, "products": report.classes,
+          "low_precision_products": report.low_precision,
+          "all_products": len(report.product_list), "by_kind": report.by_kind,
+          "low_precision_share": est.low_precision_share,
+          "product_ms": est.product_seconds * 1e3, "other_bytes": est.other_bytes,
+          "flops": est.flops, "kernels": len(est.kernels), "temp_bytes": report.temp_bytes,
+          "compile_s": report.compile_seconds}
+
+
+def child(target: str, d: int, arms: list[str], quick: bool) -> None:
+  """Compiles the arms for one target and width; one JSON line per arm on stdout."""
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from fp8_linen.testing import targets  # pylint: disable=import-outside-toplevel
+  shape, heads = _shape(d, quick)
+  for arm in arms:
+    r = targets.compile_train_step(model(arm, d, heads), shape, jnp.bfloat16, target=target)
+    print("ROW " + json.dumps({"arm": arm, **row_of(r, r.estimate())}), flush=True)
+
+
+def _run_child(target: str, d: int, arms: list[str], quick: bool) -> dict:
+  """``{arm: row}``; an arm whose compile crashed the process gets ``{"error": ...}``."""
+  cmd = [sys.executable, os.path.abspath(__file__), "--child", target, str(d), *arms]
+  cmd += ["--quick"] if quick else []
+  out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  rows = {}
+  for line in out.stdout.splitlines():
+    if line.startswith("ROW "):
+      row = json.loads(line[4:])
+      rows[row.pop("arm")] = row
+  missing = [a for a in arms if a not in rows]
+  if missing and out.returncode != 0:
+    if len(arms) > 1:  # find the arm that crashed; the others still get their row
+      for arm in missing:
+        rows.update(_run_child(target, d, [arm], quick))
+    else:
+      tail = [l for l in out.stderr.splitlines() if "SIGSEGV" in l or "Error" in l]
+      rows[arms[0]] = {"error": (tail[-1] if tail else f"exit {out.returncode}")[:200]}
+  return rows
+
+
+def _ratios(rows: dict) -> None:
+  base = rows.get("bf16", {})
+  for row in rows.values():
+    if "estimate_ms" in row and "estimate_ms" in base:
+      row["ratio_vs_bf16"] = row["estimate_ms"] / base["estimate_ms"]
+      row["other_bytes_vs_bf16"] = row["other_bytes"] / base["other_bytes"]
+
+
+def probe_device(env) -> tuple[str, str]:
+  """``(backend, device_kind)`` as a plain JAX process sees them (asked in a subprocess)."""
+  code = "import jax; d = jax.devices()[0]; print(d.platform); print(d.device_kind)"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=False, env=env).stdout.strip().splitlines()
+  return (out[-2], out[-1]) if len(out) >= 2 else ("cpu", "cpu")
+
+
+def measure(widths, arms, reps: int, quick: bool) -> dict:
+  """Times each arm's step on the local GPU/TPU; estimates it with that device's peaks."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, HERE)
+  import common  # pylint: disable=import-outside-toplevel
+  from fp8_linen.testing import estimate, hlo, targets  # pylint: disable=import-outside-toplevel
+  kind = jax.devices()[0].device_kind
+  peaks = estimate.PEAKS.get(KINDS.get(kind, ""))
+  result = {"device_kind": kind, "estimated_with": KINDS.get(kind), "widths": {}}
+  for d in widths:
+    shape, heads = _shape(d, quick)
+    fns, rows = {}, {}
+    for i, arm in enumerate(arms):
+      m = model(arm, d, heads)
+      x = jax.random.normal(jax.random.key(i), shape, jnp.bfloat16)
+      v = m.init(jax.random.key(0), x)
+      r = jax.random.normal(jax.random.key(1), shape, jnp.float32)
+      step = jax.jit(targets.make_train_step(m))
+      compiled = step.lower(v, x, r).compile()
+      rows[arm] = {}
+      if peaks is not None:
+        module = hlo.parse(compiled.as_text())
+        rows[arm]["estimate_ms"] = estimate.estimate(hlo.kernels(module), peaks).seconds * 1e3
+      fns[arm] = (lambda s, v, x, r: lambda: s(v, x, r))(step, v, x, r)
+    times = common.time_interleaved(fns, reps=reps, warmup=3)
+    for arm in arms:
+      rows[arm].update(measured_ms=times[arm]["median_ms"], min_ms=times[arm]["min_ms"],
+                       max_ms=times[arm]["max_ms"])
+    result["widths"][str(d)] = rows
+    for arm in arms:
+      row = rows[arm]
+      est = f"{row['estimate_ms']:.2f} ms" if "estimate_ms" in row else "no estimate"
+      print(f"{kind} d={d} {arm:12s} measured {row['measured_ms']:.2f} ms "
+            f"(x{row['measured_ms'] / rows[arms[0]]['measured_ms']:.2f})  estimated {est}",
+            flush=True)
+  return result
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--widths", nargs="+", type=int, default=list(WIDTHS))
+  p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
+  p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+  p.add_argument("--reps", type=int, default=20, help="timed runs on a real device")
+  p.add_argument("--quick", action="store_true", help="a tiny block (smoke run)")
+  p.add_argument("--out", default=os.path.join(HERE, "results", "estimate-targets.json"))
+  p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.child:
+    child(args.child[0], int(args.child[1]), args.child[2:], args.quick)
+    return {}
+  arms = ["bf16"] + [a for a in args.arms if a != "bf16"]
+  # This process only compiles: keep JAX (and its GPU/TPU plugins) on the CPU. The device
+  # probe and the measurement run in their own processes, with the user's environment.
+  env = dict(os.environ)
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  sys.path.insert(0, HERE)
+  import common  # pylint: disable=import-outside-toplevel
+  from fp8_linen.testing import estimate  # pylint: disable=import-outside-toplevel
+  t0 = time.perf_counter()
+  results = {}
+  for target in args.targets:
+    results[target] = {}
+    for d in args.widths:
+      rows = _run_child(target, d, arms, args.quick)
+      _ratios(rows)
+      results[target][str(d)] = rows
+      for arm in arms:
+        row = rows.get(arm, {"error": "not compiled"})
+        if "error" in row:
+          print(f"{target:8s} d={d:<5d} {arm:12s} FAILED: {row['error']}", flush=True)
+          continue
+        print(f"{target:8s} d={d:<5d} {arm:12s} estimate {row['estimate_ms']:9.2f} ms "
+              f"x{row.get('ratio_vs_bf16', float('nan')):.2f} bf16; low-precision GEMMs "
+              f"{row['low_precision_share']:.0%} of it; non-GEMM bytes "
+              f"x{row.get('other_bytes_vs_bf16', float('nan')):.2f} bf16; products "
+              f"{row['products']}", flush=True)
+  backend, kind = probe_device(env)
+  measured = None
+  if backend in ("gpu", "tpu"):
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); import bench_targets as b, json; "
+            f"print('MEASURED ' + json.dumps(b.measure({args.widths!r}, {arms!r}, "
+            f"{args.reps}, {args.quick})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False, env=env)
+    print(out.stdout, end="")
+    lines = [l for l in out.stdout.splitlines() if l.startswith("MEASURED ")]
+    measured = json.loads(lines[-1][9:]) if lines else {"error": out.stderr[-500:]}
+  else:
+    print(f"no GPU or TPU found (jax sees {kind!r}): estimates only, nothing timed")
+  payload = {
+      "device": DEVICE, "env": common.environment(), "seconds": time.perf_counter() - t0,
+      "model": {"what": "pre-LN decoder block (attention + GELU MLP), quantize_model with "
+                        "projection_rules(); train step returns loss, dL/dx and gradients",
+                "tokens": "2 x 64 (quick)" if args.quick else "4 x 2048",
+                "heads": "d/64 (quick)" if args.quick else "d/128", "mlp": "4 d",
+                "activations": "bfloat16", "params": "float32"},
+      "method": "estimate (compile only): per top-level kernel max(FLOPs/peak for its operand "
+                "class, bytes/HBM bandwidth) + a per-kernel floor, summed; collectives excluded",
+      "peaks": {t: {"flops": dict(estimate.PEAKS[t].flops), "hbm": estimate.PEAKS[t].hbm,
+                    "kernel_floor_s": estimate.PEAKS[t].kernel_floor,
+                    "source": estimate.PEAKS[t].source} for t in args.targets},
+      "results": results, "measured": measured}
+  common.write_json_to(args.out, payload)
+  if measured and "device_kind" in measured:
+    common.write_json("targets", {"device": measured["device_kind"], **payload},
+                      out_dir=os.path.dirname(args.out))
+  print(f"wrote {args.out}")
+  return payload
+
+
+if __name__ == "__main__":
+  main()
