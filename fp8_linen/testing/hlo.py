@@ -84,6 +84,7 @@ _TO_APPLY = re.compile(r"\bto_apply=%([\w.\-]+)")
 _BODY = re.compile(r"\bbody=%([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _WINDOW = re.compile(r"\bwindow=\{([^}]*)\}")
@@ -584,6 +585,8 @@ class Kernel:
     bytes_read: bytes of its operands.
     bytes_written: bytes of its results (a GEMM's workspace excluded).
     count: how many times it runs per step (a loop body's trip count).
+    xla_cycles: XLA:TPU's own cost-model estimate of the kernel's cycles (the
+      ``estimated_cycles`` of its backend config), or None (other targets).
   """
 
   name: str
@@ -592,6 +595,7 @@ class Kernel:
   bytes_read: float
   bytes_written: float
   count: int = 1
+  xla_cycles: int | None = None
 
   @property
   def is_product(self) -> bool:
@@ -665,8 +669,10 @@ def kernels(module: Module) -> list[Kernel]:
       res = inst.result
       if op == "custom-call" and len(res) > 1 and res[-1].dtype in ("s8", "u8"):
         res = res[:-1]  # a library call's scratch workspace
+      cycles = _CYCLES.search(inst.attrs)
       out.append(Kernel(inst.name, op, tuple(sorted(flops.items())), read,
-                        sum(a.nbytes for a in res), times))
+                        sum(a.nbytes for a in res), times,
+                        int(cycles.group(1)) if cycles else None))
   return out
 
 

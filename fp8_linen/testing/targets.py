@@ -134,6 +134,7 @@ __all__ = [
     "cases",
     "compile_case",
     "check",
+    "markdown_cell",
     "SINGLE_DEVICE",
     "main",
 ]
@@ -636,6 +637,16 @@ class CompileReport(hlo.ProductCounts):
         names["other"] += 1
     return dict(sorted(names.items()))
 
+  def describe(self) -> str:
+    """What the program multiplies, in one cell: ``'1/3: 1 MXU s8, 2 bf16'``.
+
+    Low-precision products / all products, then the low-precision ones by
+    kernel kind (:attr:`by_kind`) and the others by operand class.
+    """
+    parts = [f"{n} {k}" for k, n in self.by_kind.items()]
+    parts += [f"{n} {c}" for c, n in self.classes.items() if c not in ("fp8", "int8", "fp4")]
+    return f"{self.low_precision}/{len(self.product_list)}: " + ", ".join(parts)
+
   @property
   def collective_totals(self) -> dict[str, tuple[int, float]]:
     """``{kind: (count, bytes)}`` of the collectives."""
@@ -993,6 +1004,24 @@ def _cell(case: Case, r: CompileReport) -> list[str]:
           case.note(r.platform) or case.what]
 
 
+def markdown_cell(case: Case, target: str) -> str:
+  """One cell of the README table: :meth:`CompileReport.describe`, flagged if the claim fails."""
+  r = compile_case(case.name, target)
+  problem = check(case, r)
+  return r.describe() + ("" if problem is None else f" (NOT AS CLAIMED: {problem})")
+
+
+def _markdown(selected: Sequence[Case], names: Sequence[str]) -> int:
+  print("| case | " + " | ".join(TARGETS[n].description for n in names) + " |")
+  print("| --- |" + " --- |" * len(names))
+  failed = False
+  for case in selected:
+    cells = [markdown_cell(case, n) for n in names]
+    failed |= any("NOT AS CLAIMED" in c for c in cells)
+    print(f"| `{case.name}` {case.what} | " + " | ".join(cells) + " |", flush=True)
+  return 1 if failed else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Prints, per case and target, what the compiled step multiplies.
 
@@ -1003,7 +1032,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   Args:
     argv: ``--target NAME`` and ``--case NAME`` (repeatable; default all
       single-device targets and all cases), ``--list``, ``--json PATH`` (the
-      rows as JSON).
+      rows as JSON), ``--markdown`` (one table, cases x targets).
 
   Returns:
     0; 1 if a claim does not hold; 2 if no requested target is available
@@ -1019,6 +1048,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--case", action="append", default=[], help="a case (repeatable)")
   parser.add_argument("--list", action="store_true", help="list targets and cases, then exit")
   parser.add_argument("--json", help="also write the rows to this JSON file")
+  parser.add_argument("--markdown", action="store_true",
+                      help="print one markdown table, cases x targets (the README's)")
   args = parser.parse_args(argv)
   all_cases = cases()
   if args.list:
@@ -1047,6 +1078,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(f"{n}: unavailable: {a.reason}", file=sys.stderr)
   if not ready:
     return 2
+  selected = [c for c in all_cases if not args.case or c.name in args.case]
+  if args.markdown:
+    return _markdown(selected, ready)
   header = ["case", "target", "low/all", "low precision by kernel", "by operands", "temp MiB",
             "claim", "what"]
   widths = [22, 8, 8, 34, 18, 9, 6, 0]
@@ -1054,9 +1088,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "low-precision products / all products.")
   print("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(), flush=True)
   rows, failed = [], False
-  for case in all_cases:
-    if args.case and case.name not in args.case:
-      continue
+  for case in selected:
     for n in ready:
       try:
         r = compile_case(case.name, n)
