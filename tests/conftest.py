@@ -57,3 +57,60 @@ def require_target():
     return t
 
   return require
+
+
+def _float_gemm_dtypes(fn, *args, values=True):
+  """``(lhs, rhs)`` dtype names of every float ``dot_general``/convolution in ``fn``'s jaxpr.
+
+  With ``values``, an operand widened from a narrower float by
+  ``convert_element_type`` counts as that float: its values are that dtype's,
+  and XLA:TPU feeds them to the MXU as such. (Autodiff widens: JAX's
+  convolution transposes cast a bf16 operand to the cotangent's dtype, and a
+  float32 product output cast to bf16 gets a float32 cotangent holding bf16
+  values.) Without it, operands count as their own dtype. Products of
+  integers (codes, whatever float they were widened to) are left out.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  def source(v, made_by):
+    while True:
+      e = made_by.get(id(v))
+      if e is None or e.primitive.name != "convert_element_type":
+        return v.aval.dtype
+      src = e.invars[0].aval.dtype
+      if jnp.issubdtype(src, jnp.floating) and (
+          not values or src.itemsize >= v.aval.dtype.itemsize):
+        return v.aval.dtype
+      v = e.invars[0]
+
+  def subjaxprs(p):
+    if hasattr(p, "eqns"):
+      return [p]
+    if hasattr(p, "jaxpr") and hasattr(p.jaxpr, "eqns"):
+      return [p.jaxpr]
+    if isinstance(p, (tuple, list)):
+      return [j for q in p for j in subjaxprs(q)]
+    return []
+
+  out = []
+
+  def walk(jaxpr):
+    made_by = {id(o): e for e in jaxpr.eqns for o in e.outvars}
+    for e in jaxpr.eqns:
+      if e.primitive.name in ("dot_general", "conv_general_dilated"):
+        dts = [source(v, made_by) for v in e.invars[:2]]
+        if all(jnp.issubdtype(d, jnp.floating) for d in dts):
+          out.append(tuple(jnp.dtype(d).name for d in dts))
+      for p in e.params.values():
+        for j in subjaxprs(p):
+          walk(j)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return out
+
+
+@pytest.fixture
+def float_gemm_dtypes():
+  """:func:`_float_gemm_dtypes`: what a traced program's float products are fed."""
+  return _float_gemm_dtypes

@@ -61,9 +61,10 @@ from jax import lax
 from fp8_linen.core import dims, int_numerics, int_ops, lowering, owg
 from fp8_linen.core.dot_general import grad_gemm, relayout
 from fp8_linen.core.numerics import SCALE_FLOOR
-from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
+from fp8_linen.recipes.integer import COMPUTE_DTYPES, IntQuantConfig, IntRecipe
 
-__all__ = ["Operand", "Codes", "quantize", "dequantize", "resolve_int_gemm", "int_gemm",
+__all__ = ["Operand", "Codes", "quantize", "dequantize", "resolve_int_gemm",
+           "resolve_compute_dtype", "int_gemm",
            "int_conv", "encode", "contracted", "conv_static", "operand_params", "run_product", "conv_supported", "dot_supported", "int_dot_general", "int_conv_general_dilated", "code_bound",
            "INT_GEMMS"]
 
@@ -231,6 +232,33 @@ def resolve_int_gemm(gemm: str, k: int, x: Operand, w: Operand, owner: str = "In
   return gemm
 
 
+def resolve_compute_dtype(compute_dtype: str, activation_dtype):
+  """The dtype of an integer product's float GEMM operands (``IntRecipe.compute_dtype``).
+
+  ``'auto'`` follows the activation (the product's left operand):
+  bfloat16 for bfloat16, float32 for every other dtype. A bf16 model's
+  gradient GEMMs then read bf16 operands (half the bytes, and the form a TPU
+  MXU or GPU tensor core takes natively); float16 gets float32, which holds
+  it exactly where bfloat16 would drop 3 mantissa bits. The float product of
+  a fake-quantized role and the served model resolve it here too, so serving
+  computes in the dtype QAT did.
+
+  Args:
+    compute_dtype: ``'auto'``, ``'float32'`` or ``'bfloat16'``.
+    activation_dtype: the dtype of the activation operand.
+
+  Returns:
+    A ``numpy`` dtype: bfloat16 or float32.
+  """
+  if compute_dtype not in COMPUTE_DTYPES:
+    raise ValueError(f"IntRecipe.compute_dtype={compute_dtype!r} is not allowed; allowed "
+                     f"values: {list(COMPUTE_DTYPES)}")
+  if compute_dtype == "auto":
+    bf16 = jnp.dtype(activation_dtype) == jnp.dtype(jnp.bfloat16)
+    return jnp.dtype(jnp.bfloat16 if bf16 else jnp.float32)
+  return jnp.dtype(compute_dtype)
+
+
 # ----------------------------------------------------------------------------
 # The forward product (shared with serving)
 
@@ -395,7 +423,7 @@ class _Spec:
   x: Operand
   w: Operand
   how: str          # forward lowering: 'int8' or 'bf16'
-  grad_how: str     # gradient GEMMs: 'bf16' or 'f32' (IntRecipe.compute_dtype)
+  grad_dtype: Any   # operands of the gradient GEMMs (resolve_compute_dtype)
   out_dtype: Any
   lhs_dtype: Any
   rhs_dtype: Any
@@ -420,7 +448,7 @@ class _DotSpec(_Spec):
     # operand's dtype right away.
     lt = jnp.float32 if self.x.cfg.learned else self.lhs_dtype
     rt = jnp.float32 if self.w.cfg.learned else self.rhs_dtype
-    how = self.grad_how
+    how = "bf16" if self.grad_dtype == jnp.bfloat16 else "f32"
     if how == "bf16" and lowering.current_backend() == "gpu":
       # A GPU GEMM writes its output in the gradient's dtype straight from its
       # float32 accumulator: no output-sized float32 buffer and cast.
@@ -473,11 +501,19 @@ class _ConvSpec(_Spec):
     return int_conv(xc, wc, self.conv, how=self.how)
 
   def grads(self, g, xh, wh):
-    up = jnp.bfloat16 if self.grad_how == "bf16" else jnp.float32
     fn = _conv_fn(self.conv, lowering.conv_out_sharding(xh, wh, self.conv[4]))
-    _, vjp = jax.vjp(lambda a, b: fn(a, b, jnp.float32), xh.astype(up), wh.astype(up))
-    gx, gw = vjp(g.astype(jnp.float32))
-    return gx, gw
+    xh, wh = xh.astype(self.grad_dtype), wh.astype(self.grad_dtype)
+    if self.x.cfg.learned or self.w.cfg.learned:
+      # LSQ sums its step gradient over these in float32. JAX's convolution
+      # transposes then cast the bfloat16 operand up to the float32 cotangent
+      # (exact; XLA:TPU still feeds the MXU bfloat16, XLA:GPU multiplies f32).
+      _, vjp = jax.vjp(lambda a, b: fn(a, b, jnp.float32), xh, wh)
+      return vjp(g.astype(jnp.float32))
+    # STE casts both gradients to the operands' dtypes right away: transposing
+    # the product in that dtype gives GPU and TPU the same bf16 x bf16
+    # convolutions (still accumulated in float32 by the hardware).
+    _, vjp = jax.vjp(lambda a, b: fn(a, b, None), xh, wh)
+    return vjp(g.astype(self.grad_dtype))
 
 
 def _residual(op: Operand, x, c: Codes, inside):
@@ -541,9 +577,8 @@ def _int_product_bwd(spec, res, cts):
   g, ct_chain = cts
   # The dequantized operands feed the gradient GEMMs only: build them in the
   # GEMMs' dtype, so no float32 copy of an operand is materialized for bf16.
-  cd = jnp.bfloat16 if spec.grad_how == "bf16" else jnp.float32
-  xc, xh, x, x_in = _restore(spec.x, spec.lhs_shape, res_x, lparams, cd)
-  wc, wh, w, w_in = _restore(spec.w, spec.rhs_shape, res_w, rparams, cd)
+  xc, xh, x, x_in = _restore(spec.x, spec.lhs_shape, res_x, lparams, spec.grad_dtype)
+  wc, wh, w, w_in = _restore(spec.w, spec.rhs_shape, res_w, rparams, spec.grad_dtype)
   if spec.grad_bits:
     g_xh, g_wh = spec.int_grads(g, xc, wc)
   else:
@@ -637,7 +672,7 @@ def _run(spec_cls, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params,
   rp = _params(w_op, kernel_params, "kernel_params")
   first = chain is None
   spec = spec_cls(x=x_op, w=w_op, how=resolve_int_gemm(recipe.gemm, k, x_op, w_op, owner),
-                  grad_how="bf16" if recipe.compute_dtype == "bfloat16" else "f32",
+                  grad_dtype=resolve_compute_dtype(recipe.compute_dtype, lhs.dtype),
                   out_dtype=jnp.dtype(out_dtype or jnp.result_type(lhs, rhs)),
                   lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
                   lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape),
@@ -655,7 +690,9 @@ def int_dot_general(lhs, rhs, dimension_numbers, *, recipe: IntRecipe, input_par
   integer GEMM (:func:`int_gemm`); equal to the product of the fake-quantized
   operands up to float32 rounding of the scaling. Backward: STE (observer,
   min/max) or LSQ/LSQ+ gradients from the saved codes (STE) or operands
-  (LSQ), the gradient GEMMs in ``recipe.compute_dtype``. An observer's new
+  (LSQ), the gradient GEMMs' operands in ``recipe.compute_dtype`` (``'auto'``:
+  bfloat16 when ``lhs`` is bfloat16, else float32; see
+  :func:`resolve_compute_dtype`), accumulated in float32. An observer's new
   range is returned as the cotangent of ``input_params[0]``, chained across
   uses like the fp8 state.
 

@@ -211,7 +211,8 @@ def int_conv(lhs, kernel, conv_kwargs: dict, *, recipe: IntRecipe, arrays: dict,
   codes (:func:`~fp8_linen.core.int_product.int_conv`); the others (LSQ+,
   zero-point grids) are computed as QAT computes them: the fake-quantized
   input (frozen parameters) and the dequantized stored kernel, convolved in
-  ``recipe.compute_dtype``.
+  ``recipe.compute_dtype`` resolved against ``lhs`` as QAT resolves it
+  (:func:`~fp8_linen.core.int_product.resolve_compute_dtype`).
   """
   lhs, kernel = jnp.asarray(lhs), jnp.asarray(kernel)
   dn = lax.conv_dimension_numbers(lhs.shape, kernel.shape, conv_kwargs["dimension_numbers"])
@@ -235,7 +236,7 @@ def int_conv(lhs, kernel, conv_kwargs: dict, *, recipe: IntRecipe, arrays: dict,
     xq = int_ops.lsq_plus_fake_quant(lhs, arrays["input_scale"], arrays["input_offset"],
                                      qmin=cfg.qmin, qmax=cfg.qmax)
   wq = int_product.dequantize(wc, kernel.dtype).reshape(kernel.shape)
-  cd = jnp.dtype(recipe.compute_dtype)
+  cd = int_product.resolve_compute_dtype(recipe.compute_dtype, lhs.dtype)
   xq, wq = xq.astype(cd), wq.astype(cd)
   y = lowering.lax_conv_general_dilated(xq, wq, **conv_kwargs, preferred_element_type=jnp.float32,
                                         out_sharding=lowering.conv_out_sharding(xq, wq, dn))

@@ -176,7 +176,7 @@ def int_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe: I
                                **kw))
   xq = quantize_operand(module, "input", lhs, lc, recipe.input, key)
   wq = quantize_operand(module, "kernel", rhs, rc, recipe.kernel, key)
-  cd = jnp.dtype(recipe.compute_dtype)
+  cd = int_product.resolve_compute_dtype(recipe.compute_dtype, lhs.dtype)
   xq, wq = xq.astype(cd), wq.astype(cd)
   y = lowering.lax_dot_general(xq, wq, dimension_numbers, preferred_element_type=jnp.float32,
                                out_sharding=lowering.dot_out_sharding(xq, wq, dimension_numbers))
@@ -212,7 +212,7 @@ def int_conv_on(module: nn.Module, lhs, rhs, conv_kwargs: dict, recipe: IntRecip
                                lhs, rhs, conv, recipe=recipe, out_dtype=out_dtype, **kw))
   xq = quantize_operand(module, "input", lhs, l_contract, recipe.input, key)
   wq = quantize_operand(module, "kernel", rhs, r_contract, recipe.kernel, key)
-  cd = jnp.dtype(recipe.compute_dtype)
+  cd = int_product.resolve_compute_dtype(recipe.compute_dtype, lhs.dtype)
   xq, wq = xq.astype(cd), wq.astype(cd)
   y = lowering.lax_conv_general_dilated(xq, wq, **conv_kwargs, preferred_element_type=jnp.float32,
                                         out_sharding=lowering.conv_out_sharding(xq, wq, dn))

@@ -238,7 +238,7 @@ def dot_general(module: nnx.Module, lhs, rhs, dimension_numbers, recipe, out_dty
                             **kw))
   xq = _int_operand(module, "input", lhs, lc, recipe.input, key)
   wq = _int_operand(module, "kernel", rhs, rc, recipe.kernel, key)
-  cd = jnp.dtype(recipe.compute_dtype)
+  cd = int_product.resolve_compute_dtype(recipe.compute_dtype, lhs.dtype)
   y = lowering.lax_dot_general(xq.astype(cd), wq.astype(cd), dimension_numbers,
                                preferred_element_type=jnp.float32)
   return y.astype(out_dtype)
@@ -278,7 +278,7 @@ def conv(module: nnx.Module, lhs, rhs, conv_kwargs: dict, recipe, out_dtype=None
                             lhs, rhs, conv, recipe=recipe, out_dtype=out_dtype, **kw))
   xq = _int_operand(module, "input", lhs, l_contract, recipe.input, key)
   wq = _int_operand(module, "kernel", rhs, r_contract, recipe.kernel, key)
-  cd = jnp.dtype(recipe.compute_dtype)
+  cd = int_product.resolve_compute_dtype(recipe.compute_dtype, lhs.dtype)
   y = lowering.lax_conv_general_dilated(xq.astype(cd), wq.astype(cd), **conv_kwargs,
                                         preferred_element_type=jnp.float32)
   return y.astype(out_dtype)

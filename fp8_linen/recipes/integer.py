@@ -18,6 +18,8 @@ __all__ = ["IntQuantConfig", "IntRecipe", "int8_lsq", "int4_lsq_plus"]
 _INT_GRANULARITIES = ("tensor", "channel", "group")
 _ESTIMATORS = ("ste", "lsq", "lsq+")
 _OBSERVERS = ("minmax", "moving_average")
+# IntRecipe.compute_dtype; core/int_product.py resolves 'auto'.
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -134,8 +136,17 @@ class IntRecipe:
   Attributes:
     input: the activation (left operand); per-tensor only.
     kernel: the weight (right operand).
-    compute_dtype: dtype of the gradient GEMMs (and of the float product when a
-      role is ``None`` or a convolution fake-quantizes).
+    compute_dtype: dtype of the operands of the gradient GEMMs (and of the
+      float product when a role is ``None`` or a convolution fake-quantizes);
+      they accumulate in float32 either way. ``'auto'`` (default) follows the
+      activation (the left operand, after the layer's dtype promotion):
+      ``'bfloat16'`` for bfloat16 activations, ``'float32'`` for all others.
+      A bf16 model's backward then reads bf16 operands, half the bytes of
+      float32, and a TPU's MXU takes bf16 natively where float32 costs several
+      passes; a float32 model keeps float32. float16 activations get float32:
+      bfloat16 would round their 11-bit mantissas to 8 bits, and float32 holds
+      them exactly. ``'float32'`` or ``'bfloat16'`` pins the dtype for every
+      activation.
     gemm: the forward product: ``'int8'`` (int8 x int8 -> int32), ``'bf16'``
       (codes upcast exactly to bfloat16, float32 accumulation; only where that
       is exact, i.e. every partial sum stays below 2**24) or ``'auto'``
@@ -149,14 +160,22 @@ class IntRecipe:
       channel; dot products only (convolutions refuse it).
 
   Example:
+    >>> import jax.numpy as jnp
     >>> import fp8_linen as fl
+    >>> from fp8_linen.core.int_product import resolve_compute_dtype
     >>> fl.IntRecipe(kernel=fl.IntQuantConfig(bits=4)).kernel.qmax
     7
+    >>> r = fl.IntRecipe()  # compute_dtype='auto'
+    >>> [resolve_compute_dtype(r.compute_dtype, a).name for a in (jnp.bfloat16, jnp.float32)]
+    ['bfloat16', 'float32']
+    >>> resolve_compute_dtype(fl.IntRecipe(compute_dtype='float32').compute_dtype,
+    ...                       jnp.bfloat16).name
+    'float32'
   """
 
   input: IntQuantConfig | None = dataclasses.field(default_factory=IntQuantConfig)
   kernel: IntQuantConfig | None = dataclasses.field(default_factory=IntQuantConfig)
-  compute_dtype: Literal["float32", "bfloat16"] = "float32"
+  compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
   gemm: Literal["auto", "int8", "bf16"] = "auto"
   grad_bits: int | None = None
 
@@ -170,7 +189,7 @@ class IntRecipe:
       raise ValueError(
           f"IntRecipe.input.granularity={self.input.granularity!r} is not supported: "
           "activation scales are per tensor; allowed values: ['tensor']")
-    check_choice("IntRecipe", "compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
+    check_choice("IntRecipe", "compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
     check_choice("IntRecipe", "gemm", self.gemm, ("auto", "int8", "bf16"))
     if self.grad_bits is not None:
       check_int("IntRecipe", "grad_bits", self.grad_bits, 2, 8)

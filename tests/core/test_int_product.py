@@ -1,6 +1,7 @@
 """The integer product: exact integer GEMM on codes, int8 residuals, QAT gradients."""
 
 import contextlib
+import dataclasses
 import io
 
 import jax
@@ -306,3 +307,147 @@ def test_grad_bits_needs_symmetric_grids():
     fl.IntRecipe(grad_bits=8, input=Q(symmetric=False))
   with pytest.raises(ValueError, match="grad_bits"):
     fl.IntRecipe(grad_bits=9)
+
+
+# ----------------------------------------------------------------------------
+# compute_dtype='auto': the gradient GEMMs in the activations' dtype
+
+
+def _conv_case(dtype):
+  x = jax.random.normal(jax.random.key(0), (2, 9, 9, 4)).astype(dtype)
+  w = (0.3 * jax.random.normal(jax.random.key(1), (3, 3, 4, 6))).astype(dtype)
+  cdn = lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
+  conv = int_product.conv_static(4, dict(window_strides=(2, 1), padding="SAME"), cdn)
+  r = jax.random.normal(jax.random.key(2), (2, 5, 9, 6))
+  return x, w, conv, r
+
+
+def _conv_grads(recipe, x, w, conv, r):
+  rng = jnp.zeros(2)
+  f = lambda x, w: jnp.sum(int_product.int_conv_general_dilated(
+      x, w, conv, recipe=recipe, input_params=(rng,))[0].astype(jnp.float32) * r)
+  return f, jax.grad(f, argnums=(0, 1))
+
+
+# float16 activations get float32 GEMMs; the output gradient fed to them is
+# the model's float16 cotangent widened exactly.
+@pytest.mark.parametrize("name", ["ste_channel", "lsq8"])
+@pytest.mark.parametrize("dtype,want", [(jnp.bfloat16, ("bfloat16", "bfloat16")),
+                                        (jnp.float32, ("float32", "float32")),
+                                        (jnp.float16, ("float16", "float32"))])
+def test_auto_runs_both_gradient_gemms_in_the_activations_dtype(name, dtype, want,
+                                                                float_gemm_dtypes):
+  recipe = dataclasses.replace(RECIPES[name], compute_dtype="auto")
+  x, w = (t.astype(dtype) for t in _data())
+  lp, rp = _params(recipe, x, w)
+  r = jax.random.normal(jax.random.key(2), (8, 16))
+  f = lambda x, w: jnp.sum(_int(recipe, x, w, lp, rp).astype(jnp.float32) * r)
+  # The forward multiplies codes (left out); dgrad and wgrad remain.
+  got = float_gemm_dtypes(jax.grad(f, argnums=(0, 1)), x, w)
+  assert [tuple(sorted(p)) for p in got] == [want] * 2, got
+
+
+@pytest.mark.parametrize("dtype,want", [(jnp.bfloat16, "bfloat16"), (jnp.float32, "float32")])
+def test_auto_runs_the_gradient_convolutions_in_the_activations_dtype(dtype, want,
+                                                                     float_gemm_dtypes):
+  x, w, conv, r = _conv_case(dtype)
+  _, grad = _conv_grads(fl.IntRecipe(kernel=Q(granularity="channel")), x, w, conv, r)
+  got = float_gemm_dtypes(grad, x, w)
+  assert len(got) >= 2 and set(got) == {(want, want)}, got
+
+
+def _np_lsq(t, step, g_hat, cfg, grad_scale, axes):
+  """LSQ's ``(dt, d_step)`` in float64 (Esser et al.), given ``g_hat = dL/dt_hat``."""
+  v = t / step
+  below, above = v < cfg.qmin, v > cfg.qmax
+  ds = np.where(below, cfg.qmin, np.where(above, cfg.qmax, np.round(v) - v))
+  return (np.where(below | above, 0.0, g_hat),
+          np.sum(g_hat * ds, axis=axes, keepdims=True) * grad_scale)
+
+
+@pytest.mark.parametrize("name", ["ste_channel", "lsq8"])
+def test_bf16_gradients_under_auto_are_pinned_bf16_ones_and_close_to_float64(name):
+  base = RECIPES[name]
+  x, w = (t.astype(jnp.bfloat16) for t in _data(shift=0.3))
+  lp, rp = _params(base, x, w)
+  r = jax.random.normal(jax.random.key(2), (8, 16))
+
+  def grads(compute_dtype):
+    recipe = dataclasses.replace(base, compute_dtype=compute_dtype)
+    f = lambda x, w, lp, rp: jnp.sum(_int(recipe, x, w, lp, rp).astype(jnp.float32) * r)
+    return jax.grad(f, argnums=(0, 1, 2, 3))(x, w, lp, rp)
+
+  auto = grads("auto")
+  for a, b in zip(jax.tree.leaves(auto), jax.tree.leaves(grads("bfloat16")), strict=True):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(a, b)
+  # float64 reference: the fake-quantized operands, the GEMMs and LSQ's closed forms.
+  xq, wq = (np.asarray(t, np.float64) for t in _fake_quant(base, x, w, lp, rp))
+  r64 = np.asarray(r, np.float64)
+  dxq, dwq = r64 @ wq.T, xq.T @ r64
+  if base.input.learned:
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    dx, dsx = _np_lsq(x64, float(lp[0]), dxq, base.input, 0.1, (0, 1))
+    dw, dsw = _np_lsq(w64, np.asarray(rp[0], np.float64), dwq, base.kernel, 0.2, (0,))
+    refs = (dx, dw, dsx.reshape(()), dsw)
+  else:
+    refs = (dxq, dwq)
+  got = [auto[0], auto[1]] + ([auto[2][0], auto[3][0]] if base.input.learned else [])
+  for a, ref in zip(got, refs, strict=True):
+    # bf16 operands (2**-9 relative each) and, for STE, bf16 outputs.
+    scale = float(np.abs(ref).max())
+    np.testing.assert_allclose(np.asarray(a, np.float64), ref, rtol=2 ** -6, atol=2 ** -6 * scale)
+
+
+def test_bf16_conv_gradients_under_auto_are_pinned_bf16_ones_and_close_to_float64():
+  x, w, conv, r = _conv_case(jnp.bfloat16)
+  base = fl.IntRecipe(kernel=Q(granularity="channel"))
+  auto = _conv_grads(base, x, w, conv, r)[1](x, w)
+  pinned = _conv_grads(dataclasses.replace(base, compute_dtype="bfloat16"), x, w, conv, r)[1](x, w)
+  for a, b in zip(auto, pinned, strict=True):
+    np.testing.assert_array_equal(a, b)
+  xq = int_ops.observed_fake_quant(x, jnp.zeros(2), cfg=base.input)[0]
+  view, axes = int_numerics.int_view(w, (0, 1, 2), base.kernel)
+  wq = int_ops.minmax_fake_quant(view, axes, base.kernel)
+  with jax.enable_x64(True):
+    f64 = lambda a, b: lax.conv_general_dilated(a, b, (2, 1), "SAME",
+                                                dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    _, vjp = jax.vjp(f64, jnp.asarray(xq, jnp.float64), jnp.asarray(wq, jnp.float64))
+    refs = [np.asarray(t) for t in vjp(jnp.asarray(r, jnp.float64))]
+  for a, ref in zip(auto, refs, strict=True):
+    scale = float(np.abs(ref).max())
+    np.testing.assert_allclose(np.asarray(a, np.float64), ref, rtol=2 ** -6, atol=2 ** -6 * scale)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_f32_products_under_auto_are_the_pinned_float32_ones_bit_for_bit(name):
+  base = RECIPES[name]
+  x, w = _data(shift=0.3)
+  lp, rp = _params(base, x, w)
+  r = jax.random.normal(jax.random.key(2), (8, 16))
+
+  def run(compute_dtype):
+    recipe = dataclasses.replace(base, compute_dtype=compute_dtype)
+    f = lambda x, w, lp, rp: jnp.sum(_int(recipe, x, w, lp, rp) * r)
+    return jax.value_and_grad(f, argnums=(0, 1, 2, 3))(x, w, lp, rp)
+
+  for a, b in zip(jax.tree.leaves(run("auto")), jax.tree.leaves(run("float32")), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_f32_conv_under_auto_is_the_pinned_float32_one_bit_for_bit():
+  x, w, conv, r = _conv_case(jnp.float32)
+  base = fl.IntRecipe(kernel=Q(granularity="channel"))
+  runs = [_conv_grads(dataclasses.replace(base, compute_dtype=c), x, w, conv, r)
+          for c in ("auto", "float32")]
+  for a, b in zip(*(jax.tree.leaves((f(x, w), g(x, w))) for f, g in runs), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_resolve_compute_dtype():
+  res = lambda c, a: int_product.resolve_compute_dtype(c, a).name
+  assert [res("auto", a) for a in (jnp.bfloat16, jnp.float32, jnp.float16, np.float64)] == [
+      "bfloat16", "float32", "float32", "float32"]
+  assert res("float32", jnp.bfloat16) == "float32" and res("bfloat16", jnp.float32) == "bfloat16"
+  with pytest.raises(ValueError, match=r"compute_dtype='f16'.*\['auto', 'float32', 'bfloat16'\]"):
+    int_product.resolve_compute_dtype("f16", jnp.float32)

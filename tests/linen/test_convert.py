@@ -8,6 +8,7 @@ range (the QAT observer would widen it with the batch; the served one keeps
 the frozen range).
 """
 
+import dataclasses
 import functools
 import os
 import re
@@ -91,6 +92,24 @@ def test_served_forward_equals_qat_forward_bit_for_bit(layer, recipe):
   x2 = 0.25 * jax.random.normal(jax.random.key(7), (2,) + shape[1:])
   np.testing.assert_array_equal(np.asarray(jax.jit(served.apply)(sp, x2)),
                                 np.asarray(jax.jit(model.apply)(v, x2)))
+
+
+@pytest.mark.parametrize("recipe", ["int4_lsq_plus", "int8_ste_asym"])
+@pytest.mark.parametrize("compute_dtype,want", [("auto", "bfloat16"), ("float32", "float32")])
+def test_bf16_fake_quantized_conv_is_served_bit_for_bit_in_the_qat_compute_dtype(
+    recipe, compute_dtype, want, float_gemm_dtypes):
+  # These convolutions fake-quantize: the served one multiplies floats in the
+  # dtype compute_dtype resolves to, as QAT did (bf16 after the layer's
+  # promotion, although the input is float32).
+  r = dataclasses.replace(RECIPES[recipe], compute_dtype=compute_dtype)
+  model = fl.QConv(8, (3, 3), dtype=jnp.bfloat16, recipe=r)
+  v, x = _trained(model, (2, 6, 6, 32))
+  served, sp = fl.convert(model, v, x)
+  ref = jax.jit(model.apply)(v, x)
+  out = jax.jit(served.apply)(sp, x)
+  assert out.dtype == ref.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+  assert float_gemm_dtypes(served.apply, sp, x, values=False) == [(want, want)]
 
 
 @pytest.mark.parametrize("layer,recipe", CASES)

@@ -290,6 +290,50 @@ def test_kernel_none_leaves_weight_float_and_bad_shape_errors():
     layer.apply(v, x)
 
 
+# --- compute_dtype='auto' in a layer -------------------------------------------
+
+_STE = fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel"))
+_BF16 = jnp.bfloat16
+_EINSUM = functools.partial(fl.QEinsum, shape=(32, 2, 8), einsum_str="btd,dhk->bthk",
+                            use_bias=False)
+# (layer, input shape, input dtype, what every float product is fed). The
+# activation is the left operand after the layer's promotion: bf16 inputs of a
+# layer with float32 params and dtype=None are promoted to float32.
+_AUTO_CASES = {
+    "QDense_ste_bf16": (fl.QDense(16, dtype=_BF16, recipe=_STE), (8, 32), _BF16, "bfloat16"),
+    "QDense_lsq_bf16": (fl.QDense(16, dtype=_BF16, recipe=fl.int8_lsq()), (8, 32), _BF16,
+                        "bfloat16"),
+    "QEinsum_ste_bf16": (_EINSUM(dtype=_BF16, recipe=_STE), (2, 4, 32), _BF16, "bfloat16"),
+    "QEinsum_lsq_bf16": (_EINSUM(dtype=_BF16, recipe=fl.int8_lsq()), (2, 4, 32), _BF16,
+                         "bfloat16"),
+    "QConv_ste_bf16": (fl.QConv(8, (3, 3), dtype=_BF16, recipe=_STE), (2, 6, 6, 4), _BF16,
+                       "bfloat16"),
+    # Fake-quantized float products: the forward is a float product too.
+    "QConv_lsq_plus_bf16": (fl.QConv(8, (3, 3), dtype=_BF16, recipe=fl.int4_lsq_plus()),
+                            (2, 6, 6, 4), _BF16, "bfloat16"),
+    "QDense_float_kernel_bf16": (fl.QDense(16, dtype=_BF16, recipe=fl.IntRecipe(kernel=None)),
+                                 (8, 32), _BF16, "bfloat16"),
+    "QDense_ste_f32": (fl.QDense(16, recipe=_STE), (8, 32), jnp.float32, "float32"),
+    "QConv_lsq_plus_f32": (fl.QConv(8, (3, 3), recipe=fl.int4_lsq_plus()), (2, 6, 6, 4),
+                           jnp.float32, "float32"),
+    "QDense_lsq_bf16_in_promoted_to_f32": (fl.QDense(16, recipe=fl.int8_lsq()), (8, 32), _BF16,
+                                           "float32"),
+}
+
+
+@pytest.mark.parametrize("case", list(_AUTO_CASES))
+def test_auto_feeds_every_float_product_of_a_training_step_the_activations_dtype(
+    case, float_gemm_dtypes):
+  model, shape, dtype, want = _AUTO_CASES[case]
+  x = jax.random.normal(jax.random.key(0), shape).astype(dtype)
+  v = model.init(jax.random.key(1), x)
+  y = model.apply(v, x)
+  r = jax.random.normal(jax.random.key(2), y.shape)
+  loss = lambda v, x: jnp.sum(model.apply(v, x).astype(jnp.float32) * r)
+  got = float_gemm_dtypes(jax.grad(loss, argnums=(0, 1)), v, x)
+  assert len(got) >= 2 and set(got) == {(want, want)}, got
+
+
 # --- accuracy -------------------------------------------------------------------
 
 def _digits():

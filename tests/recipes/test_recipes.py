@@ -71,3 +71,15 @@ def test_bad_gemm_and_role():
 def test_presets():
   assert fl.current_scaling().kernel.scaling == "current"
   assert fl.delayed_scaling(32, margin=1).output_grad.margin == 1
+
+
+def test_int_recipe_compute_dtype_defaults_to_auto_and_lists_allowed_values():
+  assert fl.IntRecipe().compute_dtype == "auto" and fl.int8_lsq().compute_dtype == "auto"
+  for pinned in ("float32", "bfloat16"):
+    assert fl.IntRecipe(compute_dtype=pinned).compute_dtype == pinned
+  with pytest.raises(ValueError) as e:
+    fl.IntRecipe(compute_dtype="float16")
+  assert str(e.value) == ("IntRecipe.compute_dtype='float16' is not allowed; allowed values: "
+                          "['auto', 'float32', 'bfloat16']")
+  r = fl.IntRecipe(compute_dtype="auto")
+  assert fl.recipe_from_dict(fl.recipe_to_dict(r)) == r
