@@ -43,6 +43,7 @@ import common  # noqa: E402
 
 import fp8_linen as fl  # noqa: E402
 from fp8_linen.testing import gpu_compile  # noqa: E402
+from fp8_linen.testing import hlo as hlo_text  # noqa: E402
 
 _SIZES = {"full": {"d": 512, "blocks": 2, "batches": (1, 64)},
           "quick": {"d": 64, "blocks": 1, "batches": (1, 8)}}
@@ -86,28 +87,18 @@ def _served_arm(d, blocks, recipe):
 
 def cpu_dots(hlo: str) -> list[str]:
   """``'lhs x rhs -> out'`` of every dot in an optimized HLO module."""
-  comps, types = gpu_compile._parse_hlo(hlo)  # pylint: disable=protected-access
-  out = []
-  for comp, instrs in comps.items():
-    for _, etype, opcode, operands, _ in instrs:
-      if opcode == "dot":
-        lhs, rhs = gpu_compile._operand_types(operands[:2], types[comp])  # pylint: disable=protected-access
-        out.append(f"{lhs} x {rhs} -> {etype}")
-  return sorted(out)
+  return sorted(f"{p.operands[0]} x {p.operands[1]} -> {p.out}"
+                for p in hlo_text.products(hlo_text.parse(hlo)) if p.kind == "dot")
 
 
 def gpu_gemms(hlo: str) -> list[str]:
   """``'target: lhs x rhs'`` of every cuBLAS GEMM and remaining dot of an XLA:GPU module."""
-  comps, types = gpu_compile._parse_hlo(hlo)  # pylint: disable=protected-access
   out = []
-  for comp, instrs in comps.items():
-    for _, etype, opcode, operands, attrs in instrs:
-      lhs_rhs = gpu_compile._operand_types(operands[:2], types[comp])  # pylint: disable=protected-access
-      if opcode == "custom-call" and "__cublas" in attrs:
-        target = gpu_compile._TARGET.search(attrs).group(1)  # pylint: disable=protected-access
-        out.append(f"{target}: {lhs_rhs[0]} x {lhs_rhs[1]}")
-      elif opcode == "dot":
-        out.append(f"dot: {lhs_rhs[0]} x {lhs_rhs[1]} -> {etype}")
+  for p in hlo_text.products(hlo_text.parse(hlo)):
+    if p.kind == "cublas":
+      out.append(f"{p.target}: {p.operands[0]} x {p.operands[1]}")
+    elif p.kind == "dot":
+      out.append(f"dot: {p.operands[0]} x {p.operands[1]} -> {p.out}")
   return sorted(out)
 
 

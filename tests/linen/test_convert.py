@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import fp8_linen as fl
-from fp8_linen.testing import gpu_compile
+from fp8_linen.testing import hlo as hlo_text
 
 RECIPES = {
     "fp8_delayed": fl.Fp8Recipe(),
@@ -138,15 +138,9 @@ def test_served_params_hold_codes_and_no_training_state(layer, recipe):
 
 
 def _dots(hlo: str):
-  """``(lhs type, rhs type)`` of every dot / convolution in an optimized HLO module."""
-  comps, types = gpu_compile._parse_hlo(hlo)  # pylint: disable=protected-access
-  out = []
-  for comp, instrs in comps.items():
-    for _, etype, opcode, operands, _ in instrs:
-      if opcode in ("dot", "convolution"):
-        lhs, rhs = gpu_compile._operand_types(operands[:2], types[comp])  # pylint: disable=protected-access
-        out.append((lhs, rhs, etype))
-  return out
+  """``(lhs type, rhs type, out type)`` of every dot / convolution in an optimized HLO module."""
+  return [(*p.operands, p.out) for p in hlo_text.products(hlo_text.parse(hlo))
+          if p.kind in ("dot", "convolution")]
 
 
 def test_served_int_forward_is_one_s8_gemm_fed_by_the_stored_codes():
@@ -379,11 +373,8 @@ def test_served_weight_bytes_against_the_float_model(recipe, bound):
 
 def _entry(hlo: str):
   """``(name, type, opcode, operands)`` of the entry computation's instructions."""
-  text = hlo[hlo.index("\nENTRY"):]
-  comps, types = gpu_compile._parse_hlo(text.lstrip("\n"))  # pylint: disable=protected-access
-  (entry,) = comps.values()
-  return [(name, etype, opcode, [n for _, n in operands]) for name, etype, opcode, operands, _
-          in entry]
+  m = hlo_text.parse(hlo)
+  return [(i.name, i.dtype, i.opcode, list(i.operands)) for i in m.computations[m.entry]]
 
 
 def test_dense_relu_dense_requantizes_the_int32_accumulator_straight_to_int8():
