@@ -242,10 +242,17 @@ def make_train_step(modules: list[tuple[str, ...]]):
 
 
 def make_eval_step(apply_fn):
-  """``eval(variables, batch) -> (loss, acc)`` for one batch (unjitted)."""
+  """``eval(variables, batch) -> (loss, acc)`` for one batch (unjitted).
+
+  The quantizers are frozen (:func:`fp8_linen.frozen_quantizers`): observers
+  quantize with the ranges recorded in training instead of folding each
+  held-out batch in, so the QAT model is evaluated as it will be served.
+  The flag is read while ``eval_step`` is traced, so it holds under ``jit``.
+  """
   def eval_step(variables, batch):
-    return tasks_lib.loss_and_accuracy(apply_fn(variables, batch['x']),
-                                       batch['y'])
+    with fl.frozen_quantizers():
+      logits = apply_fn(variables, batch['x'])
+    return tasks_lib.loss_and_accuracy(logits, batch['y'])
   return eval_step
 
 

@@ -256,5 +256,6 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
   first = chain is None
   spec = _SPECS[recipe.granularity](
       dn=dn, recipe=recipe, gemm=lowering.resolve_gemm(recipe), out_dtype=out_dtype,
-      lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first)
+      lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
+      frozen=owg.quantizers_frozen())
   return product(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)

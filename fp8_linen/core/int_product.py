@@ -135,11 +135,11 @@ class Operand:
     return self.kind == "observer" and self.cfg.observer == "moving_average"
 
 
-def _params_of(op: Operand, x, view, axes, params):
+def _params_of(op: Operand, x, view, axes, params, frozen: bool):
   """``(scale, zero_point, offset, new_range)`` of ``op`` for this operand."""
   cfg = op.cfg
   if op.kind == "observer":
-    new, s, z = int_ops.observer_qparams(cfg, x, params[0])
+    new, s, z = int_ops.observer_qparams(cfg, x, params[0], frozen)
     return s, z, None, new
   if op.kind == "minmax":
     s, z = int_ops.minmax_qparams(view, axes, cfg)
@@ -148,7 +148,7 @@ def _params_of(op: Operand, x, view, axes, params):
   return s, None, (params[1] if op.kind == "lsq+" else None), None
 
 
-def quantize(op: Operand, x, params):
+def quantize(op: Operand, x, params, frozen: bool = False):
   """Quantizes ``x`` to :class:`Codes` as ``op`` says.
 
   Args:
@@ -157,6 +157,8 @@ def quantize(op: Operand, x, params):
     params: its parameters: ``(observer_range,)`` for an observer, ``()`` for a
       min/max weight, ``(step,)`` for LSQ, ``(step, offset)`` for LSQ+ (steps
       and offsets broadcastable to the view).
+    frozen: an observer quantizes with its range as recorded (see
+      :func:`~fp8_linen.core.owg.frozen_quantizers`).
 
   Returns:
     ``(codes, new_range, inside)``: ``new_range`` is the observer's updated
@@ -164,13 +166,18 @@ def quantize(op: Operand, x, params):
     where it can differ from all-ones (:attr:`Operand.keeps_mask`), else ``None``.
   """
   view, axes = int_numerics.int_view(x, op.contract, op.cfg)
-  s, z, b, new = _params_of(op, x, view, axes, params)
-  c, inside = encode(op, view, s, z, b)
+  s, z, b, new = _params_of(op, x, view, axes, params, frozen)
+  # A frozen 'minmax' range no longer includes the batch, so it can clip too.
+  c, inside = encode(op, view, s, z, b,
+                     keep_mask=op.keeps_mask or (frozen and op.kind == "observer"))
   return c, new, inside
 
 
-def encode(op: Operand, view, scale, zero_point=None, offset=None):
+def encode(op: Operand, view, scale, zero_point=None, offset=None, keep_mask=None):
   """``view`` as :class:`Codes` with given parameters; also the STE mask (or ``None``).
+
+  The mask is computed where ``keep_mask`` (default :attr:`Operand.keeps_mask`)
+  says the STE can clip.
 
   STE (``zero_point`` given): ``clamp(round(x / s) + z)``, the expression of
   :func:`~fp8_linen.core.int_numerics.int_fake_quant`; LSQ/LSQ+:
@@ -181,9 +188,10 @@ def encode(op: Operand, view, scale, zero_point=None, offset=None):
   cfg = op.cfg
   x32 = view.astype(jnp.float32)
   inside = None
+  keep_mask = op.keeps_mask if keep_mask is None else keep_mask
   if zero_point is not None:
     q = jnp.clip(jnp.round(x32 / scale) + zero_point, cfg.qmin, cfg.qmax)
-    if op.keeps_mask:
+    if keep_mask:
       v = x32 / scale + zero_point
       inside = (v >= cfg.qmin) & (v <= cfg.qmax)
   else:
@@ -403,6 +411,7 @@ class _Spec:
   lhs_shape: tuple
   rhs_shape: tuple
   grad_bits: int | None = None
+  frozen: bool = False  # owg.frozen_quantizers() when the product was called
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -522,13 +531,13 @@ def _role_grads(op: Operand, g_hat, x, inside, params, like, dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _int_product(spec, lhs, rhs, lparams, rparams, chain):
-  xc, _, _ = quantize(spec.x, lhs, lparams)
+  xc, _, _ = quantize(spec.x, lhs, lparams, spec.frozen)
   wc, _, _ = quantize(spec.w, rhs, rparams)
   return spec.forward(xc, wc, lhs.shape).astype(spec.out_dtype), chain
 
 
 def _int_product_fwd(spec, lhs, rhs, lparams, rparams, chain):
-  xc, new, x_in = quantize(spec.x, lhs, lparams)
+  xc, new, x_in = quantize(spec.x, lhs, lparams, spec.frozen)
   wc, _, w_in = quantize(spec.w, rhs, rparams)
   y = spec.forward(xc, wc, lhs.shape).astype(spec.out_dtype)
   res = (_residual(spec.x, lhs, xc, x_in), _residual(spec.w, rhs, wc, w_in),
@@ -641,7 +650,7 @@ def _run(spec_cls, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params,
                   out_dtype=jnp.dtype(out_dtype or jnp.result_type(lhs, rhs)),
                   lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
                   lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape),
-                  grad_bits=recipe.grad_bits, **static)
+                  grad_bits=recipe.grad_bits, frozen=owg.quantizers_frozen(), **static)
   return _int_product(spec, lhs, rhs, lp, rp, owg.chain_init(2) if first else chain)
 
 

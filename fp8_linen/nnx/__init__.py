@@ -16,6 +16,7 @@ Example:
   >>> _ = opt.update(model, grads)
 """
 
+from fp8_linen.core.owg import frozen_quantizers
 from fp8_linen.nnx.activation import Quantizer
 from fp8_linen.nnx.layers import Conv, Einsum, Linear, LinearGeneral
 from fp8_linen.nnx.products import calibrate
@@ -37,4 +38,5 @@ __all__ = [
     "update_state",
     "calibrate",
     "quantize_model",
+    "frozen_quantizers",
 ]
