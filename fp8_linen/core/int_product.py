@@ -64,7 +64,7 @@ from fp8_linen.core.numerics import SCALE_FLOOR
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["Operand", "Codes", "quantize", "dequantize", "resolve_int_gemm", "int_gemm",
-           "int_conv", "encode", "contracted", "conv_static", "operand_params", "run_product", "conv_supported", "dot_supported", "int_dot_general", "int_conv_general_dilated", "code_bound",
+           "int_conv", "encode", "contracted", "kernel_code_sum", "conv_static", "operand_params", "run_product", "conv_supported", "dot_supported", "int_dot_general", "int_conv_general_dilated", "code_bound",
            "INT_GEMMS"]
 
 INT_GEMMS = ("auto", "int8", "bf16")
@@ -79,12 +79,16 @@ class Codes(NamedTuple):
   ``centre`` and ``offset`` are float32 and broadcast against it (size 1 along
   the axes one value covers). ``centre`` and ``offset`` are ``None`` where they
   are zero for every value of the recipe (symmetric grids, no learned offset).
+  ``code_sum``: a weight's codes summed over the product's contracting axes
+  (:func:`kernel_code_sum`), where known in advance (a served weight's, folded
+  at conversion); ``None``: :func:`int_gemm` sums them when it needs them.
   """
 
   codes: Any
   scale: Any
   centre: Any = None
   offset: Any = None
+  code_sum: Any = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -302,8 +306,10 @@ def int_gemm(xc: Codes, wc: Codes, dn, *, lhs_shape, group: bool, how: str):
   need_sw = xc.centre is not None or xc.offset is not None
   sx = to_out(jnp.sum(cx.astype(jnp.int32), axis=vlc, keepdims=True), lay.lhs_to_out) \
       if need_sx else None
-  sw = to_out(jnp.sum(wc.codes.astype(jnp.int32), axis=vrc, keepdims=True), lay.rhs_to_out) \
-      if need_sw else None
+  sw = None
+  if need_sw:  # a served weight's sum was folded at conversion
+    sw = to_out(wc.code_sum if wc.code_sum is not None else
+                jnp.sum(wc.codes.astype(jnp.int32), axis=vrc, keepdims=True), lay.rhs_to_out)
   mx = None if xc.centre is None else jnp.reshape(xc.centre, ()).astype(jnp.int32)
   mw = None if wc.centre is None else to_out(_full(wc.centre, wc.codes), lay.rhs_to_out
                                              ).astype(jnp.int32)
@@ -331,6 +337,19 @@ def int_gemm(xc: Codes, wc: Codes, dn, *, lhs_shape, group: bool, how: str):
   if group:
     y = jnp.sum(y, axis=len(dn[1][0]))
   return y
+
+
+def kernel_code_sum(codes, contract, group: bool):
+  """A weight's codes summed over its contracting axes: int32, those axes kept with size 1.
+
+  ``codes`` in the weight's view (:func:`~fp8_linen.core.int_numerics.int_view`),
+  ``contract`` its contracting axes in the product; for a ``'group'`` weight
+  the sum runs within each group (:func:`int_gemm`'s view). An activation
+  with a zero point or an offset needs this sum of the weight in every
+  product; a served weight stores it.
+  """
+  axes = (contract[0] + 1,) if group else tuple(contract)
+  return jnp.sum(codes.astype(jnp.int32), axis=axes, keepdims=True)
 
 
 def _full(t, like):
