@@ -16,17 +16,18 @@ trained variables into a model that computes in low precision:
   become the few arrays serving reads;
 * the served products run the QAT forward from those arrays: int8 x int8 ->
   int32 (:func:`~fp8_linen.core.int_product.int_gemm`, the very function QAT
-  runs) and fp8 x fp8 GEMMs, so the served model equals the QAT model in
-  evaluation bit for bit (``'minmax'`` STE observers: for batches inside the
-  recorded range, since the QAT forward folds each batch into the range and
-  the served one keeps it; a ``'moving_average'`` observer moves toward every
-  batch, so its QAT evaluation differs slightly from the frozen range).
+  runs) and fp8 x fp8 GEMMs (the "multiply" half of QAT's fp8 product), so
+  the served model equals the QAT model evaluated with frozen quantizers
+  (:func:`~fp8_linen.frozen_quantizers`) bit for bit, on any batch. (In
+  training mode an STE observer folds each batch into its range, so only
+  batches inside a ``'minmax'`` range evaluate as served.)
 
 It works for models built from the library's layers (``QDense``,
 ``QDenseGeneral``, ``QEinsum``, ``QConv``, ``Fp8DotGeneral`` in a flax layer)
 and for :func:`~fp8_linen.quantize_model`'d models: the same model code runs
 in a conversion mode that writes the served arrays and in a serving mode
-that reads them (:mod:`fp8_linen.linen.serving`).
+that reads them (:mod:`fp8_linen.linen.serving`). NNX models:
+:func:`fp8_linen.nnx.convert`.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -37,7 +38,9 @@ Example:
   >>> served, params = fl.convert(model, variables, x)
   >>> params['params']['kernel'].dtype
   dtype('int8')
-  >>> bool((served.apply(params, x) == model.apply(variables, x)).all())
+  >>> with fl.frozen_quantizers():
+  ...   qat = model.apply(variables, x)
+  >>> bool((served.apply(params, x) == qat).all())
   True
 """
 
