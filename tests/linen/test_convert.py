@@ -179,6 +179,24 @@ def test_served_int4_kernel_is_unpacked_to_int8_for_the_cpu_gemm():
   assert _dots(hlo) == [("s8", "s8", "s32")]
 
 
+def test_lsq_plus_serving_reads_the_column_sums_stored_at_conversion():
+  """The activation's offset needs the weight codes' column sums: summed once, not per call."""
+  model = fl.QDense(64, recipe=fl.int4_lsq_plus())
+  v, x = _trained(model, (4, 64))
+  served, sp = fl.convert(model, v, x)
+  p = sp["params"]
+  assert p["kernel_colsum"].dtype == jnp.int32 and p["kernel_colsum"].shape == (1, 64)
+  np.testing.assert_array_equal(p["kernel_colsum"],
+                                jnp.sum(p["kernel"].astype(jnp.int32), axis=0, keepdims=True))
+  kernel_sums = r"stablehlo.reduce\(.*\(tensor<64x64xi32>"  # a sum over the (64, 64) codes
+  assert not re.search(kernel_sums, jax.jit(served.apply).lower(sp, x).as_text())
+  assert re.search(kernel_sums, jax.jit(model.apply).lower(v, x).as_text())  # QAT's weight moves
+  # Symmetric activations (LSQ) need no sums: nothing extra is stored.
+  lsq = fl.QDense(64, recipe=fl.int8_lsq())
+  _, sp8 = fl.convert(lsq, *_trained(lsq, (4, 64)))
+  assert "kernel_colsum" not in sp8["params"]
+
+
 def dataclasses_replace_gemm(recipe, gemm):
   import dataclasses  # pylint: disable=import-outside-toplevel
   return dataclasses.replace(recipe, gemm=gemm)
