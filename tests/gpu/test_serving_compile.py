@@ -36,16 +36,20 @@ def _gemm_operands(report, h100):
   return out
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_served_products_on_h100(h100, name):
-  (served, sp), x = _served(RECIPES[name])
-  report = h100.compile_for_h100(served.apply, sp, x)
+def _assert_two_low_precision_gemms(report, h100, name):
   gemms = _gemm_operands(report, h100)
   if name == "fp8":
     assert gemms == [("__cublas$lt$matmul$f8", "f8e4m3fn", "f8e4m3fn")] * 2
   else:
     assert gemms == [("__cublas$lt$matmul", "s8", "s8")] * 2
   assert report.other_dots == 0
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_served_products_on_h100(h100, name):
+  (served, sp), x = _served(RECIPES[name])
+  report = h100.compile_for_h100(served.apply, sp, x)
+  _assert_two_low_precision_gemms(report, h100, name)
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -59,9 +63,4 @@ def test_served_nnx_products_on_h100(h100, name):
   fl.nnx.update_state(model, fl.nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model))
   graphdef, state = nnx.split(fl.nnx.convert(model, x))
   report = h100.compile_for_h100(lambda s, x: nnx.merge(graphdef, s)(x), nnx.as_pure(state), x)
-  gemms = _gemm_operands(report, h100)
-  if name == "fp8":
-    assert gemms == [("__cublas$lt$matmul$f8", "f8e4m3fn", "f8e4m3fn")] * 2
-  else:
-    assert gemms == [("__cublas$lt$matmul", "s8", "s8")] * 2
-  assert report.other_dots == 0
+  _assert_two_low_precision_gemms(report, h100, name)
