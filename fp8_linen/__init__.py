@@ -21,7 +21,14 @@ from fp8_linen.core.int_ops import (
     observed_fake_quant,
 )
 from fp8_linen.core.lowering import target_backend
-from fp8_linen.core.owg import CHECKPOINT_NAME, OWG, ROLES, RoleState, name_fp8_residual
+from fp8_linen.core.owg import (
+    CHECKPOINT_NAME,
+    OWG,
+    ROLES,
+    RoleState,
+    frozen_quantizers,
+    name_fp8_residual,
+)
 from fp8_linen.core.qdq import dequantize, quantize
 from fp8_linen.linen.activation import Fp8Activation, fp8_activation
 from fp8_linen.linen.conv import QConv
@@ -117,6 +124,7 @@ __all__ = [
     "EinsumPlan",
     "einsum_plan",
     "target_backend",
+    "frozen_quantizers",
     # Linen layers
     "Fp8DotGeneral",
     "QDense",

@@ -16,17 +16,18 @@ trained variables into a model that computes in low precision:
   become the few arrays serving reads;
 * the served products run the QAT forward from those arrays: int8 x int8 ->
   int32 (:func:`~fp8_linen.core.int_product.int_gemm`, the very function QAT
-  runs) and fp8 x fp8 GEMMs, so the served model equals the QAT model in
-  evaluation bit for bit (``'minmax'`` STE observers: for batches inside the
-  recorded range, since the QAT forward folds each batch into the range and
-  the served one keeps it; a ``'moving_average'`` observer moves toward every
-  batch, so its QAT evaluation differs slightly from the frozen range).
+  runs) and fp8 x fp8 GEMMs (the "multiply" half of QAT's fp8 product), so
+  the served model equals the QAT model evaluated with frozen quantizers
+  (:func:`~fp8_linen.frozen_quantizers`) bit for bit, on any batch. (In
+  training mode an STE observer folds each batch into its range, so only
+  batches inside a ``'minmax'`` range evaluate as served.)
 
 It works for models built from the library's layers (``QDense``,
 ``QDenseGeneral``, ``QEinsum``, ``QConv``, ``Fp8DotGeneral`` in a flax layer)
 and for :func:`~fp8_linen.quantize_model`'d models: the same model code runs
 in a conversion mode that writes the served arrays and in a serving mode
-that reads them (:mod:`fp8_linen.linen.serving`).
+that reads them (:mod:`fp8_linen.linen.serving`). NNX models:
+:func:`fp8_linen.nnx.convert`.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -37,7 +38,9 @@ Example:
   >>> served, params = fl.convert(model, variables, x)
   >>> params['params']['kernel'].dtype
   dtype('int8')
-  >>> bool((served.apply(params, x) == model.apply(variables, x)).all())
+  >>> with fl.frozen_quantizers():
+  ...   qat = model.apply(variables, x)
+  >>> bool((served.apply(params, x) == qat).all())
   True
 """
 
@@ -52,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8_linen.core import serve
 from fp8_linen.core.owg import OWG
 from fp8_linen.linen import dispatch, serving
 
@@ -148,15 +152,6 @@ def _is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
 
 
-def _records(tree, path=()):
-  """``(path, record)`` of every product the conversion run wrote."""
-  if serving.KERNEL_AT in tree:
-    yield path, tree
-  for k, v in tree.items():
-    if isinstance(v, Mapping):
-      yield from _records(v, path + (k,))
-
-
 def _node(tree: dict, path) -> dict:
   for p in path:
     tree = tree.setdefault(p, {})
@@ -227,36 +222,25 @@ def convert(model, variables, *args, **kwargs):
     state = jax.jit(run)(variables, examples)
   except flax.errors.FlaxError as e:
     raise ValueError(f"fl.convert: the variables do not fit the model: {e}") from e
-  records = list(_records(flax.core.unfreeze(state).get(serving.SERVED, {})))
+  records = list(serving.records(flax.core.unfreeze(state).get(serving.SERVED, {})))
   if not records:
-    raise ValueError("fl.convert: the model ran no quantized product, so there is nothing to "
-                     "serve (build it from fl.QDense/QDenseGeneral/QEinsum/QConv or wrap it "
-                     "with fl.quantize_model)")
+    raise serve.no_product_error(
+        "fl.convert", "fl.QDense/QDenseGeneral/QEinsum/QConv or wrap it with fl.quantize_model")
   params = flax.core.unfreeze(variables["params"])
   kernel_dtypes = []
   for path, rec in records:
-    where = "/".join(path) or "<root>"
-    if not bool(rec[serving.OK]):
-      raise ValueError(
-          f"{where}: has no trained quantization state: its frozen input scale would come "
-          f"from an empty amax history / observer range. Convert the variables of a trained "
-          f"(or calibrated) model, including the '{OWG}' collection")
+    kernel, arrays = serve.served_from_record("/".join(path) or "<root>", rec)
     node = _node(params, path)
     for name in _TRAINING_ONLY:
       node.pop(name, None)
-    at, equal = int(rec[serving.KERNEL_AT]), bool(rec[serving.KERNEL_EQUAL])
-    prefix = serving.FOLD if at >= 0 and equal else serving.LIVE
-    if prefix == serving.FOLD:
-      dest_path = path if at == 0 else path[:-1]
+    if kernel is not None:
+      # Fp8DotGeneral multiplies its parent's kernel (KERNEL_AT 1).
+      dest_path = path if int(rec[serve.KERNEL_AT]) == 0 else path[:-1]
       dest = _node(params, dest_path)
       old = jnp.asarray(dest["kernel"])
-      dest["kernel"] = jnp.reshape(rec[serving.FOLD + "kernel"], old.shape)
+      dest["kernel"] = jnp.reshape(kernel, old.shape)
       kernel_dtypes.append((tuple(dest_path), str(old.dtype)))
-    for k, v in rec.items():
-      if k.startswith(prefix) and k != serving.FOLD + "kernel":
-        node[k[len(prefix):]] = v
-      elif k.startswith(serving.FROZEN):
-        node[k[len(serving.FROZEN):]] = v
+    node.update(arrays)
   served = {c: v for c, v in variables.items() if c not in (OWG, serving.SERVED, "params")}
   served["params"] = params
   kernel_dtypes = tuple(kernel_dtypes)

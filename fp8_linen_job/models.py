@@ -388,7 +388,21 @@ class NnxAsLinen:
       variables[fl.OWG] = nnx.to_pure_dict(state)
     return variables
 
+  def model(self, variables: dict[str, Any]) -> nnx.Module:
+    """The NNX model holding ``variables``."""
+    states = [nnx.State(variables['params']), nnx.State(variables.get(fl.OWG, {}))]
+    return nnx.merge(self.graphdef, *states, nnx.State({}))
+
   def apply(self, variables: dict[str, Any], x: jax.Array) -> jax.Array:
     """The model with ``variables`` called on ``x``."""
-    states = [nnx.State(variables['params']), nnx.State(variables.get(fl.OWG, {}))]
-    return nnx.merge(self.graphdef, *states, nnx.State({}))(x)
+    return self.model(variables)(x)
+
+  def convert(self, variables: dict[str, Any], example: jax.Array):
+    """The served model (:func:`fp8_linen.nnx.convert`) of the model holding ``variables``.
+
+    Returns:
+      ``(apply, state)``: ``apply(state, x)`` runs the served NNX model, whose
+      variables (int8/int4/fp8 kernel codes, scales, biases) are ``state``.
+    """
+    graphdef, state = nnx.split(fl.nnx.convert(self.model(variables), example))
+    return (lambda state, x: nnx.merge(graphdef, state)(x)), state

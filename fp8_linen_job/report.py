@@ -112,7 +112,8 @@ def _wrap(text: str, indent: str = '') -> str:
 
 LEGEND = (
     'train loss: mean of the last {window} steps; val: held-out data after '
-    'the last step.',
+    'the last step, quantizers frozen (fl.frozen_quantizers: observers keep '
+    'their trained ranges, as in the served model).',
     'ms/step: median train-step time of this run (compilation, evaluation '
     'and checkpoints excluded). The arms ran one after another, and on a CPU '
     'fp8 and int8 are emulated (no fp8/int8 units), so "vs bf16" is not a '

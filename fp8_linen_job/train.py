@@ -77,8 +77,8 @@ class ArmResult:
     served: What the served model (:func:`fp8_linen.convert` of the final
       state) gives on the held-out data: ``val_loss``, ``val_acc``,
       ``weight_bytes`` (its params) and ``float_weight_bytes`` (the QAT
-      model's float params). ``None`` for unquantized and NNX arms and for
-      runs stopped before the last step.
+      model's float params). ``None`` for unquantized arms and for runs
+      stopped before the last step.
   """
 
   task: str
@@ -242,10 +242,17 @@ def make_train_step(modules: list[tuple[str, ...]]):
 
 
 def make_eval_step(apply_fn):
-  """``eval(variables, batch) -> (loss, acc)`` for one batch (unjitted)."""
+  """``eval(variables, batch) -> (loss, acc)`` for one batch (unjitted).
+
+  The quantizers are frozen (:func:`fp8_linen.frozen_quantizers`): observers
+  quantize with the ranges recorded in training instead of folding each
+  held-out batch in, so the QAT model is evaluated as it will be served.
+  The flag is read while ``eval_step`` is traced, so it holds under ``jit``.
+  """
   def eval_step(variables, batch):
-    return tasks_lib.loss_and_accuracy(apply_fn(variables, batch['x']),
-                                       batch['y'])
+    with fl.frozen_quantizers():
+      logits = apply_fn(variables, batch['x'])
+    return tasks_lib.loss_and_accuracy(logits, batch['y'])
   return eval_step
 
 
@@ -439,24 +446,29 @@ def train_arm(task: tasks_lib.Task, arm: arms_lib.Arm,
 
 def serve_and_evaluate(task: tasks_lib.Task, arm: arms_lib.Arm,
                        state) -> dict[str, Any] | None:
-  """Converts the trained model (:func:`fp8_linen.convert`) and evaluates it.
+  """Converts the trained model and evaluates it.
 
-  The served model computes in low precision from int8/fp8 weights with
-  frozen input scales; on the held-out batches it gives the QAT model's
-  loss and accuracy.
+  Linen models go through :func:`fp8_linen.convert`, NNX models through
+  :func:`fp8_linen.nnx.convert`. The served model computes in low precision
+  from int8/int4/fp8 weights with frozen input scales; on the held-out
+  batches it gives the QAT model's loss and accuracy (evaluated with frozen
+  quantizers, :func:`make_eval_step`).
 
   Returns:
     ``{'val_loss', 'val_acc', 'weight_bytes', 'float_weight_bytes'}``, or
-    ``None`` for an unquantized or NNX arm.
+    ``None`` for an unquantized arm.
   """
-  if not arm.quantized or arm.api != 'linen':
+  if not arm.quantized:
     return None
   model = task.build_model(arm)
-  served, params = fl.convert(model, state.params, task.example_input())
-  loss, acc = evaluate(jax.jit(make_eval_step(served.apply)), params,
-                       task.eval_batches)
-  return {'val_loss': loss, 'val_acc': acc,
-          'weight_bytes': fl.weight_bytes(params['params']),
+  if arm.api == 'nnx':
+    apply, params = model.convert(state.params, task.example_input())
+    served_bytes = fl.weight_bytes(params)  # the served NNX model's variables
+  else:
+    served, params = fl.convert(model, state.params, task.example_input())
+    apply, served_bytes = served.apply, fl.weight_bytes(params['params'])
+  loss, acc = evaluate(jax.jit(make_eval_step(apply)), params, task.eval_batches)
+  return {'val_loss': loss, 'val_acc': acc, 'weight_bytes': served_bytes,
           'float_weight_bytes': fl.weight_bytes(state.params['params'])}
 
 

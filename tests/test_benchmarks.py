@@ -216,6 +216,7 @@ def test_bench_serving_quick(tmp_path):
   assert set(rows) == {"f32", "bf16", "int8", "int8_s8gemm", "int4", "fp8"}
   assert all(r["median_ms"] > 0 for r in rows.values())
   assert rows["int8_s8gemm"]["cpu_dots"] == ["s8 x s8 -> s32"] * 2
-  # The served weights are a quarter (int8, fp8) and an eighth (int4) of f32's, plus scales.
-  for name, bound in (("int8", 0.3), ("fp8", 0.3), ("int4", 0.17)):
+  # The served weights are a quarter (int8, fp8) and an eighth (int4) of f32's, plus scales
+  # (int4 LSQ+ also keeps an int32 column sum of its codes per output channel).
+  for name, bound in (("int8", 0.3), ("fp8", 0.3), ("int4", 0.18)):
     assert rows[name]["weight_bytes"] < bound * rows["f32"]["weight_bytes"], name

@@ -13,6 +13,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 import fp8_linen as fl
 
@@ -100,3 +101,12 @@ def test_served_model_snippet_stores_int8_and_matches_qat():
   assert ns["served_params"]["params"]["layers_0"]["kernel"].dtype == jnp.int8
   assert fl.OWG not in ns["served_params"]
   assert (ns["y"] == jax.jit(ns["model"].apply)(ns["variables"], ns["x"])).all()
+
+
+def test_nnx_served_model_snippet_holds_codes_and_matches_frozen_qat():
+  ns = _run("NNX", 3)
+  served, model, x = ns["served"], ns["model"], ns["x"]
+  assert served.layers[2].kernel[...].dtype == jnp.int8
+  assert not jax.tree.leaves(nnx.state(served, fl.nnx.QuantState))
+  assert model.layers[0].use_running_average  # model.eval() froze it
+  assert (ns["forward"](served, x) == ns["forward"](model, x)).all()

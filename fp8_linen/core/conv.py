@@ -286,5 +286,6 @@ def fp8_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=Non
   first = chain is None
   spec = ConvSpec(conv_cfg=conv_cfg, recipe=recipe, gemm=lowering.resolve_gemm(recipe),
                   out_dtype=out_dtype, lhs_dtype=jnp.dtype(lhs.dtype),
-                  rhs_dtype=jnp.dtype(rhs.dtype), first=first)
+                  rhs_dtype=jnp.dtype(rhs.dtype), first=first,
+                  frozen=owg.quantizers_frozen())
   return product(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)

@@ -25,7 +25,8 @@ from fp8_linen.core import dims, lowering, numerics, owg
 from fp8_linen.core.product import ProductSpec, product
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
-__all__ = ["TensorDot", "RowDot", "BlockDot", "fp8_dot_general", "grad_gemm", "relayout", "relayout_like"]
+__all__ = ["TensorDot", "RowDot", "BlockDot", "fp8_dot_general", "fp8_dot_of", "row_quantize",
+           "block_quantize", "grad_gemm", "relayout", "relayout_like"]
 
 
 def grad_gemm(g, other, dn, lhs_ndim: int, rhs_ndim: int, wrt: str, how: str, out_dtype,
@@ -57,22 +58,54 @@ def relayout_like(t, pairs, ref):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _DotSpec(ProductSpec):
-  """A GEMM spec: :class:`~fp8_linen.core.product.ProductSpec` plus dimension numbers."""
+  """A GEMM spec: :class:`~fp8_linen.core.product.ProductSpec` plus dimension numbers.
+
+  Its forward is two halves: ``quantize`` (the operands to fp8 with their
+  scales, from this step's state) and ``multiply`` (the GEMM of the quantized
+  operands, the scales applied once). The served model quantizes its input
+  with frozen scales and reads the weight from its stored codes, then runs
+  the same ``multiply`` (:func:`fp8_dot_of`), so the two agree by
+  construction.
+  """
 
   dn: dims.DimensionNumbers
+
+  def quantize(self, lhs, rhs, states):
+    """``(q_l, s_l, q_r, s_r, (amax_l, amax_r))``."""
+    raise NotImplementedError
+
+  @staticmethod
+  def multiply(q_l, s_l, q_r, s_r, *, dn, recipe, gemm: str, out_dtype):
+    """The product of the quantized operands (see :func:`fp8_dot_of`)."""
+    raise NotImplementedError
+
+  def forward(self, lhs, rhs, states):
+    q_l, s_l, q_r, s_r, amaxes = self.quantize(lhs, rhs, states)
+    y = self.multiply(q_l, s_l, q_r, s_r, dn=self.dn, recipe=self.recipe, gemm=self.gemm,
+                      out_dtype=self.out_dtype)
+    return y, (q_l, q_r), amaxes, (s_l, s_r)
+
+
+def row_quantize(x, contract, cfg):
+  """``(q, s)``: ``x`` in fp8 with one current scale per slice along ``contract`` (kept size 1)."""
+  s = numerics.row_scale(x, contract, cfg)
+  return numerics.quantize(x, cfg.jnp_dtype, s), s
 
 
 class TensorDot(_DotSpec):
   """Per-tensor scales: one scalar per operand and one for the gradient."""
 
-  def forward(self, lhs, rhs, states):
+  def quantize(self, lhs, rhs, states):
     c_l, c_r, _ = self.cfgs
     q_l, s_l, a_l = numerics.quantize_with(c_l, *states[0], lhs)
     q_r, s_r, a_r = numerics.quantize_with(c_r, *states[1], rhs)
-    y = lowering.gemm(q_l, q_r, self.dn, self.gemm, self.out_dtype,
-                      lowering.dot_out_sharding(q_l, q_r, self.dn))
-    y = lowering.scaled(y, numerics.scale_product(s_l, s_r), self.out_dtype)
-    return y, (q_l, q_r), (a_l, a_r), (s_l, s_r)
+    return q_l, s_l, q_r, s_r, (a_l, a_r)
+
+  @staticmethod
+  def multiply(q_l, s_l, q_r, s_r, *, dn, recipe, gemm, out_dtype):
+    del recipe
+    y = lowering.gemm(q_l, q_r, dn, gemm, out_dtype, lowering.dot_out_sharding(q_l, q_r, dn))
+    return lowering.scaled(y, numerics.scale_product(s_l, s_r), out_dtype)
 
   def backward(self, q_l, q_r, extras, states, g):
     s_l, s_r = extras
@@ -88,21 +121,22 @@ class TensorDot(_DotSpec):
 class RowDot(_DotSpec):
   """Row-wise scales: ``lhs`` per row, ``rhs`` per output channel (see :func:`fp8_dot_general`)."""
 
-  def forward(self, lhs, rhs, states):
+  def quantize(self, lhs, rhs, states):
     del states  # current scaling per row; the state only records the global amax
     in_cfg, k_cfg, _ = self.cfgs
     (lc, rc), _ = self.dn
-    lay = dims.layout(self.dn, lhs.ndim, rhs.ndim)
-    s_l = numerics.row_scale(lhs, lc, in_cfg)   # lhs layout, contracting axes size 1
-    s_r = numerics.row_scale(rhs, rc, k_cfg)    # rhs layout, contracting axes size 1
-    q_l = numerics.quantize(lhs, in_cfg.jnp_dtype, s_l)
-    q_r = numerics.quantize(rhs, k_cfg.jnp_dtype, s_r)
-    y = lowering.gemm(q_l, q_r, self.dn, self.gemm, self.out_dtype,
-                      lowering.dot_out_sharding(q_l, q_r, self.dn))
+    q_l, s_l = row_quantize(lhs, lc, in_cfg)   # lhs layout, contracting axes size 1
+    q_r, s_r = row_quantize(rhs, rc, k_cfg)    # rhs layout, contracting axes size 1
+    return q_l, s_l, q_r, s_r, (numerics.amax(lhs), numerics.amax(rhs))
+
+  @staticmethod
+  def multiply(q_l, s_l, q_r, s_r, *, dn, recipe, gemm, out_dtype):
+    del recipe
+    lay = dims.layout(dn, q_l.ndim, q_r.ndim)
+    y = lowering.gemm(q_l, q_r, dn, gemm, out_dtype, lowering.dot_out_sharding(q_l, q_r, dn))
     s_out = numerics.scale_product(relayout_like(s_l, lay.lhs_to_out, y),
                                    relayout_like(s_r, lay.rhs_to_out, y))
-    y = (y.astype(jnp.float32) * s_out).astype(self.out_dtype)
-    return y, (q_l, q_r), (numerics.amax(lhs), numerics.amax(rhs)), (s_l, s_r)
+    return (y.astype(jnp.float32) * s_out).astype(out_dtype)
 
   def backward(self, q_l, q_r, extras, states, g):
     s_l, s_r = extras
@@ -128,34 +162,44 @@ class RowDot(_DotSpec):
     return d_lhs, d_rhs, numerics.amax(g)
 
 
+def _block_up(gemm: str):
+  """The dtype MX blocks are dequantized to for the GEMM (exact for fp8 * 2**e)."""
+  return jnp.float32 if gemm == "f32" else jnp.bfloat16
+
+
+def block_quantize(x, contract, cfg, recipe):
+  """``(q, e)``: MX blocks of ``recipe.block_size`` along the last contracting axis."""
+  return numerics.mx_quantize(x, contract[-1], recipe.block_size, cfg.jnp_dtype)
+
+
 class BlockDot(_DotSpec):
   """MX emulation: e8m0 scales per block of the last contracting axis."""
 
   def _up(self):
-    return jnp.float32 if self.gemm == "f32" else jnp.bfloat16  # exact for fp8 * 2**e
+    return _block_up(self.gemm)
 
-  def _axes(self):
-    (lc, rc), _ = self.dn
-    return lc[-1], rc[-1]  # blocks run along the last contracting axis
-
-  def forward(self, lhs, rhs, states):
+  def quantize(self, lhs, rhs, states):
     del states
     in_cfg, k_cfg, _ = self.cfgs
-    l_axis, r_axis = self._axes()
-    bs = self.recipe.block_size
-    q_l, e_l = numerics.mx_quantize(lhs, l_axis, bs, in_cfg.jnp_dtype)
-    q_r, e_r = numerics.mx_quantize(rhs, r_axis, bs, k_cfg.jnp_dtype)
-    up = self._up()
-    y = lowering.lax_dot_general(numerics.mx_dequantize(q_l, e_l, l_axis, bs, up),
-                                 numerics.mx_dequantize(q_r, e_r, r_axis, bs, up), self.dn,
+    (lc, rc), _ = self.dn
+    q_l, e_l = block_quantize(lhs, lc, in_cfg, self.recipe)
+    q_r, e_r = block_quantize(rhs, rc, k_cfg, self.recipe)
+    return q_l, e_l, q_r, e_r, (numerics.amax(lhs), numerics.amax(rhs))
+
+  @staticmethod
+  def multiply(q_l, s_l, q_r, s_r, *, dn, recipe, gemm, out_dtype):
+    (lc, rc), _ = dn
+    bs, up = recipe.block_size, _block_up(gemm)
+    y = lowering.lax_dot_general(numerics.mx_dequantize(q_l, s_l, lc[-1], bs, up),
+                                 numerics.mx_dequantize(q_r, s_r, rc[-1], bs, up), dn,
                                  preferred_element_type=jnp.float32,
-                                 out_sharding=lowering.dot_out_sharding(q_l, q_r, self.dn))
-    y = y.astype(self.out_dtype)
-    return y, (q_l, q_r), (numerics.amax(lhs), numerics.amax(rhs)), (e_l, e_r)
+                                 out_sharding=lowering.dot_out_sharding(q_l, q_r, dn))
+    return y.astype(out_dtype)
 
   def backward(self, q_l, q_r, extras, states, g):
     e_l, e_r = extras
-    l_axis, r_axis = self._axes()
+    (lc, rc), _ = self.dn
+    l_axis, r_axis = lc[-1], rc[-1]
     bs, up = self.recipe.block_size, self._up()
     q_g, s_g, a_g = numerics.quantize_with(self.cfgs[2], *states[2], g)
     one = jnp.ones((), jnp.float32)
@@ -171,6 +215,19 @@ class BlockDot(_DotSpec):
 
 
 _SPECS = {"tensor": TensorDot, "row": RowDot, "block": BlockDot}
+
+
+def fp8_dot_of(q_l, s_l, q_r, s_r, dn, *, recipe: Fp8Recipe, gemm: str, out_dtype):
+  """The forward product of two quantized operands, as ``recipe.granularity`` multiplies them.
+
+  The "multiply" half of every spec's forward, shared by the training
+  product and the served model (``core/serve.py``), as
+  :func:`~fp8_linen.core.conv.fp8_conv_of` is for convolutions. ``s_*`` are
+  the scales the "quantize" half made: per tensor scalars, per row/channel
+  arrays in the operand's layout, MX e8m0 block scales.
+  """
+  return _SPECS[recipe.granularity].multiply(q_l, s_l, q_r, s_r, dn=dn, recipe=recipe,
+                                             gemm=gemm, out_dtype=out_dtype)
 
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
@@ -256,5 +313,6 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
   first = chain is None
   spec = _SPECS[recipe.granularity](
       dn=dn, recipe=recipe, gemm=lowering.resolve_gemm(recipe), out_dtype=out_dtype,
-      lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first)
+      lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
+      frozen=owg.quantizers_frozen())
   return product(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)

@@ -212,25 +212,36 @@ def _observe(cfg: IntQuantConfig, old, x):
   return jnp.where(empty, cur, new)
 
 
-def observer_qparams(cfg: IntQuantConfig, x, obs):
-  """``(new_range, scale, zero_point)`` of an observer that sees ``x``."""
+def observer_qparams(cfg: IntQuantConfig, x, obs, frozen: bool = False):
+  """``(new_range, scale, zero_point)`` of an observer that sees ``x``.
+
+  ``frozen`` (:func:`~fp8_linen.core.owg.frozen_quantizers`): the range is
+  not updated (``new_range`` is ``obs``) and the scale comes from it, as in
+  the served model; only a range that has observed nothing yet takes the
+  batch's.
+  """
   new = _observe(cfg, obs, x)
+  if frozen:
+    used = jnp.where(jnp.all(obs == 0), new, obs)
+    s, z = int_numerics.int_params_from_range(-used[0], used[1], cfg)
+    return obs, s, z
   s, z = int_numerics.int_params_from_range(-new[0], new[1], cfg)
   return new, s, z
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _observed(cfg, first, x, obs, chain):
-  _, s, z = observer_qparams(cfg, x, obs)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _observed(cfg, first, frozen, x, obs, chain):
+  _, s, z = observer_qparams(cfg, x, obs, frozen)
   return int_numerics.int_fake_quant(x, s, z, cfg.qmin, cfg.qmax), chain
 
 
-def _observed_fwd(cfg, first, x, obs, chain):
-  new, s, z = observer_qparams(cfg, x, obs)
+def _observed_fwd(cfg, first, frozen, x, obs, chain):
+  new, s, z = observer_qparams(cfg, x, obs, frozen)
   return (int_numerics.int_fake_quant(x, s, z, cfg.qmin, cfg.qmax), chain), (x, new, s, z)
 
 
-def _observed_bwd(cfg, first, res, cts):
+def _observed_bwd(cfg, first, frozen, res, cts):
+  del frozen  # a frozen observer's "new" range is its old one
   x, new, s, z = res
   g, ct_chain = cts
   dx = _pass_inside(g, x.astype(jnp.float32) / s + z, cfg.qmin, cfg.qmax, x.dtype)
@@ -253,7 +264,8 @@ def observed_fake_quant(x, observer_range, *, cfg: IntQuantConfig, chain=None):
   come from it (:func:`~fp8_linen.core.int_numerics.int_params_from_range`) and ``x`` is
   fake-quantized. Backward: STE for ``x``; the updated range is returned as the
   cotangent of ``observer_range`` (the ``_overwrite_with_gradient``
-  convention), linked across uses through ``chain`` like the fp8 ops.
+  convention), linked across uses through ``chain`` like the fp8 ops. Under
+  :func:`~fp8_linen.frozen_quantizers` the range is read, never updated.
 
   Returns:
     ``(x_hat, chain_out)``.
@@ -273,7 +285,7 @@ def observed_fake_quant(x, observer_range, *, cfg: IntQuantConfig, chain=None):
   if observer_range.shape != (2,):
     raise ValueError(f"observer_range must have shape (2,), got {observer_range.shape}")
   first = chain is None
-  return _observed(cfg, first, x, observer_range,
+  return _observed(cfg, first, owg.quantizers_frozen(), x, observer_range,
                    jnp.zeros((2,), jnp.float32) if first else chain)
 
 

@@ -64,8 +64,9 @@ from fp8_linen.core.numerics import SCALE_FLOOR
 from fp8_linen.recipes.integer import COMPUTE_DTYPES, IntQuantConfig, IntRecipe
 
 __all__ = ["Operand", "Codes", "quantize", "dequantize", "resolve_int_gemm",
-           "resolve_compute_dtype", "int_gemm",
-           "int_conv", "encode", "contracted", "conv_static", "operand_params", "run_product", "conv_supported", "dot_supported", "int_dot_general", "int_conv_general_dilated", "code_bound",
+           "resolve_compute_dtype", "int_gemm", "int_conv", "encode", "contracted",
+           "kernel_code_sum", "conv_static", "operand_params", "run_product", "conv_supported",
+           "dot_supported", "int_dot_general", "int_conv_general_dilated", "code_bound",
            "INT_GEMMS"]
 
 INT_GEMMS = ("auto", "int8", "bf16")
@@ -80,12 +81,16 @@ class Codes(NamedTuple):
   ``centre`` and ``offset`` are float32 and broadcast against it (size 1 along
   the axes one value covers). ``centre`` and ``offset`` are ``None`` where they
   are zero for every value of the recipe (symmetric grids, no learned offset).
+  ``code_sum``: a weight's codes summed over the product's contracting axes
+  (:func:`kernel_code_sum`), where known in advance (a served weight's, folded
+  at conversion); ``None``: :func:`int_gemm` sums them when it needs them.
   """
 
   codes: Any
   scale: Any
   centre: Any = None
   offset: Any = None
+  code_sum: Any = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -136,11 +141,11 @@ class Operand:
     return self.kind == "observer" and self.cfg.observer == "moving_average"
 
 
-def _params_of(op: Operand, x, view, axes, params):
+def _params_of(op: Operand, x, view, axes, params, frozen: bool):
   """``(scale, zero_point, offset, new_range)`` of ``op`` for this operand."""
   cfg = op.cfg
   if op.kind == "observer":
-    new, s, z = int_ops.observer_qparams(cfg, x, params[0])
+    new, s, z = int_ops.observer_qparams(cfg, x, params[0], frozen)
     return s, z, None, new
   if op.kind == "minmax":
     s, z = int_ops.minmax_qparams(view, axes, cfg)
@@ -149,7 +154,7 @@ def _params_of(op: Operand, x, view, axes, params):
   return s, None, (params[1] if op.kind == "lsq+" else None), None
 
 
-def quantize(op: Operand, x, params):
+def quantize(op: Operand, x, params, frozen: bool = False):
   """Quantizes ``x`` to :class:`Codes` as ``op`` says.
 
   Args:
@@ -158,6 +163,8 @@ def quantize(op: Operand, x, params):
     params: its parameters: ``(observer_range,)`` for an observer, ``()`` for a
       min/max weight, ``(step,)`` for LSQ, ``(step, offset)`` for LSQ+ (steps
       and offsets broadcastable to the view).
+    frozen: an observer quantizes with its range as recorded (see
+      :func:`~fp8_linen.core.owg.frozen_quantizers`).
 
   Returns:
     ``(codes, new_range, inside)``: ``new_range`` is the observer's updated
@@ -165,13 +172,18 @@ def quantize(op: Operand, x, params):
     where it can differ from all-ones (:attr:`Operand.keeps_mask`), else ``None``.
   """
   view, axes = int_numerics.int_view(x, op.contract, op.cfg)
-  s, z, b, new = _params_of(op, x, view, axes, params)
-  c, inside = encode(op, view, s, z, b)
+  s, z, b, new = _params_of(op, x, view, axes, params, frozen)
+  # A frozen 'minmax' range no longer includes the batch, so it can clip too.
+  c, inside = encode(op, view, s, z, b,
+                     keep_mask=op.keeps_mask or (frozen and op.kind == "observer"))
   return c, new, inside
 
 
-def encode(op: Operand, view, scale, zero_point=None, offset=None):
+def encode(op: Operand, view, scale, zero_point=None, offset=None, keep_mask=None):
   """``view`` as :class:`Codes` with given parameters; also the STE mask (or ``None``).
+
+  The mask is computed where ``keep_mask`` (default :attr:`Operand.keeps_mask`)
+  says the STE can clip.
 
   STE (``zero_point`` given): ``clamp(round(x / s) + z)``, the expression of
   :func:`~fp8_linen.core.int_numerics.int_fake_quant`; LSQ/LSQ+:
@@ -182,9 +194,10 @@ def encode(op: Operand, view, scale, zero_point=None, offset=None):
   cfg = op.cfg
   x32 = view.astype(jnp.float32)
   inside = None
+  keep_mask = op.keeps_mask if keep_mask is None else keep_mask
   if zero_point is not None:
     q = jnp.clip(jnp.round(x32 / scale) + zero_point, cfg.qmin, cfg.qmax)
-    if op.keeps_mask:
+    if keep_mask:
       v = x32 / scale + zero_point
       inside = (v >= cfg.qmin) & (v <= cfg.qmax)
   else:
@@ -322,8 +335,10 @@ def int_gemm(xc: Codes, wc: Codes, dn, *, lhs_shape, group: bool, how: str):
   need_sw = xc.centre is not None or xc.offset is not None
   sx = to_out(jnp.sum(cx.astype(jnp.int32), axis=vlc, keepdims=True), lay.lhs_to_out) \
       if need_sx else None
-  sw = to_out(jnp.sum(wc.codes.astype(jnp.int32), axis=vrc, keepdims=True), lay.rhs_to_out) \
-      if need_sw else None
+  sw = None
+  if need_sw:  # a served weight's sum was folded at conversion
+    sw = to_out(wc.code_sum if wc.code_sum is not None else
+                jnp.sum(wc.codes.astype(jnp.int32), axis=vrc, keepdims=True), lay.rhs_to_out)
   mx = None if xc.centre is None else jnp.reshape(xc.centre, ()).astype(jnp.int32)
   mw = None if wc.centre is None else to_out(_full(wc.centre, wc.codes), lay.rhs_to_out
                                              ).astype(jnp.int32)
@@ -351,6 +366,19 @@ def int_gemm(xc: Codes, wc: Codes, dn, *, lhs_shape, group: bool, how: str):
   if group:
     y = jnp.sum(y, axis=len(dn[1][0]))
   return y
+
+
+def kernel_code_sum(codes, contract, group: bool):
+  """A weight's codes summed over its contracting axes: int32, those axes kept with size 1.
+
+  ``codes`` in the weight's view (:func:`~fp8_linen.core.int_numerics.int_view`),
+  ``contract`` its contracting axes in the product; for a ``'group'`` weight
+  the sum runs within each group (:func:`int_gemm`'s view). An activation
+  with a zero point or an offset needs this sum of the weight in every
+  product; a served weight stores it.
+  """
+  axes = (contract[0] + 1,) if group else tuple(contract)
+  return jnp.sum(codes.astype(jnp.int32), axis=axes, keepdims=True)
 
 
 def _full(t, like):
@@ -431,6 +459,7 @@ class _Spec:
   lhs_shape: tuple
   rhs_shape: tuple
   grad_bits: int | None = None
+  frozen: bool = False  # owg.frozen_quantizers() when the product was called
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -558,13 +587,13 @@ def _role_grads(op: Operand, g_hat, x, inside, params, like, dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _int_product(spec, lhs, rhs, lparams, rparams, chain):
-  xc, _, _ = quantize(spec.x, lhs, lparams)
+  xc, _, _ = quantize(spec.x, lhs, lparams, spec.frozen)
   wc, _, _ = quantize(spec.w, rhs, rparams)
   return spec.forward(xc, wc, lhs.shape).astype(spec.out_dtype), chain
 
 
 def _int_product_fwd(spec, lhs, rhs, lparams, rparams, chain):
-  xc, new, x_in = quantize(spec.x, lhs, lparams)
+  xc, new, x_in = quantize(spec.x, lhs, lparams, spec.frozen)
   wc, _, w_in = quantize(spec.w, rhs, rparams)
   y = spec.forward(xc, wc, lhs.shape).astype(spec.out_dtype)
   res = (_residual(spec.x, lhs, xc, x_in), _residual(spec.w, rhs, wc, w_in),
@@ -676,7 +705,7 @@ def _run(spec_cls, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params,
                   out_dtype=jnp.dtype(out_dtype or jnp.result_type(lhs, rhs)),
                   lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
                   lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape),
-                  grad_bits=recipe.grad_bits, **static)
+                  grad_bits=recipe.grad_bits, frozen=owg.quantizers_frozen(), **static)
   return _int_product(spec, lhs, rhs, lp, rp, owg.chain_init(2) if first else chain)
 
 

@@ -19,6 +19,14 @@ Inside ``shard_map`` a cotangent must vary over the same mesh axes as its
 primal (:func:`match_varying`): gradients are summed, state is max-reduced (the
 global amax, never a mean).
 
+**Frozen quantizers** (:func:`frozen_quantizers`): evaluation as the served
+model computes it. Every op traced in the block reads its state and never
+folds the current tensor into it: an STE observer quantizes with its recorded
+range (not widened by the batch), delayed scaling with its history; under
+``jax.grad`` the state comes back unchanged. The ops read the flag when they
+are called and keep it as a static argument, so a backward rule traced later
+(``jax.grad`` of a ``jax.jit``-ed function) still sees it.
+
 Example:
   >>> import jax.numpy as jnp
   >>> from fp8_linen.core import owg
@@ -29,6 +37,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import NamedTuple
 
@@ -55,6 +65,8 @@ __all__ = [
     "state_cotangents",
     "match_varying",
     "name_fp8_residual",
+    "frozen_quantizers",
+    "quantizers_frozen",
 ]
 
 # The same string as flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT (a test keeps
@@ -67,6 +79,64 @@ ROLES = ("input", "kernel", "output_grad")
 # Name given (jax.ad_checkpoint.checkpoint_name) to the fp8 copies saved for the
 # backward pass, so a remat policy can keep exactly those.
 CHECKPOINT_NAME = "fp8_linen.fp8_residual"
+
+
+_FROZEN: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_frozen_quantizers",
+                                                         default=False)
+
+
+@contextlib.contextmanager
+def frozen_quantizers(frozen: bool = True):
+  """Runs the block with every quantizer's state frozen: QAT evaluated as it is served.
+
+  Inside the block (``frozen=True``) no quantizer measures a new range where
+  the served model (:func:`fp8_linen.convert`) would not: an STE observer
+  (``'minmax'`` or ``'moving_average'``) quantizes the activation with the
+  range it recorded in training, delayed scaling with the scale its amax
+  history gives, LSQ/LSQ+ with the learned step; a batch larger than anything
+  seen in training is clipped, as in serving. Current, row-wise and MX fp8
+  scaling measure every batch, in serving too. Nothing is written: under
+  ``jax.grad`` every state's "gradient" is the state itself (training with
+  frozen quantizers keeps them as they are). A state that has observed
+  nothing yet (an untrained layer, which :func:`fp8_linen.convert` refuses)
+  takes the batch's range, as the first training step does.
+
+  The flag is read while a function is traced: enter the block inside the
+  function you ``jax.jit`` (like :func:`~fp8_linen.target_backend`), not
+  around a call of an already compiled one. Works for the Linen layers,
+  :func:`~fp8_linen.quantize_model`'d models and the NNX layers alike (NNX
+  layers are also frozen by ``model.eval()``).
+
+  Args:
+    frozen: ``False`` runs the block as in training (e.g.
+      ``frozen_quantizers(not train)``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> model = fl.QDense(4, recipe=fl.IntRecipe())
+    >>> x = jnp.ones((2, 8))
+    >>> v = model.init(jax.random.key(0), x)
+    >>> v = fl.merge_owg(v, jax.grad(lambda v: model.apply(v, x).sum())(v))  # range [-0, 1]
+    >>> @jax.jit
+    ... def evaluate(v, x):
+    ...   with fl.frozen_quantizers():
+    ...     return model.apply(v, x)
+    >>> bool((evaluate(v, 3 * x) == evaluate(v, x)).all())  # clipped at the recorded max
+    True
+  """
+  if not isinstance(frozen, bool):
+    raise TypeError(f"frozen_quantizers: frozen={frozen!r} must be a bool")
+  token = _FROZEN.set(frozen)
+  try:
+    yield
+  finally:
+    _FROZEN.reset(token)
+
+
+def quantizers_frozen() -> bool:
+  """Whether ops traced now run with frozen quantizers (:func:`frozen_quantizers`)."""
+  return _FROZEN.get()
 
 
 class RoleState(NamedTuple):

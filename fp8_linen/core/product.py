@@ -57,6 +57,8 @@ class ProductSpec:
     lhs_dtype: dtype of the ``lhs`` gradient.
     rhs_dtype: dtype of the ``rhs`` gradient.
     first: whether this use returns the state.
+    frozen: :func:`~fp8_linen.core.owg.frozen_quantizers` was on when the
+      product was called: it returns its state unchanged.
   """
 
   recipe: Any
@@ -65,6 +67,7 @@ class ProductSpec:
   lhs_dtype: Any
   rhs_dtype: Any
   first: bool
+  frozen: bool = False
 
   @property
   def cfgs(self):
@@ -102,8 +105,11 @@ def _product_bwd(spec, res, cts):
     a_l = a_r = a_g = jnp.zeros((), jnp.float32)
   else:
     d_l, d_r, a_g = spec.backward(q_l, q_r, extras, states, g)
+  if spec.frozen:
+    # Frozen quantizers observe nothing, so the state comes back as it was.
+    a_l = a_r = a_g = jnp.zeros((), jnp.float32)
   state_cts, chain_ct = owg.state_cotangents(spec.cfgs, states, (a_l, a_r, a_g), ct_chain,
-                                             spec.first, empty=empty)
+                                             spec.first, empty=empty or spec.frozen)
   d_l, d_r = lowering.reshard_like(d_l, q_l), lowering.reshard_like(d_r, q_r)
   return (owg.match_varying(d_l, q_l, lax.psum), owg.match_varying(d_r, q_r, lax.psum),
           state_cts, chain_ct)

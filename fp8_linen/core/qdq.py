@@ -29,45 +29,52 @@ from fp8_linen.recipes.fp8 import ScalingConfig
 __all__ = ["quantize", "dequantize"]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _quantize(cfg, x_dtype, first, x, state, chain):
+def _observed(a, frozen: bool):
+  """``(amax, empty)`` a use reports: nothing at all under frozen quantizers."""
+  return (jnp.zeros((), jnp.float32), True) if frozen else (a, False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _quantize(cfg, x_dtype, first, frozen, x, state, chain):
   xq, s, _ = numerics.quantize_with(cfg, *state, x)
   return xq, s, chain
 
 
-def _quantize_fwd(cfg, x_dtype, first, x, state, chain):
+def _quantize_fwd(cfg, x_dtype, first, frozen, x, state, chain):
   xq, s, a = numerics.quantize_with(cfg, *state, x)
   return (xq, s, chain), (a, state)
 
 
-def _quantize_bwd(cfg, x_dtype, first, res, cts):
+def _quantize_bwd(cfg, x_dtype, first, frozen, res, cts):
   a, state = res
   g_q, g_scale, ct_chain = cts
   # g_q is the fp8 gradient made by dequantize's backward, g_scale the scale
   # it was quantized with (delivered through the dummy ``scale_out``).
   dx = numerics.dequantize(g_q, g_scale, x_dtype)
+  a, empty = _observed(a, frozen)
   (st,), chain_ct = owg.state_cotangents((cfg,), (state,), (a,), ct_chain, first,
-                                         empty=g_q.size == 0)
+                                         empty=empty or g_q.size == 0)
   return dx, st, chain_ct
 
 
 _quantize.defvjp(_quantize_fwd, _quantize_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _dequantize(grad_cfg, out_dtype, first, xq, scale_out, grad_state, chain):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _dequantize(grad_cfg, out_dtype, first, frozen, xq, scale_out, grad_state, chain):
   return numerics.dequantize(xq, scale_out, out_dtype), chain
 
 
-def _dequantize_fwd(grad_cfg, out_dtype, first, xq, scale_out, grad_state, chain):
+def _dequantize_fwd(grad_cfg, out_dtype, first, frozen, xq, scale_out, grad_state, chain):
   return (numerics.dequantize(xq, scale_out, out_dtype), chain), grad_state
 
 
-def _dequantize_bwd(grad_cfg, out_dtype, first, grad_state, cts):
+def _dequantize_bwd(grad_cfg, out_dtype, first, frozen, grad_state, cts):
   g, ct_chain = cts
   g_q, s, a = numerics.quantize_with(grad_cfg, *grad_state, g)
+  a, empty = _observed(a, frozen)
   (st,), chain_ct = owg.state_cotangents((grad_cfg,), (grad_state,), (a,), ct_chain, first,
-                                         empty=g.size == 0)
+                                         empty=empty or g.size == 0)
   # The cotangent of the dummy scale_out *is* the gradient's scale.
   return g_q, s, st, chain_ct
 
@@ -108,7 +115,7 @@ def quantize(x, scale, amax_history, *, cfg: ScalingConfig | None = None, chain=
   owg.check_float("x", x)
   state = owg.check_state("input", owg.RoleState(scale, amax_history))
   first = chain is None
-  return _quantize(cfg, jnp.dtype(x.dtype), first, x, state,
+  return _quantize(cfg, jnp.dtype(x.dtype), first, owg.quantizers_frozen(), x, state,
                    owg.chain_init(1) if first else chain)
 
 
@@ -148,5 +155,5 @@ def dequantize(x_fp8, scale_out, grad_scale, grad_amax_history, *,
   grad_cfg = grad_cfg or ScalingConfig(dtype="float8_e5m2")
   state = owg.check_state("output_grad", owg.RoleState(grad_scale, grad_amax_history))
   first = chain is None
-  return _dequantize(grad_cfg, jnp.dtype(dtype), first, x_fp8, scale_out, state,
-                     owg.chain_init(1) if first else chain)
+  return _dequantize(grad_cfg, jnp.dtype(dtype), first, owg.quantizers_frozen(), x_fp8,
+                     scale_out, state, owg.chain_init(1) if first else chain)

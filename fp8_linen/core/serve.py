@@ -21,6 +21,8 @@ kernel_scale   the weight's scale(s): per tensor ``(1,)``, per channel/group
                in the weight's (view) layout; MX: ``float8_e8m0fnu`` per block
 kernel_centre  integer grids with a zero point: ``zero_point - storage shift``
 kernel_offset  LSQ+'s learned offset
+kernel_colsum  the codes summed over the contracting axes (int32), for
+               activations with a zero point or LSQ+ offset: folded once
 input_scale    the frozen activation scale (absent where it is computed
                from each batch: fp8 current, row-wise, MX)
 input_zero_point  STE observers on asymmetric grids
@@ -42,7 +44,7 @@ Example:
 
 from __future__ import annotations
 
-import math
+import functools
 
 import jax.numpy as jnp
 
@@ -50,13 +52,15 @@ from jax import lax
 
 from fp8_linen.core import conv as conv_ops
 from fp8_linen.core import dims, int_numerics, int_ops, int_product, lowering, numerics
-from fp8_linen.core.dot_general import relayout_like
+from fp8_linen.core.dot_general import block_quantize, fp8_dot_of, row_quantize
 from fp8_linen.recipes.fp8 import Fp8Recipe, ScalingConfig
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["storage_dtype", "fold_int_kernel", "freeze_int_input", "live_int_kernel", "int_dot",
            "int_conv", "fold_fp8_kernel", "freeze_fp8_input", "live_fp8_kernel", "fp8_dot",
-           "fp8_conv", "fp8_servable"]
+           "fp8_conv", "fp8_servable", "servable_error", "check_servable", "fp8_record",
+           "int_quantizer_params", "int_record", "kernel_check", "served_from_record",
+           "untrained_error", "no_product_error", "served_dot", "served_conv"]
 
 _INT4_SHIFT = 8  # unsigned 4-bit grids [0, 15] are stored shifted into int4's [-8, 7]
 
@@ -78,7 +82,8 @@ def _store_shift(op: int_product.Operand) -> int:
   return 0 if -8 <= lo and hi <= 7 else _INT4_SHIFT
 
 
-def fold_int_kernel(cfg: IntQuantConfig, w, contract, params) -> dict:
+def fold_int_kernel(cfg: IntQuantConfig, w, contract, params, *,
+                    with_code_sum: bool = False) -> dict:
   """Quantizes a weight once, as the QAT forward does; returns its stored arrays.
 
   Args:
@@ -87,23 +92,29 @@ def fold_int_kernel(cfg: IntQuantConfig, w, contract, params) -> dict:
     contract: its contracting axes in the product.
     params: ``()`` (STE: its own min/max), ``(step,)`` (LSQ) or ``(step,
       offset)`` (LSQ+).
+    with_code_sum: also store the codes' sums over the contracting axes
+      (``kernel_colsum``), which every product with an activation that has a
+      zero point or an offset needs: summed once here instead of per call.
 
   Returns:
     ``{'kernel': codes in w's shape (int8 or int4), 'kernel_scale': ...,
-    ['kernel_centre'], ['kernel_offset']}``.
+    ['kernel_centre'], ['kernel_offset'], ['kernel_colsum']}``.
   """
   op = _operand(cfg, "kernel", contract)
   c, _, _ = int_product.quantize(op, jnp.asarray(w), tuple(params))
   k = _store_shift(op)
-  codes = c.codes.reshape(jnp.shape(w))
+  codes = c.codes
   if k:
     codes = (codes.astype(jnp.int32) - k).astype(jnp.int8)
-  out = {"kernel": codes.astype(storage_dtype(cfg)),
+  out = {"kernel": codes.reshape(jnp.shape(w)).astype(storage_dtype(cfg)),
          "kernel_scale": jnp.asarray(c.scale, jnp.float32)}
   if c.centre is not None:
     out["kernel_centre"] = jnp.asarray(c.centre, jnp.float32) - k
   if c.offset is not None:
     out["kernel_offset"] = jnp.asarray(c.offset, jnp.float32)
+  if with_code_sum:  # of the stored (shifted) codes, which serving multiplies
+    out["kernel_colsum"] = int_product.kernel_code_sum(codes, contract,
+                                                       cfg.granularity == "group")
   return out
 
 
@@ -116,7 +127,7 @@ def _kernel_codes(cfg: IntQuantConfig, kernel, arrays, contract) -> int_product.
   codes = jnp.asarray(kernel).astype(jnp.int8)
   view, _ = int_numerics.int_view(codes, contract, cfg)
   return int_product.Codes(view, arrays["kernel_scale"], arrays.get("kernel_centre"),
-                           arrays.get("kernel_offset"))
+                           arrays.get("kernel_offset"), arrays.get("kernel_colsum"))
 
 
 def freeze_int_input(cfg: IntQuantConfig, params) -> dict:
@@ -273,12 +284,9 @@ def fold_fp8_kernel(recipe: Fp8Recipe, w, contract, kernel_state) -> dict:
   """
   w = jnp.asarray(w)
   cfg = recipe.kernel
-  if recipe.granularity == "row":
-    s = numerics.row_scale(w, tuple(contract), cfg)
-    return {"kernel": numerics.quantize(w, cfg.jnp_dtype, s), "kernel_scale": s}
-  if recipe.granularity == "block":
-    q, e = numerics.mx_quantize(w, contract[-1], recipe.block_size, cfg.jnp_dtype)
-    return {"kernel": q, "kernel_scale": e}
+  if recipe.granularity != "tensor":
+    q, s = _current_q(recipe, w, cfg, tuple(contract), None)
+    return {"kernel": q, "kernel_scale": s}
   s = numerics.select_scale(cfg, kernel_state[0], kernel_state[1], numerics.amax(w))
   return {"kernel": numerics.quantize(w, cfg.jnp_dtype, s), "kernel_scale": s}
 
@@ -295,7 +303,7 @@ def freeze_fp8_input(recipe: Fp8Recipe, input_state) -> dict:
 
   Current, row-wise and MX scaling measure each batch, in serving too.
   """
-  if recipe.granularity == "tensor" and recipe.input.scaling == "delayed":
+  if _frozen_fp8_input(recipe):
     return {"input_scale": _history_scale(recipe.input, input_state)}
   return {}
 
@@ -315,46 +323,34 @@ def fp8_dot(lhs, kernel, dimension_numbers, *, recipe: Fp8Recipe, arrays: dict, 
             out_dtype):
   """The served fp8 ``dot_general``: fp8 x fp8 GEMM, the scales applied once.
 
-  The same steps as the QAT forward of each granularity
-  (:mod:`fp8_linen.core.dot_general`), with the kernel read from its codes.
+  The "quantize" half of the QAT forward (:mod:`fp8_linen.core.dot_general`)
+  with the input's frozen scale (delayed per tensor; the others measure the
+  batch as in QAT) and the kernel read from its codes; then the very
+  "multiply" half QAT runs (:func:`~fp8_linen.core.dot_general.fp8_dot_of`).
   """
   lhs, kernel = jnp.asarray(lhs), jnp.asarray(kernel)
   dn = dims.canonical_dn(dimension_numbers, lhs.ndim, kernel.ndim)
   (lc, rc), _ = dn
   in_cfg, k_cfg = recipe.input, recipe.kernel
-  how = lowering.resolve_gemm(recipe)
+  if recipe.granularity == "tensor":
+    quantize = lambda x, cfg, contract, scale: _tensor_q(cfg, x, scale)
+  else:
+    quantize = functools.partial(_current_q, recipe)
   if folded:
     q_r, s_r = kernel.astype(k_cfg.jnp_dtype), arrays["kernel_scale"]
-  elif recipe.granularity == "tensor":
-    q_r, s_r = _tensor_q(k_cfg, kernel, arrays.get("kernel_live_scale"))
   else:
-    q_r, s_r = None, None
-  if recipe.granularity == "tensor":
-    q_l, s_l = _tensor_q(in_cfg, lhs, arrays.get("input_scale"))
-    y = lowering.gemm(q_l, q_r, dn, how, out_dtype, lowering.dot_out_sharding(q_l, q_r, dn))
-    return lowering.scaled(y, numerics.scale_product(s_l, s_r), out_dtype)
+    q_r, s_r = quantize(kernel, k_cfg, rc, arrays.get("kernel_live_scale"))
+  q_l, s_l = quantize(lhs, in_cfg, lc, arrays.get("input_scale"))
+  return fp8_dot_of(q_l, s_l, q_r, s_r, dn, recipe=recipe, gemm=lowering.resolve_gemm(recipe),
+                    out_dtype=out_dtype)
+
+
+def _current_q(recipe: Fp8Recipe, x, cfg: ScalingConfig, contract, scale):
+  """``(q, s)`` of a row-wise or MX operand: its own scales, as in QAT."""
+  del scale  # measured from x in serving too
   if recipe.granularity == "row":
-    lay = dims.layout(dn, lhs.ndim, kernel.ndim)
-    s_l = numerics.row_scale(lhs, lc, in_cfg)
-    if q_r is None:
-      s_r = numerics.row_scale(kernel, rc, k_cfg)
-      q_r = numerics.quantize(kernel, k_cfg.jnp_dtype, s_r)
-    q_l = numerics.quantize(lhs, in_cfg.jnp_dtype, s_l)
-    y = lowering.gemm(q_l, q_r, dn, how, out_dtype, lowering.dot_out_sharding(q_l, q_r, dn))
-    s_out = numerics.scale_product(relayout_like(s_l, lay.lhs_to_out, y),
-                                   relayout_like(s_r, lay.rhs_to_out, y))
-    return (y.astype(jnp.float32) * s_out).astype(out_dtype)
-  bs = recipe.block_size
-  l_axis, r_axis = lc[-1], rc[-1]
-  if q_r is None:
-    q_r, s_r = numerics.mx_quantize(kernel, r_axis, bs, k_cfg.jnp_dtype)
-  q_l, e_l = numerics.mx_quantize(lhs, l_axis, bs, in_cfg.jnp_dtype)
-  up = jnp.float32 if how == "f32" else jnp.bfloat16
-  y = lowering.lax_dot_general(numerics.mx_dequantize(q_l, e_l, l_axis, bs, up),
-                               numerics.mx_dequantize(q_r, s_r, r_axis, bs, up), dn,
-                               preferred_element_type=jnp.float32,
-                               out_sharding=lowering.dot_out_sharding(q_l, q_r, dn))
-  return y.astype(out_dtype)
+    return row_quantize(x, contract, cfg)
+  return block_quantize(x, contract, cfg, recipe)
 
 
 def fp8_conv(lhs, kernel, conv_kwargs: dict, *, recipe: Fp8Recipe, arrays: dict, out_dtype):
@@ -367,3 +363,183 @@ def fp8_conv(lhs, kernel, conv_kwargs: dict, *, recipe: Fp8Recipe, arrays: dict,
   q_r, s_r = kernel.astype(recipe.kernel.jnp_dtype), arrays["kernel_scale"]
   q_l, s_l = _tensor_q(recipe.input, lhs, arrays.get("input_scale"))
   return conv_ops.fp8_conv_of(q_l, s_l, q_r, s_r, cfg, lowering.resolve_gemm(recipe), out_dtype)
+
+
+# ----------------------------------------------------------------------------
+# Conversion records and served products, for both APIs (Linen, NNX)
+#
+# A conversion run (``fl.convert``, ``fl.nnx.convert``) runs each quantized
+# product once and records, per product, the arrays serving needs under
+# prefixed names, plus checks read after the run (values are traced there).
+
+FOLD, LIVE, FROZEN = "fold.", "live.", "frozen."  # a folded weight, a live operand, the input
+OK, KERNEL_AT, KERNEL_EQUAL = "check.state", "check.kernel_at", "check.kernel_equal"
+
+
+def servable_error(where: str, recipe, conv: bool = False) -> ValueError | None:
+  """The error (naming the layer ``where``) for a recipe that cannot be served, else ``None``."""
+  if isinstance(recipe, Fp8Recipe):
+    why = fp8_servable(recipe, conv)
+  elif not int_product.dot_supported(recipe):
+    role = "input" if recipe.input is None else "kernel"
+    why = (f"recipe.{role} is None, so QAT runs a float product of a fake-quantized "
+           "operand; give both roles an IntQuantConfig")
+  else:
+    why = None
+  return None if why is None else ValueError(f"{where}: recipe={recipe!r} cannot be served: "
+                                             f"{why}")
+
+
+def check_servable(where: str, recipe, conv: bool = False) -> None:
+  """Raises :func:`servable_error` for a recipe that cannot be served."""
+  err = servable_error(where, recipe, conv)
+  if err is not None:
+    raise err
+
+
+def _frozen_fp8_input(recipe: Fp8Recipe) -> bool:
+  """Whether the input's scale is frozen (delayed per tensor) rather than measured per batch."""
+  return recipe.granularity == "tensor" and recipe.input.scaling == "delayed"
+
+
+def _record(fold: dict, live: dict, frozen: dict, state_ok) -> dict:
+  out = {OK: jnp.asarray(state_ok)}
+  for prefix, arrays in ((FOLD, fold), (LIVE, live), (FROZEN, frozen)):
+    out.update({prefix + k: v for k, v in arrays.items()})
+  return out
+
+
+def fp8_record(recipe: Fp8Recipe, rhs, contract, input_state, kernel_state, *,
+               conv: bool = False) -> dict:
+  """What serving needs of one fp8 product (see :func:`served_from_record`).
+
+  Args:
+    recipe: the product's recipe.
+    rhs: its right operand as the product sees it.
+    contract: the right operand's contracting axes.
+    input_state: the input's trained ``RoleState``.
+    kernel_state: the weight's.
+    conv: the product is a convolution (its right operand is always a weight).
+  """
+  ok = jnp.any(input_state.amax_history > 0) if _frozen_fp8_input(recipe) else True
+  return _record(fold_fp8_kernel(recipe, rhs, contract, kernel_state),
+                 {} if conv else live_fp8_kernel(recipe, kernel_state),
+                 freeze_fp8_input(recipe, input_state), ok)
+
+
+def int_quantizer_params(role: str, cfg: IntQuantConfig, read):
+  """``(params, ok)``: one role's trained quantizer values as the served arrays are built from.
+
+  ``read(name)`` returns the layer's stored variable ``name`` (``None`` when
+  it has none): ``<role>_step``/``<role>_offset`` (LSQ/LSQ+) or
+  ``input_range`` (an STE observer). ``ok`` is ``False`` for an observer that
+  has seen nothing.
+  """
+  if cfg.learned:
+    names = [f"{role}_step"] + ([f"{role}_offset"] if cfg.estimator == "lsq+" else [])
+    vals = tuple(read(n) for n in names)
+    if role == "input":
+      vals = tuple(jnp.reshape(v, ()) for v in vals)
+    return vals, jnp.asarray(True)
+  if role == "input":
+    rng = read("input_range")
+    if rng is None:
+      return (jnp.zeros((2,), jnp.float32),), jnp.asarray(False)
+    return (rng,), jnp.any(rng != 0)
+  return (), jnp.asarray(True)
+
+
+def int_record(recipe: IntRecipe, rhs, contract, read, *, conv: bool = False) -> dict:
+  """What serving needs of one integer product (see :func:`int_quantizer_params` for ``read``)."""
+  lp, ok = int_quantizer_params("input", recipe.input, read)
+  rp, _ = int_quantizer_params("kernel", recipe.kernel, read)
+  x_op = _operand(recipe.input, "input", ())
+  # Dots of an activation with a zero point / offset need the weight's code sums.
+  sums = not conv and (x_op.has_centre or x_op.has_offset)
+  return _record(fold_int_kernel(recipe.kernel, jnp.asarray(rhs), contract, rp,
+                                 with_code_sum=sums),
+                 live_int_kernel(recipe.kernel, rp), freeze_int_input(recipe.input, lp), ok)
+
+
+def kernel_check(at, kernel, rhs) -> dict:
+  """The record's checks of the right operand: is it the layer's ``kernel``, unchanged?
+
+  ``at`` says where the layer keeps ``kernel`` (``0``: itself, ``1``: its
+  parent; ``None``: the operand is no weight) and ``kernel`` is its value.
+  Only a weight that reaches the product unchanged is folded to codes; any
+  other right operand (an activation, a kernel the product sums first) is
+  quantized live in serving.
+  """
+  rhs = jnp.asarray(rhs)
+  equal = (jnp.asarray(False) if kernel is None else
+           jnp.array_equal(jnp.asarray(kernel).astype(rhs.dtype).reshape(rhs.shape), rhs))
+  return {KERNEL_AT: jnp.asarray(-1 if at is None else at), KERNEL_EQUAL: equal}
+
+
+def untrained_error(where: str) -> ValueError:
+  return ValueError(
+      f"{where}: has no trained quantization state: its frozen input scale would come from "
+      "an empty amax history / observer range. Convert a trained (or calibrated) model with "
+      "its quantization state (Linen: the '_overwrite_with_gradient' collection; NNX: its "
+      "fl.nnx.QuantState variables)")
+
+
+def no_product_error(who: str, layers: str) -> ValueError:
+  return ValueError(f"{who}: the model ran no quantized product, so there is nothing to serve "
+                    f"(build it from {layers})")
+
+
+def served_from_record(where: str, rec) -> tuple:
+  """``(kernel_codes or None, arrays)``: what a layer stores in place of its QAT variables.
+
+  ``kernel_codes`` (the weight folded to codes, to store in place of
+  ``kernel``) is ``None`` where the right operand is quantized live. The
+  arrays are named as the module doc lists them.
+
+  Raises:
+    ValueError: naming ``where``, for a product without trained state.
+  """
+  if not bool(rec[OK]):
+    raise untrained_error(where)
+  fold = int(rec[KERNEL_AT]) >= 0 and bool(rec[KERNEL_EQUAL])
+  prefix = FOLD if fold else LIVE
+  arrays = {k[len(prefix):]: v for k, v in rec.items()
+            if k.startswith(prefix) and k != FOLD + "kernel"}
+  arrays.update({k[len(FROZEN):]: v for k, v in rec.items() if k.startswith(FROZEN)})
+  return (rec[FOLD + "kernel"] if fold else None), arrays
+
+
+def _require(where: str, arrays: dict, names) -> None:
+  for name in names:
+    if name not in arrays:
+      raise ValueError(f"{where}: the served params hold no {name} for this layer; serve "
+                       "the arrays fl.convert (fl.nnx.convert) stored for it")
+
+
+def served_dot(lhs, rhs, dimension_numbers, *, recipe, arrays: dict, out_dtype, where: str):
+  """The served ``dot_general`` of ``recipe`` from a layer's stored ``arrays``.
+
+  ``rhs`` holds the stored codes (possibly cast to float by the layer) where
+  ``arrays`` has a ``kernel_scale``, else the live right operand.
+  """
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  if isinstance(recipe, Fp8Recipe):
+    _require(where, arrays, ("input_scale",) if _frozen_fp8_input(recipe) else ())
+    run = fp8_dot
+  else:
+    check_servable(where, recipe)
+    _require(where, arrays, ("input_scale",))
+    run = int_dot
+  return run(lhs, rhs, dimension_numbers, recipe=recipe, arrays=arrays,
+             folded="kernel_scale" in arrays, out_dtype=out_dtype)
+
+
+def served_conv(lhs, rhs, conv_kwargs: dict, *, recipe, arrays: dict, out_dtype, where: str):
+  """The served convolution of ``recipe`` from a layer's stored ``arrays`` (codes in ``rhs``)."""
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  if isinstance(recipe, Fp8Recipe):
+    _require(where, arrays, ("kernel_scale",))
+    return fp8_conv(lhs, rhs, conv_kwargs, recipe=recipe, arrays=arrays, out_dtype=out_dtype)
+  check_servable(where, recipe)
+  _require(where, arrays, ("input_scale", "kernel_scale"))
+  return int_conv(lhs, rhs, conv_kwargs, recipe=recipe, arrays=arrays, out_dtype=out_dtype)

@@ -20,7 +20,7 @@ Example:
   >>> import fp8_linen as fl
   >>> from fp8_linen.linen import dispatch
   >>> dispatch.products_for(fl.int8_lsq(), in_mode='serve').dot_general.__name__
-  '_serve_int_dot'
+  '_serve_dot'
 """
 
 from __future__ import annotations
@@ -31,20 +31,16 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import dims, int_product, serve
+from fp8_linen.core import dims, serve
 from fp8_linen.core.owg import OWG, RoleState
 from fp8_linen.linen import dispatch
 from fp8_linen.linen.integer import int_conv_on, int_dot_general_on
 from fp8_linen.recipes.fp8 import Fp8Recipe
 from fp8_linen.recipes.integer import IntRecipe
 
-__all__ = ["SERVED", "FOLD", "LIVE", "FROZEN", "layer_path", "served_arrays"]
+__all__ = ["SERVED", "layer_path", "served_arrays", "records"]
 
 SERVED = "fp8_linen_served"  # the collection 'convert' writes
-# Name prefixes: a folded weight, a live right operand, the frozen input (a
-# module's variable names are unique across collections, so none may be bare).
-FOLD, LIVE, FROZEN = "fold.", "live.", "frozen."
-OK, KERNEL_AT, KERNEL_EQUAL = "check.state", "check.kernel_at", "check.kernel_equal"
 
 
 def layer_path(module: nn.Module) -> str:
@@ -67,22 +63,31 @@ def _kernel_param(module: nn.Module, rhs):
   return None, None
 
 
-def _record(module: nn.Module, rhs, fold: dict, live: dict, frozen: dict, state_ok) -> None:
-  at, p = _kernel_param(module, rhs)
-  out = {OK: jnp.asarray(state_ok), KERNEL_AT: jnp.asarray(-1 if at is None else at)}
-  out[KERNEL_EQUAL] = (jnp.asarray(False) if p is None else
-                       jnp.array_equal(jnp.asarray(p).astype(rhs.dtype).reshape(rhs.shape), rhs))
-  out.update({FOLD + k: v for k, v in fold.items()})
-  out.update({LIVE + k: v for k, v in live.items()})
-  out.update({FROZEN + k: v for k, v in frozen.items()})
-  for name, value in out.items():
+def _record(module: nn.Module, rhs, record: dict) -> None:
+  """Writes one product's record (:mod:`fp8_linen.core.serve`) in :data:`SERVED`."""
+  rhs = jnp.asarray(rhs)
+  # A module's variable names are unique across collections: every name is prefixed.
+  for name, value in {**record, **serve.kernel_check(*_kernel_param(module, rhs), rhs)}.items():
     module.put_variable(SERVED, name, value)
+
+
+def records(tree, path=()):
+  """``(path, record)`` of every product a conversion run wrote in :data:`SERVED`."""
+  if serve.KERNEL_AT in tree:
+    yield path, tree
+  for k, v in tree.items():
+    if isinstance(v, Mapping):
+      yield from records(v, path + (k,))
 
 
 def served_arrays(module: nn.Module) -> dict:
   """The arrays of ``module``'s own ``params`` scope (its children excluded)."""
   params = module.variables.get("params", {})
   return {k: v for k, v in params.items() if not isinstance(v, Mapping)}
+
+
+def _check(module, recipe, conv=False):
+  serve.check_servable(layer_path(module), recipe, conv)
 
 
 # ----------------------------------------------------------------------------
@@ -99,148 +104,74 @@ def _fp8_states(module: nn.Module, recipe: Fp8Recipe):
   return read("input", recipe.input), read("kernel", recipe.kernel)
 
 
-def _fp8_state_ok(recipe: Fp8Recipe, in_state):
-  """Whether the frozen input scale comes from trained state (delayed per tensor)."""
-  if recipe.granularity == "tensor" and recipe.input.scaling == "delayed":
-    return jnp.any(in_state.amax_history > 0)
-  return jnp.asarray(True)
-
-
-def _check_fp8(module, recipe, conv=False):
-  why = serve.fp8_servable(recipe, conv)
-  if why:
-    raise ValueError(f"{layer_path(module)}: recipe={recipe!r} cannot be served: {why}")
-
-
 def _convert_fp8_dot(module, lhs, rhs, dimension_numbers, recipe, out_dtype, key):
-  _check_fp8(module, recipe)
+  _check(module, recipe)
   y = dispatch.fp8_dot_general_on(module, lhs, rhs, dimension_numbers, recipe, out_dtype, key)
-  in_state, k_state = _fp8_states(module, recipe)
   dn = dims.canonical_dn(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
-  rhs = jnp.asarray(rhs)
-  _record(module, rhs, serve.fold_fp8_kernel(recipe, rhs, dn[0][1], k_state),
-          serve.live_fp8_kernel(recipe, k_state), serve.freeze_fp8_input(recipe, in_state),
-          _fp8_state_ok(recipe, in_state))
+  _record(module, rhs, serve.fp8_record(recipe, jnp.asarray(rhs), dn[0][1],
+                                        *_fp8_states(module, recipe)))
   return y
 
 
 def _convert_fp8_conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key):
-  _check_fp8(module, recipe, conv=True)
+  _check(module, recipe, conv=True)
   y = dispatch.fp8_conv_on(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key)
-  in_state, k_state = _fp8_states(module, recipe)
   rhs = jnp.asarray(rhs)
   dn = lax.conv_dimension_numbers(jnp.shape(lhs), rhs.shape, conv_kwargs["dimension_numbers"])
   _, rc = dims.conv_contract(jnp.ndim(lhs), rhs.ndim, dn)
-  _record(module, rhs, serve.fold_fp8_kernel(recipe, rhs, rc, k_state), {},
-          serve.freeze_fp8_input(recipe, in_state), _fp8_state_ok(recipe, in_state))
+  _record(module, rhs, serve.fp8_record(recipe, rhs, rc, *_fp8_states(module, recipe),
+                                        conv=True))
   return y
-
-
-def _missing(module, what: str) -> ValueError:
-  return ValueError(f"{layer_path(module)}: the served params hold no {what} for this layer; "
-                    "apply the served model to the params fl.convert returned")
-
-
-def _served(module, lhs, rhs, out_dtype, required, run):
-  """Reads ``module``'s served arrays, checks ``required`` are there, runs ``run(arrays, dtype)``."""
-  arrays = served_arrays(module)
-  for name in required:
-    if name not in arrays:
-      raise _missing(module, name)
-  return run(arrays, jnp.dtype(out_dtype or jnp.result_type(lhs, rhs)))
-
-
-def _serve_fp8_dot(module, lhs, rhs, dimension_numbers, recipe, out_dtype, key):
-  del key
-  frozen = recipe.granularity == "tensor" and recipe.input.scaling == "delayed"
-  return _served(module, lhs, rhs, out_dtype, ("input_scale",) if frozen else (),
-                 lambda arrays, dt: serve.fp8_dot(
-                     lhs, rhs, dimension_numbers, recipe=recipe, arrays=arrays,
-                     folded="kernel_scale" in arrays, out_dtype=dt))
-
-
-def _serve_fp8_conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key):
-  del key
-  return _served(module, lhs, rhs, out_dtype, ("kernel_scale",),
-                 lambda arrays, dt: serve.fp8_conv(lhs, rhs, conv_kwargs, recipe=recipe,
-                                                   arrays=arrays, out_dtype=dt))
 
 
 # ----------------------------------------------------------------------------
 # integer
 
 
-def _int_params(module: nn.Module, role: str, cfg):
-  """``(params, ok)``: the trained quantizer values of one role, read as they are stored."""
-  if cfg.learned:
-    names = [f"{role}_step"] + ([f"{role}_offset"] if cfg.estimator == "lsq+" else [])
-    vals = tuple(module.get_variable("params", n) for n in names)
-    if role == "input":
-      vals = tuple(jnp.reshape(v, ()) for v in vals)
-    return vals, jnp.asarray(True)
-  if role == "input":
-    rng = module.get_variable(OWG, "input_range")
-    if rng is None:
-      return (jnp.zeros((2,), jnp.float32),), jnp.asarray(False)
-    return (rng,), jnp.any(rng != 0)
-  return (), jnp.asarray(True)
-
-
-def _check_int(module, recipe: IntRecipe):
-  if not int_product.dot_supported(recipe):
-    role = "input" if recipe.input is None else "kernel"
-    raise ValueError(f"{layer_path(module)}: recipe={recipe!r} cannot be served: "
-                     f"recipe.{role} is None, so QAT runs a float product of a "
-                     "fake-quantized operand; give both roles an IntQuantConfig")
-
-
-def _convert_int(module, lhs, rhs, lc, rc, recipe, y):
-  rhs = jnp.asarray(rhs)
-  lp, ok = _int_params(module, "input", recipe.input)
-  rp, _ = _int_params(module, "kernel", recipe.kernel)
-  _record(module, rhs, serve.fold_int_kernel(recipe.kernel, rhs, rc, rp),
-          serve.live_int_kernel(recipe.kernel, rp), serve.freeze_int_input(recipe.input, lp), ok)
-  return y
+def _int_read(module: nn.Module):
+  """``read(name)`` of :func:`~fp8_linen.core.serve.int_record`: the layer's stored values."""
+  return lambda name: module.get_variable(OWG if name == "input_range" else "params", name)
 
 
 def _convert_int_dot(module, lhs, rhs, dimension_numbers, recipe, out_dtype, key):
-  _check_int(module, recipe)
+  _check(module, recipe)
   y = int_dot_general_on(module, lhs, rhs, dimension_numbers, recipe, out_dtype, key)
-  (lc, rc), _ = dims.canonical_dn(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
-  return _convert_int(module, lhs, rhs, lc, rc, recipe, y)
+  (_, rc), _ = dims.canonical_dn(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
+  _record(module, rhs, serve.int_record(recipe, rhs, rc, _int_read(module)))
+  return y
 
 
 def _convert_int_conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key):
-  _check_int(module, recipe)
+  _check(module, recipe)
   y = int_conv_on(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key)
   dn = lax.conv_dimension_numbers(jnp.shape(lhs), jnp.shape(rhs),
                                   conv_kwargs["dimension_numbers"])
-  lc, rc = dims.conv_contract(jnp.ndim(lhs), jnp.ndim(rhs), dn)
-  return _convert_int(module, lhs, rhs, lc, rc, recipe, y)
+  _, rc = dims.conv_contract(jnp.ndim(lhs), jnp.ndim(rhs), dn)
+  _record(module, rhs, serve.int_record(recipe, rhs, rc, _int_read(module), conv=True))
+  return y
 
 
-def _serve_int_dot(module, lhs, rhs, dimension_numbers, recipe, out_dtype, key):
+# ----------------------------------------------------------------------------
+# serving: every recipe reads its layer's served arrays and runs core/serve.py
+
+
+def _serve_dot(module, lhs, rhs, dimension_numbers, recipe, out_dtype, key):
   del key
-  _check_int(module, recipe)
-  return _served(module, lhs, rhs, out_dtype, ("input_scale",),
-                 lambda arrays, dt: serve.int_dot(
-                     lhs, rhs, dimension_numbers, recipe=recipe, arrays=arrays,
-                     folded="kernel_scale" in arrays, out_dtype=dt))
+  return serve.served_dot(lhs, rhs, dimension_numbers, recipe=recipe,
+                          arrays=served_arrays(module), out_dtype=out_dtype,
+                          where=layer_path(module))
 
 
-def _serve_int_conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key):
+def _serve_conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key):
   del key
-  _check_int(module, recipe)
-  return _served(module, lhs, rhs, out_dtype, ("input_scale", "kernel_scale"),
-                 lambda arrays, dt: serve.int_conv(lhs, rhs, conv_kwargs, recipe=recipe,
-                                                   arrays=arrays, out_dtype=dt))
+  return serve.served_conv(lhs, rhs, conv_kwargs, recipe=recipe, arrays=served_arrays(module),
+                           out_dtype=out_dtype, where=layer_path(module))
 
 
 dispatch.register_mode("convert", Fp8Recipe,
                        dispatch.Products(dot_general=_convert_fp8_dot, conv=_convert_fp8_conv))
 dispatch.register_mode("convert", IntRecipe,
                        dispatch.Products(dot_general=_convert_int_dot, conv=_convert_int_conv))
-dispatch.register_mode("serve", Fp8Recipe,
-                       dispatch.Products(dot_general=_serve_fp8_dot, conv=_serve_fp8_conv))
-dispatch.register_mode("serve", IntRecipe,
-                       dispatch.Products(dot_general=_serve_int_dot, conv=_serve_int_conv))
+for _recipe_type in (Fp8Recipe, IntRecipe):
+  dispatch.register_mode("serve", _recipe_type,
+                         dispatch.Products(dot_general=_serve_dot, conv=_serve_conv))

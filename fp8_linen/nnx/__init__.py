@@ -4,7 +4,9 @@ Layers (drop-ins for their ``flax.nnx`` twins): :class:`Linear`,
 :class:`LinearGeneral`, :class:`Einsum`, :class:`Conv`; the activation
 :class:`Quantizer`. Their state is :class:`QuantState`; it leaves a step as
 its gradient and :class:`Optimizer` writes it back (see :mod:`.training`).
-:func:`quantize_model` swaps a float NNX model's layers for these.
+:func:`quantize_model` swaps a float NNX model's layers for these;
+:func:`convert` turns a trained model into a served one (int8/int4/fp8 codes),
+which equals the model evaluated with frozen quantizers (``model.eval()``).
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -16,7 +18,9 @@ Example:
   >>> _ = opt.update(model, grads)
 """
 
+from fp8_linen.core.owg import frozen_quantizers
 from fp8_linen.nnx.activation import Quantizer
+from fp8_linen.nnx.conversion import convert
 from fp8_linen.nnx.layers import Conv, Einsum, Linear, LinearGeneral
 from fp8_linen.nnx.products import calibrate
 from fp8_linen.nnx.quantize import quantize_model
@@ -37,4 +41,6 @@ __all__ = [
     "update_state",
     "calibrate",
     "quantize_model",
+    "frozen_quantizers",
+    "convert",
 ]

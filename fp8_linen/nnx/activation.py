@@ -21,10 +21,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+
 import jax.numpy as jnp
 from flax import nnx
 
-from fp8_linen.core.owg import CHECKPOINT_NAME, name_fp8_residual
+from fp8_linen.core.owg import CHECKPOINT_NAME, frozen_quantizers, name_fp8_residual
 from fp8_linen.core.qdq import dequantize, quantize
 from fp8_linen.nnx.state import chained, declare_role, read_role
 from fp8_linen.recipes.fp8 import ActivationRecipe
@@ -39,6 +41,9 @@ class Quantizer(nnx.Module):
     recipe: an :class:`~fp8_linen.ActivationRecipe` (default e4m3 / e5m2,
       delayed scaling).
     checkpoint_name: the ``checkpoint_name`` of the fp8 copy.
+    use_running_average: quantize with the recorded state only and leave it
+      unchanged (:func:`~fp8_linen.frozen_quantizers`; ``model.eval()`` sets
+      it).
 
   Example:
     >>> import jax.numpy as jnp
@@ -52,17 +57,22 @@ class Quantizer(nnx.Module):
   """
 
   def __init__(self, recipe: ActivationRecipe | None = None, *,
-               checkpoint_name: str = CHECKPOINT_NAME):
+               checkpoint_name: str = CHECKPOINT_NAME, use_running_average: bool = False):
     recipe = ActivationRecipe() if recipe is None else recipe
     if not isinstance(recipe, ActivationRecipe):
       hint = " (call it: the function returns the recipe)" if callable(recipe) else ""
       raise TypeError(f"Quantizer: recipe must be an ActivationRecipe, got {recipe!r}{hint}")
     self.recipe = recipe
     self.checkpoint_name = checkpoint_name
+    self.use_running_average = use_running_average
     declare_role(self, "input", recipe.input)
     declare_role(self, "output_grad", recipe.output_grad)
 
   def __call__(self, x):
+    with frozen_quantizers() if self.use_running_average else contextlib.nullcontext():
+      return self._quantize(x)
+
+  def _quantize(self, x):
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"Quantizer: x must be a floating array, got dtype {x.dtype}")

@@ -9,6 +9,12 @@ quantized product (:mod:`fp8_linen.nnx.products`) on the state of the layer
 whose ``__call__`` is running. The state is added as
 :class:`~fp8_linen.nnx.QuantState` variables under the Linen layers' names.
 
+``use_running_average`` (flax's name for BatchNorm's switch to its recorded
+statistics, so ``model.eval()`` / ``model.train()`` and ``nnx.view`` set it
+on every layer of a model) freezes the layer's quantizers: it computes what
+the served model computes (:func:`~fp8_linen.frozen_quantizers`). It is a
+static attribute, so ``nnx.jit`` traces the model again when it changes.
+
 Example:
   >>> import jax.numpy as jnp
   >>> from flax import nnx
@@ -27,6 +33,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
+from fp8_linen.core.owg import frozen_quantizers
 from fp8_linen.nnx import products
 from fp8_linen.recipes.fp8 import Fp8Recipe
 from fp8_linen.recipes.integer import IntRecipe
@@ -40,9 +47,12 @@ _RUNNING: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_nnx_layer",
 
 @contextlib.contextmanager
 def _running(layer):
+  """``layer``'s products run on its state (frozen under ``use_running_average``)."""
   token = _RUNNING.set(layer)
   try:
-    yield
+    # False leaves an enclosing fl.frozen_quantizers() block in force.
+    with frozen_quantizers() if layer.use_running_average else contextlib.nullcontext():
+      yield
   finally:
     _RUNNING.reset(token)
 
@@ -114,6 +124,8 @@ class Linear(nnx.Linear):
     out_features: output features.
     recipe: an :class:`~fp8_linen.Fp8Recipe` (default) or
       :class:`~fp8_linen.IntRecipe`.
+    use_running_average: quantize with the recorded state only (frozen
+      quantizers, as served; ``model.eval()`` sets it).
     rngs: the ``nnx.Rngs``.
     **kwargs: ``nnx.Linear``'s other arguments (not ``dot_general``).
 
@@ -127,12 +139,13 @@ class Linear(nnx.Linear):
   """
 
   def __init__(self, in_features: int, out_features: int, *, recipe: Any = Fp8Recipe(),
-               rngs: nnx.Rngs, **kwargs):
+               use_running_average: bool = False, rngs: nnx.Rngs, **kwargs):
     _no_override("Linear", kwargs, "dot_general")
     products.check_recipe("Linear", recipe)
     super().__init__(in_features, out_features, dot_general=_layer_dot_general, rngs=rngs,
                      **kwargs)
     self.recipe = recipe
+    self.use_running_average = use_running_average
     products.declare(self, recipe, self.kernel[...], (0,))
 
   def __call__(self, inputs, *args, **kwargs):
@@ -157,12 +170,13 @@ class LinearGeneral(nnx.LinearGeneral):
   """
 
   def __init__(self, in_features, out_features, *, recipe: Any = Fp8Recipe(),
-               rngs: nnx.Rngs, **kwargs):
+               use_running_average: bool = False, rngs: nnx.Rngs, **kwargs):
     _no_override("LinearGeneral", kwargs, "dot_general", "dot_general_cls")
     products.check_recipe("LinearGeneral", recipe)
     super().__init__(in_features, out_features, dot_general=_layer_dot_general, rngs=rngs,
                      **kwargs)
     self.recipe = recipe
+    self.use_running_average = use_running_average
     n_batch = len(self.batch_axis)
     n_in = len(self.in_features)
     products.declare(self, recipe, self.kernel[...], tuple(range(n_batch, n_batch + n_in)))
@@ -193,12 +207,14 @@ class Einsum(nnx.Einsum):
   """
 
   def __init__(self, einsum_str: str, kernel_shape, bias_shape=None, *,
-               recipe: Any = Fp8Recipe(), rngs: nnx.Rngs, **kwargs):
+               recipe: Any = Fp8Recipe(), use_running_average: bool = False,
+               rngs: nnx.Rngs, **kwargs):
     _no_override("Einsum", kwargs, "einsum_op")
     products.check_recipe("Einsum", recipe)
     super().__init__(einsum_str, kernel_shape, bias_shape, einsum_op=_layer_einsum, rngs=rngs,
                      **kwargs)
     self.recipe = recipe
+    self.use_running_average = use_running_average
     kernel, contract = None, None
     if isinstance(recipe, IntRecipe) and recipe.kernel is not None and recipe.kernel.learned:
       # LSQ weight steps have the shape of the kernel as the lowered product sees it.
@@ -229,7 +245,8 @@ class Conv(nnx.Conv):
   """
 
   def __init__(self, in_features: int, out_features: int, kernel_size, strides=1, *,
-               recipe: Any = Fp8Recipe(), rngs: nnx.Rngs, **kwargs):
+               recipe: Any = Fp8Recipe(), use_running_average: bool = False,
+               rngs: nnx.Rngs, **kwargs):
     _no_override("Conv", kwargs, "conv_general_dilated")
     products.check_recipe("Conv", recipe)
     if kwargs.get("mask") is not None:
@@ -237,6 +254,7 @@ class Conv(nnx.Conv):
     super().__init__(in_features, out_features, kernel_size, strides,
                      conv_general_dilated=_layer_conv, rngs=rngs, **kwargs)
     self.recipe = recipe
+    self.use_running_average = use_running_average
     kernel = self.kernel[...]
     # The kernel's output-feature axis is its last; every other axis is contracted.
     products.declare(self, recipe, kernel, tuple(range(kernel.ndim - 1)))

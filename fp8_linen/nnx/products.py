@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import math
 
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from fp8_linen.core import int_numerics, int_ops, int_product, lowering
+from fp8_linen.core import dims, int_numerics, int_ops, int_product, lowering, serve
 from fp8_linen.core.conv import fp8_conv_general_dilated
 from fp8_linen.core.dims import conv_contract, einsum_plan
 from fp8_linen.core.dot_general import fp8_dot_general
@@ -46,7 +47,7 @@ from fp8_linen.recipes.fp8 import Fp8Recipe
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["declare", "einsum_kernel", "dot_general", "einsum", "conv", "calibrate",
-           "check_recipe"]
+           "check_recipe", "Serving", "converting"]
 
 _CALIBRATING: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_nnx_calibrating",
                                                                default=False)
@@ -220,9 +221,22 @@ def dot_general(module: nnx.Module, lhs, rhs, dimension_numbers, recipe, out_dty
   """``recipe``'s quantized ``dot_general`` of ``lhs`` (input) and ``rhs`` (kernel).
 
   Reads the state :func:`declare` created on ``module``; uses of ``module`` in
-  one trace are chained.
+  one trace are chained. A served layer (:func:`~fp8_linen.nnx.convert`) runs
+  its served product instead; under a conversion run the product also
+  records what serving needs.
   """
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  (_, rc), _ = dims.canonical_dn(dimension_numbers, lhs.ndim, rhs.ndim)
+  return _run(module, recipe, rhs, rc, conv=False,
+              served=lambda arrays, where: serve.served_dot(
+                  lhs, rhs, dimension_numbers, recipe=recipe, arrays=arrays,
+                  out_dtype=out_dtype, where=where),
+              qat=lambda: _qat_dot_general(module, lhs, rhs, dimension_numbers, recipe,
+                                           out_dtype, key))
+
+
+def _qat_dot_general(module, lhs, rhs, dimension_numbers, recipe, out_dtype, key):
+  """The QAT product of :func:`dot_general`."""
   if isinstance(recipe, Fp8Recipe):
     st = _fp8_states(module, recipe)
     return chained(module, key, lambda chain: fp8_dot_general(
@@ -260,8 +274,21 @@ def einsum(module: nnx.Module, equation: str, lhs, rhs, recipe, out_dtype=None,
 
 def conv(module: nnx.Module, lhs, rhs, conv_kwargs: dict, recipe, out_dtype=None,
          key: str = "conv"):
-  """``recipe``'s quantized convolution (``conv_kwargs`` as for ``lax.conv_general_dilated``)."""
+  """``recipe``'s quantized convolution (``conv_kwargs`` as for ``lax.conv_general_dilated``).
+
+  Served and converting layers as for :func:`dot_general`.
+  """
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, conv_kwargs["dimension_numbers"])
+  return _run(module, recipe, rhs, conv_contract(lhs.ndim, rhs.ndim, dn)[1], conv=True,
+              served=lambda arrays, where: serve.served_conv(
+                  lhs, rhs, conv_kwargs, recipe=recipe, arrays=arrays, out_dtype=out_dtype,
+                  where=where),
+              qat=lambda: _qat_conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key))
+
+
+def _qat_conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key):
+  """The QAT product of :func:`conv`."""
   if isinstance(recipe, Fp8Recipe):
     st = _fp8_states(module, recipe)
     return chained(module, key, lambda chain: fp8_conv_general_dilated(
@@ -282,6 +309,97 @@ def conv(module: nnx.Module, lhs, rhs, conv_kwargs: dict, recipe, out_dtype=None
   y = lowering.lax_conv_general_dilated(xq.astype(cd), wq.astype(cd), **conv_kwargs,
                                         preferred_element_type=jnp.float32)
   return y.astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------
+# Conversion and serving (fl.nnx.convert): the arrays and checks of core/serve.py
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Serving:
+  """What makes a layer a served one (a static attribute ``serving`` of the layer).
+
+  Attributes:
+    path: the layer's path in the converted model (named in errors).
+    arrays: the names of the served arrays the layer holds next to its
+      ``kernel`` (``nnx.Param`` s: scales, zero points/offsets, code sums).
+  """
+
+  path: str
+  arrays: tuple
+
+  def arrays_of(self, module) -> dict:
+    """``module``'s served arrays by name."""
+    return {name: getattr(module, name)[...] for name in self.arrays}
+
+
+class _Conversion:
+  """The records of one conversion run: ``path -> record`` (see :mod:`fp8_linen.core.serve`)."""
+
+  def __init__(self, paths: dict):
+    self._paths = paths  # id(module) -> path, of the module objects this run calls
+    self.records: dict = {}
+
+  def path(self, module) -> str:
+    return self._paths.get(id(module), "") or "<root>"
+
+  def add(self, module, rhs, record: dict) -> None:
+    var = getattr(module, "kernel", None)
+    kernel = var[...] if isinstance(var, nnx.Param) else None
+    if kernel is not None and kernel.size != rhs.size:  # not the weight (no fold)
+      kernel = None
+    self.records[self._paths.get(id(module), "")] = {
+        **record, **serve.kernel_check(None if kernel is None else 0, kernel, rhs)}
+
+
+_CONVERTING: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_nnx_converting",
+                                                             default=None)
+
+
+@contextlib.contextmanager
+def converting(model: nnx.Module):
+  """Runs ``model``'s products in conversion mode; yields the records (path -> arrays).
+
+  Enter it where ``model`` (the very objects that are called) is built, e.g.
+  inside the function a conversion jits.
+  """
+  conversion = _Conversion({id(m): "/".join(str(p) for p in path)
+                            for path, m in nnx.iter_modules(model)})
+  token = _CONVERTING.set(conversion)
+  try:
+    yield conversion.records
+  finally:
+    _CONVERTING.reset(token)
+
+
+def _run(module, recipe, rhs, contract, *, conv: bool, served, qat):
+  """One product of ``module``: served (a converted layer), QAT, or QAT and its record.
+
+  ``served(arrays, where)`` runs the served product, ``qat()`` the QAT one;
+  ``contract`` are the right operand's contracting axes.
+  """
+  serving = getattr(module, "serving", None)
+  if serving is not None:
+    return served(serving.arrays_of(module), serving.path)
+  conversion = _CONVERTING.get()
+  if conversion is None:
+    return qat()
+  serve.check_servable(conversion.path(module), recipe, conv)
+  y = qat()
+  conversion.add(module, rhs, _record(module, recipe, rhs, contract, conv=conv))
+  return y
+
+
+def _record(module, recipe, rhs, contract, *, conv: bool) -> dict:
+  """What serving needs of one product of ``module`` (its trained state read as stored)."""
+  if isinstance(recipe, Fp8Recipe):
+    st = _fp8_states(module, recipe)
+    return serve.fp8_record(recipe, rhs, contract, st[0], st[1], conv=conv)
+
+  def read(name):
+    var = getattr(module, name, None)
+    return None if var is None else var[...]
+  return serve.int_record(recipe, rhs, contract, read, conv=conv)
 
 
 def calibrate(model: nnx.Module, *args, **kwargs) -> None:

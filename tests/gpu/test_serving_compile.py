@@ -1,4 +1,4 @@
-"""The served forward (``fl.convert``) compiled for an H100 without a GPU: what XLA:GPU selects.
+"""The served forward (``fl.convert``, ``fl.nnx.convert``) compiled for an H100 without a GPU.
 
 int8 and int4 weights serve as s8 x s8 -> s32 cuBLASLt GEMMs (int4 is unpacked
 to int8: there is no int4 GEMM), fp8 weights as cuBLASLt fp8 GEMMs; between
@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 import fp8_linen as fl
 
@@ -28,13 +29,32 @@ def _gemm_operands(report):
   return [(p.target, *p.operands) for p in report.product_list if p.kind == "cublas"]
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_served_products_on_h100(h100, name):
-  (served, sp), x = _served(RECIPES[name])
-  report = h100.compile_for_h100(served.apply, sp, x)
+def _assert_two_low_precision_gemms(report, h100, name):
+  del h100
   gemms = _gemm_operands(report)
   if name == "fp8":
     assert gemms == [("__cublas$lt$matmul$f8", "f8e4m3fn", "f8e4m3fn")] * 2
   else:
     assert gemms == [("__cublas$lt$matmul", "s8", "s8")] * 2
   assert report.other_dots == 0
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_served_products_on_h100(h100, name):
+  (served, sp), x = _served(RECIPES[name])
+  report = h100.compile_for_h100(served.apply, sp, x)
+  _assert_two_low_precision_gemms(report, h100, name)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_served_nnx_products_on_h100(h100, name):
+  """The served NNX model runs the same products as the Linen one."""
+  recipe = RECIPES[name]
+  model = nnx.Sequential(fl.nnx.Linear(128, 256, recipe=recipe, rngs=nnx.Rngs(0)), nnx.relu,
+                         fl.nnx.Linear(256, 128, recipe=recipe, rngs=nnx.Rngs(1)))
+  x = jax.random.normal(jax.random.key(0), (64, 128))
+  fl.nnx.calibrate(model, x)
+  fl.nnx.update_state(model, fl.nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model))
+  graphdef, state = nnx.split(fl.nnx.convert(model, x))
+  report = h100.compile_for_h100(lambda s, x: nnx.merge(graphdef, s)(x), nnx.as_pure(state), x)
+  _assert_two_low_precision_gemms(report, h100, name)

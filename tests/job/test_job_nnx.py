@@ -71,6 +71,12 @@ def test_nnx_digits_arms_learn(tmp_path):
     assert r.details['api'] == 'nnx' and any('NNX' in n for n in r.notes)
     assert r.val_acc > 0.6, (r.arm, r.val_acc)
     assert r.final_train_loss < 0.6 * r.history['loss'][0]
+    # Served (fl.nnx.convert) from int8/fp8 weights: the QAT model's numbers, exactly.
+    assert r.served['val_loss'] == r.val_loss and r.served['val_acc'] == r.val_acc
+    assert r.served['weight_bytes'] < 0.5 * r.served['float_weight_bytes']
+  served_rows = [l.split() for l in paths['text'].splitlines()
+                 if l.startswith(('fp8', 'int8')) and 'KiB' in l]
+  assert [row[3] for row in served_rows] == ['equal', 'equal']
   assert fp8.health['scales'] > 0 and fp8.health['nonfinite_scales'] == 0
   assert fp8.health['amax_entries'] > fp8.health['zero_amax']  # histories written
   assert int8.health['int_values'] > 0 and int8.health['nonfinite_int_values'] == 0

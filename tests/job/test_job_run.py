@@ -213,6 +213,9 @@ def test_int8_arm_with_observers_traces_ranges(tiny_cfg, tmp_path):
   (result,) = _train_all(cfg, str(tmp_path))
   assert result.quantized and np.isfinite(result.final_train_loss)
   assert result.health['scales'] > 0  # The observers' input ranges.
+  # Evaluated with frozen observers, the QAT model is the served one, exactly.
+  assert result.served['val_loss'] == result.val_loss
+  assert result.served['val_acc'] == result.val_acc
   assert result.health['nonfinite_scales'] == 0
   assert {k.rsplit('/', 1)[1] for k in result.history['trace']} == {
       'input_range'}

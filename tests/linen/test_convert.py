@@ -2,10 +2,9 @@
 
 Every layer x recipe is trained for a few steps (so the fp8 histories and the
 observer ranges hold data), converted, and the served forward is compared
-with the QAT model's evaluation forward on the same variables, both compiled:
-equal bit for bit. The evaluation batch lies inside the recorded observer
-range (the QAT observer would widen it with the batch; the served one keeps
-the frozen range).
+with the QAT model evaluated with frozen quantizers (``fl.frozen_quantizers``)
+on the same variables, both compiled: equal bit for bit, also for batches far
+outside the recorded observer ranges (which both clip).
 """
 
 import dataclasses
@@ -33,6 +32,9 @@ RECIPES = {
     "int8_ste_asym": fl.IntRecipe(input=fl.IntQuantConfig(symmetric=False),
                                   kernel=fl.IntQuantConfig(symmetric=False,
                                                            granularity="channel")),
+    "int8_ste_moving_average": fl.IntRecipe(
+        input=fl.IntQuantConfig(observer="moving_average", momentum=0.9),
+        kernel=fl.IntQuantConfig(granularity="channel")),
     "int8_lsq": fl.int8_lsq(),
     "int4_lsq_plus": fl.int4_lsq_plus(),
 }
@@ -78,20 +80,45 @@ def _layer_params(params):
 CASES = [(l, r) for l in LAYERS for r in RECIPES if (l, r) not in NOT_A_LAYER_RECIPE]
 
 
+def _frozen(model):
+  """The QAT model evaluated with frozen quantizers, jitted (the flag is read while tracing)."""
+  def run(v, x):
+    with fl.frozen_quantizers():
+      return model.apply(v, x)
+  return jax.jit(run)
+
+
 @pytest.mark.parametrize("layer,recipe", CASES)
-def test_served_forward_equals_qat_forward_bit_for_bit(layer, recipe):
+def test_served_forward_equals_frozen_qat_forward_bit_for_bit(layer, recipe):
   mk, shape = LAYERS[layer]
   model = mk(RECIPES[recipe])
   v, x = _trained(model, shape)
   served, sp = fl.convert(model, v, x)
-  ref = jax.jit(model.apply)(v, x)
-  out = jax.jit(served.apply)(sp, x)
+  serve, frozen = jax.jit(served.apply), _frozen(model)
+  ref = frozen(v, x)
+  out = serve(sp, x)
   assert out.dtype == ref.dtype and out.shape == ref.shape
   np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
-  # A second batch inside the range, of another size.
-  x2 = 0.25 * jax.random.normal(jax.random.key(7), (2,) + shape[1:])
-  np.testing.assert_array_equal(np.asarray(jax.jit(served.apply)(sp, x2)),
-                                np.asarray(jax.jit(model.apply)(v, x2)))
+  # A batch of another size, and one 5x larger than anything the observers saw.
+  for x2 in (0.25 * jax.random.normal(jax.random.key(7), (2,) + shape[1:]),
+             10.0 * jax.random.normal(jax.random.key(8), shape)):
+    np.testing.assert_array_equal(np.asarray(serve(sp, x2)), np.asarray(frozen(v, x2)))
+  if recipe != "int8_ste_moving_average":
+    # Inside the recorded range a 'minmax' observer's batch changes nothing:
+    # the training-mode evaluation is the served model too.
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(model.apply)(v, x)))
+
+
+def test_frozen_evaluation_is_what_is_served_where_training_mode_is_not():
+  """An STE model evaluated on a batch beyond its ranges: only the frozen forward is served."""
+  model = nn.Sequential([fl.QDense(16, recipe=RECIPES["int8_ste_channel"]), nn.relu,
+                         fl.QDense(4, recipe=RECIPES["int8_ste_channel"])])
+  v, x = _trained(model, (4, 16))
+  served, sp = fl.convert(model, v, x)
+  big = 10.0 * jax.random.normal(jax.random.key(3), (4, 16))
+  out = np.asarray(jax.jit(served.apply)(sp, big))
+  np.testing.assert_array_equal(out, np.asarray(_frozen(model)(v, big)))
+  assert np.abs(out - np.asarray(jax.jit(model.apply)(v, big))).max() > 1e-3
 
 
 @pytest.mark.parametrize("recipe", ["int4_lsq_plus", "int8_ste_asym"])
@@ -165,6 +192,24 @@ def test_served_int4_kernel_is_unpacked_to_int8_for_the_cpu_gemm():
   assert _dots(hlo) == [("s8", "s8", "s32")]
 
 
+def test_lsq_plus_serving_reads_the_column_sums_stored_at_conversion():
+  """The activation's offset needs the weight codes' column sums: summed once, not per call."""
+  model = fl.QDense(64, recipe=fl.int4_lsq_plus())
+  v, x = _trained(model, (4, 64))
+  served, sp = fl.convert(model, v, x)
+  p = sp["params"]
+  assert p["kernel_colsum"].dtype == jnp.int32 and p["kernel_colsum"].shape == (1, 64)
+  np.testing.assert_array_equal(p["kernel_colsum"],
+                                jnp.sum(p["kernel"].astype(jnp.int32), axis=0, keepdims=True))
+  kernel_sums = r"stablehlo.reduce\(.*\(tensor<64x64xi32>"  # a sum over the (64, 64) codes
+  assert not re.search(kernel_sums, jax.jit(served.apply).lower(sp, x).as_text())
+  assert re.search(kernel_sums, jax.jit(model.apply).lower(v, x).as_text())  # QAT's weight moves
+  # Symmetric activations (LSQ) need no sums: nothing extra is stored.
+  lsq = fl.QDense(64, recipe=fl.int8_lsq())
+  _, sp8 = fl.convert(lsq, *_trained(lsq, (4, 64)))
+  assert "kernel_colsum" not in sp8["params"]
+
+
 def dataclasses_replace_gemm(recipe, gemm):
   import dataclasses  # pylint: disable=import-outside-toplevel
   return dataclasses.replace(recipe, gemm=gemm)
@@ -203,8 +248,9 @@ def test_quantize_model_is_served_bit_for_bit(recipe):
     assert sp["params"][name]["kernel"].dtype != jnp.float32
   # The attention-like product has no weight: it quantizes both operands on the fly.
   assert "kernel" not in sp["params"]["einsum_0"]
-  np.testing.assert_array_equal(np.asarray(jax.jit(served.apply)(sp, x)),
-                                np.asarray(jax.jit(qm.apply)(v, x)))
+  for batch in (x, 10.0 * jax.random.normal(jax.random.key(4), x.shape)):
+    np.testing.assert_array_equal(np.asarray(jax.jit(served.apply)(sp, batch)),
+                                  np.asarray(_frozen(qm)(v, batch)))
 
 
 def test_an_mlp_is_served_bit_for_bit_and_other_collections_are_kept():
