@@ -36,6 +36,7 @@ Usage:
   python benchmarks/bench_targets.py                       # all widths, targets, arms (~40 min)
   python benchmarks/bench_targets.py --widths 1024 --targets h100 tpu-v6e
   python benchmarks/bench_targets.py --quick --out /tmp/t.json   # tiny block, smoke run
+  python benchmarks/bench_targets.py --tables benchmarks/results/estimate-targets.json
 """
 
 from __future__ import annotations
@@ -179,6 +180,44 @@ def measure(widths, arms, reps: int, quick: bool) -> dict:
   return result
 
 
+LABELS = {"fp8_delayed": "fp8 delayed", "fp8_current": "fp8 current", "fp8_rowwise": "fp8 row-wise",
+          "mx_block": "MX block", "int8_ste": "int8 STE", "int8_lsq": "int8 LSQ"}
+NAMES = {"h100": "H100", "b200": "B200", "tpu-v5e": "TPU v5e", "tpu-v6e": "TPU v6e",
+         "tpu7x": "TPU7x"}
+
+
+def ratio_cell(rows: dict) -> str:
+  """``'1.07 / 0.80 / 0.70'``: estimated ratio to bf16 per width (``-`` where it failed)."""
+  return " / ".join(f"{r['ratio_vs_bf16']:.2f}" if "ratio_vs_bf16" in r else "-" for r in rows)
+
+
+def tables(payload: dict) -> str:
+  """The markdown tables the README and docs/accelerators.md quote, from the JSON."""
+  results, out = payload["results"], []
+  targets = [t for t in TARGETS if t in results]
+  widths = sorted({int(w) for t in targets for w in results[t]})
+  out.append("| recipe | " + " | ".join(NAMES[t] for t in targets) + " |")
+  out.append("| --- |" + " ---: |" * len(targets))
+  for arm, label in LABELS.items():
+    cells = [ratio_cell([results[t].get(str(w), {}).get(arm, {}) for w in widths])
+             for t in targets]
+    out.append(f"| {label} | " + " | ".join(cells) + " |")
+  out.append("")
+  out.append("| target, d_model | bf16 ms | fp8 delayed ms | fp8: low-precision GEMMs' share "
+             "| fp8: non-GEMM bytes vs bf16 | int8 STE ms |")
+  out.append("| --- | ---: | ---: | ---: | ---: | ---: |")
+  for t in targets:
+    for w in widths:
+      r = results[t].get(str(w), {})
+      b, f, i = (r.get(a, {}) for a in ("bf16", "fp8_delayed", "int8_ste"))
+      if "estimate_ms" not in b or "estimate_ms" not in f:
+        continue
+      int8 = f"{i['estimate_ms']:.2f}" if "estimate_ms" in i else "-"
+      out.append(f"| {NAMES[t]}, {w} | {b['estimate_ms']:.2f} | {f['estimate_ms']:.2f} | "
+                 f"{f['low_precision_share']:.0%} | {f['other_bytes_vs_bf16']:.2f}x | {int8} |")
+  return "\n".join(out)
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--widths", nargs="+", type=int, default=list(WIDTHS))
@@ -188,7 +227,13 @@ def main(argv=None) -> dict:
   p.add_argument("--quick", action="store_true", help="a tiny block (smoke run)")
   p.add_argument("--out", default=os.path.join(HERE, "results", "estimate-targets.json"))
   p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+  p.add_argument("--tables", metavar="JSON",
+                 help="print the markdown tables of a results file and exit")
   args = p.parse_args(argv)
+  if args.tables:
+    with open(args.tables) as f:
+      print(tables(json.load(f)))
+    return {}
   if args.child:
     child(args.child[0], int(args.child[1]), args.child[2:], args.quick)
     return {}

@@ -1,4 +1,4 @@
-"""Every python snippet of the README must run as written.
+"""Every python snippet of the README and of the docs/ pages must run as written.
 
 Each ```python block runs on its own, in a fresh namespace, with the
 repository root as working directory (as a reader who copies it would run
@@ -19,6 +19,8 @@ import fp8_linen as fl
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = [README] + sorted((ROOT / "docs").glob("*.md"))
+
 
 def python_snippets(text: str) -> list[tuple[str, int, str]]:
   """``(section, index within the section, code)`` of every ```python block."""
@@ -32,37 +34,48 @@ def python_snippets(text: str) -> list[tuple[str, int, str]]:
   return snippets
 
 
-SNIPPETS = python_snippets(README.read_text())
+# (page, section, index within the section, code)
+SNIPPETS = [(p.name, *s) for p in PAGES for s in python_snippets(p.read_text())]
 
 
 @functools.lru_cache(maxsize=None)
-def _run(section: str, index: int) -> dict:
+def _run(section: str, index: int, page: str = "README.md") -> dict:
   """Runs one snippet (once per test session) and returns its namespace."""
-  (code,) = [c for s, i, c in SNIPPETS if (s, i) == (section, index)]
+  (code,) = [c for pg, s, i, c in SNIPPETS if (pg, s, i) == (page, section, index)]
   scope = {"__name__": "__readme__"}
   cwd = os.getcwd()
   os.chdir(ROOT)
   try:
-    exec(compile(code, f"{README}: {section} #{index}", "exec"), scope)  # noqa: S102
+    exec(compile(code, f"{page}: {section} #{index}", "exec"), scope)  # noqa: S102
   finally:
     os.chdir(cwd)
   return scope
 
 
 def test_snippets_are_found():
-  sections = {s for s, _, _ in SNIPPETS}
+  found = {(p, s) for p, s, _, _ in SNIPPETS}
   assert len(SNIPPETS) >= 7
-  assert {"Quick start", "Integer QAT", "Quantizing a model you did not write"} <= sections
+  assert {("README.md", "Quick start"), ("recipes.md", "Integer QAT"),
+          ("quantize_model.md", "Quantizing a model you did not write")} <= found
 
 
-@pytest.mark.parametrize(
-    "section,index", [pytest.param(s[0], s[1], id=f"{s[0]}#{s[1]}") for s in SNIPPETS])
-def test_snippet_runs_as_written(section, index):
-  _run(section, index)
+@pytest.mark.parametrize("page,section,index", [
+    pytest.param(p, s, i, id=f"{p}:{s}#{i}") for p, s, i, _ in SNIPPETS])
+def test_snippet_runs_as_written(page, section, index):
+  _run(section, index, page)
+
+
+def test_readme_is_a_front_page():
+  # What it is, the two commands, quick starts, recipes, accelerators and links: the rest
+  # lives in docs/ pages, each linked from it.
+  text = README.read_text()
+  assert len(text.splitlines()) <= 260
+  for page in PAGES[1:]:
+    assert f"docs/{page.name}" in text, page.name
 
 
 def test_quick_start_runs_and_updates_fp8_state():
-  (code,) = [c for s, _, c in SNIPPETS if s == "Quick start"]
+  (code,) = [c for p, s, _, c in SNIPPETS if (p, s) == ("README.md", "Quick start")]
   assert len([l for l in code.splitlines() if l.strip()]) <= 15  # "a 15-line quick start"
   state = _run("Quick start", 1)["state"]
   assert int(state.step) == 1
@@ -72,13 +85,13 @@ def test_quick_start_runs_and_updates_fp8_state():
 
 
 def test_integer_qat_snippet_adds_lsq_params():
-  params = _run("Integer QAT", 1)["variables"]["params"]
+  params = _run("Integer QAT", 1, "recipes.md")["variables"]["params"]
   assert set(params) == {"kernel", "bias", "input_step", "kernel_step"}
   assert params["kernel_step"].shape == (1, 256)  # per output channel
 
 
 def test_quantize_model_snippet_follows_its_rules():
-  scope = _run("Quantizing a model you did not write", 1)
+  scope = _run("Quantizing a model you did not write", 1, "quantize_model.md")
   owg = scope["variables"][fl.OWG]
   assert "logits" not in owg                      # rule 1: not quantized
   assert set(owg["attn_0"]) == {"query", "key", "value", "out"}  # rule 2: no einsum_*
@@ -97,14 +110,14 @@ def test_readme_names_the_two_commands():
 
 
 def test_served_model_snippet_stores_int8_and_matches_qat():
-  ns = _run("From QAT to a served model", 1)
+  ns = _run("From QAT to a served model", 1, "serving.md")
   assert ns["served_params"]["params"]["layers_0"]["kernel"].dtype == jnp.int8
   assert fl.OWG not in ns["served_params"]
   assert (ns["y"] == jax.jit(ns["model"].apply)(ns["variables"], ns["x"])).all()
 
 
 def test_nnx_served_model_snippet_holds_codes_and_matches_frozen_qat():
-  ns = _run("NNX", 3)
+  ns = _run("NNX", 3, "nnx.md")
   served, model, x = ns["served"], ns["model"], ns["x"]
   assert served.layers[2].kernel[...].dtype == jnp.int8
   assert not jax.tree.leaves(nnx.state(served, fl.nnx.QuantState))

@@ -1,11 +1,11 @@
-"""The README's NNX snippet runs as written and trains the state."""
+"""The NNX page's first snippet runs as written and trains the state."""
 
 import pathlib
 import re
 
 import numpy as np
 
-DOC = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "nnx.md"
 
 
 def test_nnx_doc_snippet_runs():

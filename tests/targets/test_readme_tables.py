@@ -1,0 +1,80 @@
+"""The accelerator tables of the README and docs/accelerators.md are what the programs show.
+
+The "what it multiplies" table is compared cell by cell with the compiled
+programs (``targets.markdown_cell``: it also fails a cell whose case does not
+hold on that target). The estimate tables are compared with
+``benchmarks/results/estimate-targets.json``, the file the benchmark wrote.
+"""
+
+import json
+import pathlib
+import re
+import sys
+
+import pytest
+
+from fp8_linen.testing import targets
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", ROOT / "docs" / "accelerators.md"]
+CASES = {c.name: c for c in targets.cases()}
+BY_DESCRIPTION = {t.description: t.name for t in targets.TARGETS.values()}
+
+
+def _table_after(text: str, marker: str) -> list[list[str]]:
+  """The rows (cells stripped) of the first markdown table after ``marker``."""
+  rest = text[text.index(marker):]
+  lines = [l for l in rest.splitlines()[1:] if l.strip()]
+  rows = []
+  for line in lines:
+    if not line.startswith("|"):
+      if rows:
+        break
+      continue
+    rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+  return rows
+
+
+def _accelerator_cells():
+  out = []
+  for page in PAGES:
+    rows = _table_after(page.read_text(), "<!-- accelerators table")
+    header, body = rows[0], rows[2:]
+    for row in body:
+      case = re.match(r"`([^`]+)`", row[0]).group(1)
+      for description, cell in zip(header[1:], row[1:]):
+        out.append((page.name, case, BY_DESCRIPTION[description], cell))
+  return out
+
+
+CELLS = _accelerator_cells()
+
+
+def test_tables_cover_every_one_device_target():
+  assert {t for _, _, t, _ in CELLS} == set(targets.SINGLE_DEVICE)
+  assert {c for p, c, _, _ in CELLS if p == "accelerators.md"} == set(CASES)
+
+
+@pytest.mark.parametrize("page,case,target,cell", CELLS,
+                         ids=[f"{p}-{c}-{t}" for p, c, t, _ in CELLS])
+def test_cell_is_what_the_compiled_program_multiplies(require_target, page, case, target, cell):
+  del page
+  require_target(target)
+  assert cell == targets.markdown_cell(CASES[case], target)
+
+
+def test_estimate_tables_are_the_benchmark_output():
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import bench_targets  # pylint: disable=import-outside-toplevel
+  payload = json.loads((ROOT / "benchmarks/results/estimate-targets.json").read_text())
+  want = bench_targets.tables(payload).split("\n\n")
+  ratios = _table_after(ROOT.joinpath("README.md").read_text(), "<!-- estimate table")
+  assert ratios == _rows(want[0])
+  doc = ROOT.joinpath("docs/accelerators.md").read_text()
+  assert _table_after(doc, "<!-- estimate table") == _rows(want[0])
+  assert _table_after(doc, "<!-- estimate detail") == _rows(want[1])
+  assert payload["device"] == "estimate (compile only)"
+
+
+def _rows(table: str) -> list[list[str]]:
+  return [[c.strip() for c in l.strip().strip("|").split("|")] for l in table.splitlines()]
