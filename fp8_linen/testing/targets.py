@@ -139,69 +139,50 @@ __all__ = [
     "main",
 ]
 
-# Our description of an H100 80GB HBM3 SXM5 (the device info of XLA's
-# xla/tools/hlo_opt/gpu_specs/h100_sxm.txtpb), with the cuDNN and CUDA runtime
-# versions this plugin generation needs (jax-cuda12-plugin 0.10 requires
-# cuDNN >= 9.8). XLA's rewriters read the compute capability (fp8 GEMMs need
-# >= 8.9; cuDNN fp8 convolutions >= 9.0) and the cuDNN/runtime versions.
-H100_SXM_TARGET_CONFIG = """\
-gpu_device_info {
+_GPU_CONFIG = """\
+gpu_device_info {{
   threads_per_block_limit: 1024
   threads_per_warp: 32
   shared_memory_per_block: 49152
   shared_memory_per_core: 233472
   threads_per_core_limit: 2048
-  core_count: 132
+  core_count: {cores}
   fpus_per_core: 128
   block_dim_limit_x: 2147483647
   block_dim_limit_y: 65535
   block_dim_limit_z: 65535
-  memory_bandwidth: 3352320000000
-  l2_cache_size: 52428800
-  clock_rate_ghz: 1.98
-  device_memory_size: 84978434048
+  memory_bandwidth: {bandwidth}
+  l2_cache_size: {l2}
+  clock_rate_ghz: {clock}
+  device_memory_size: {memory}
   shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 minor: 0 }
+  cuda_compute_capability {{ major: {cc_major} minor: {cc_minor} }}
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
-}
+}}
 platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 8 patch: 0 }
-runtime_version { major: 12 minor: 8 patch: 0 }
-device_description_str: "NVIDIA H100 80GB HBM3"
+dnn_version_info {{ major: 9 minor: {cudnn_minor} patch: 0 }}
+runtime_version {{ major: 12 minor: 8 patch: 0 }}
+device_description_str: "{name}"
 """
+
+# Our description of an H100 80GB HBM3 SXM5 (the device info of XLA's
+# xla/tools/hlo_opt/gpu_specs/h100_sxm.txtpb), with the cuDNN and CUDA runtime
+# versions this plugin generation needs (jax-cuda12-plugin 0.10 requires
+# cuDNN >= 9.8). XLA's rewriters read the compute capability (fp8 GEMMs need
+# >= 8.9; cuDNN fp8 convolutions >= 9.0) and the cuDNN/runtime versions.
+H100_SXM_TARGET_CONFIG = _GPU_CONFIG.format(
+    cores=132, bandwidth=3352320000000, l2=52428800, clock=1.98, memory=84978434048,
+    cc_major=9, cc_minor=0, cudnn_minor=8, name="NVIDIA H100 80GB HBM3")
 
 # An NVIDIA B200 (Blackwell, compute capability 10.0): 148 SMs, 228 KiB of
 # shared memory per SM, 126.5 MiB of L2, about 180 GiB of HBM3e at 8 TB/s. XLA
 # hands block-scaled dots (MXFP8 / NVFP4) to cuDNN on Blackwell only with
 # cuDNN >= 9.10 (with 9.8 or 9.9 it dequantizes them to a bf16 GEMM); a
 # `jax[cuda12]` install brings a newer one.
-B200_TARGET_CONFIG = """\
-gpu_device_info {
-  threads_per_block_limit: 1024
-  threads_per_warp: 32
-  shared_memory_per_block: 49152
-  shared_memory_per_core: 233472
-  threads_per_core_limit: 2048
-  core_count: 148
-  fpus_per_core: 128
-  block_dim_limit_x: 2147483647
-  block_dim_limit_y: 65535
-  block_dim_limit_z: 65535
-  memory_bandwidth: 8000000000000
-  l2_cache_size: 132644864
-  clock_rate_ghz: 1.965
-  device_memory_size: 191502393344
-  shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 10 minor: 0 }
-  registers_per_core_limit: 65536
-  registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 10 patch: 0 }
-runtime_version { major: 12 minor: 8 patch: 0 }
-device_description_str: "NVIDIA B200"
-"""
+B200_TARGET_CONFIG = _GPU_CONFIG.format(
+    cores=148, bandwidth=8000000000000, l2=132644864, clock=1.965, memory=191502393344,
+    cc_major=10, cc_minor=0, cudnn_minor=10, name="NVIDIA B200")
 
 GPU_COMPILER_OPTIONS: Mapping[str, Any] = {"xla_gpu_enable_triton_gemm": False}
 """Send dots to the cuBLAS(Lt) rewriter (no autotuning is possible without a device)."""
