@@ -42,7 +42,9 @@ from fp8_linen.model_quantization import (
     quantize_model,
 )
 from fp8_linen.product_report import Product, ProductReport, product_report
+from fp8_linen.recipes.rules import high_precision_layers
 from fp8_linen.recipes import (
+    FP4_DTYPES,
     FP8_DTYPES,
     ActivationRecipe,
     Fp8Recipe,
@@ -56,6 +58,7 @@ from fp8_linen.recipes import (
     int8_lsq,
     load_recipe,
     mx_block_scaling,
+    nvfp4,
     recipe_from_dict,
     recipe_names,
     recipe_to_dict,
@@ -84,6 +87,7 @@ __all__ = [
     "weight_bytes",
     # recipes
     "FP8_DTYPES",
+    "FP4_DTYPES",
     "ScalingConfig",
     "Fp8Recipe",
     "ActivationRecipe",
@@ -91,6 +95,7 @@ __all__ = [
     "current_scaling",
     "rowwise_scaling",
     "mx_block_scaling",
+    "nvfp4",
     "IntQuantConfig",
     "IntRecipe",
     "int8_lsq",
@@ -136,6 +141,7 @@ __all__ = [
     "quantization",
     "quantize_model",
     "projection_rules",
+    "high_precision_layers",
     "Product",
     "ProductReport",
     "product_report",
