@@ -1,4 +1,4 @@
-"""The direct fp8 ``dot_general``: per-tensor, row-wise and MX block scaling.
+"""The direct fp8 ``dot_general``: per-tensor, row-wise and block (MXFP8, NVFP4) scaling.
 
 :func:`fp8_dot_general` feeds fp8 operands straight into ``lax.dot_general`` and
 applies the scales to the output (the form flax and TransformerEngine moved
@@ -370,16 +370,19 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
     axes); each GEMM's output is multiplied by its gradient scales. The
     gradient is therefore cast to e5m2 twice; only fp8 operands and the scale
     vectors are kept as residuals.
-  * ``'block'``: MX emulation. ``lhs`` and ``rhs`` are quantized in blocks of
-    ``recipe.block_size`` along their last contracting axis with e8m0 scales
-    (:func:`~fp8_linen.numerics.mx_quantize`), dequantized exactly to bfloat16
-    (``gemm='f32'``: float32) and multiplied there. The output gradient is
-    quantized per tensor (its ``ScalingConfig``, delayed or current) and both
-    gradient GEMMs use the same emulation. Residuals: fp8 elements and e8m0
+  * ``'block'`` (MXFP8, NVFP4; see :class:`BlockDot`): every GEMM takes its
+    two operands in blocks of ``recipe.block_size`` along the axis it
+    contracts (forward: ``lhs`` and ``rhs`` along K; dgrad: the gradient and
+    ``rhs`` along N; wgrad: the gradient and ``lhs`` along M), with e8m0 block
+    scales (MX) or e4m3 block scales and a per-tensor scale (NVFP4). On a GPU
+    with block-scaled GEMMs they run as such (``jax.nn.scaled_matmul``);
+    elsewhere the blocks are dequantized exactly to bfloat16 (``gemm='f32'``:
+    float32) and multiplied there. Residuals: the backward's codes and their
     scales.
 
-  In both modes the OWG state records the per-tensor amax of each role
-  (monitoring); the stored scale is the per-tensor scale of that amax.
+  In all modes the OWG state records the per-tensor amax of each role; the
+  stored scale is the per-tensor scale of that amax (used by NVFP4, for
+  monitoring only by the row and MX scales).
 
   Args:
     lhs: floating array (the activation).
