@@ -1,4 +1,4 @@
-"""Quality of the block-scaled recipes: final validation loss of the job's LM, bf16 vs fp8 vs MXFP8 vs NVFP4.
+"""Quality of the block-scaled recipes: the job's LM, bf16 vs fp8 vs MXFP8 vs NVFP4.
 
 The main job's byte-level language model (``fp8_linen_job.models.TransformerLM``
 at the job's default size: d_model 128, 2 blocks, 4 heads, sequences of 64

@@ -382,7 +382,8 @@ def test_remat_keeps_the_fp4_codes_exact():
 
 
 def test_block_recipe_validation_names_the_field_and_allowed_values():
-  with pytest.raises(ValueError, match=r"kernel_2d_blocks=True needs granularity='block'.*\[False\]"):
+  with pytest.raises(ValueError,
+                     match=r"kernel_2d_blocks=True needs granularity='block'.*\[False\]"):
     fl.Fp8Recipe(kernel_2d_blocks=True)
   with pytest.raises(ValueError, match=r"wgrad_hadamard=12 must be 0 \(off\) or a power of two"):
     dataclasses.replace(fl.nvfp4(), wgrad_hadamard=12)
