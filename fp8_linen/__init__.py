@@ -49,7 +49,9 @@ from fp8_linen.model_quantization import (
     quantize_model,
 )
 from fp8_linen.product_report import Product, ProductReport, product_report
+from fp8_linen.recipes.rules import high_precision_layers
 from fp8_linen.recipes import (
+    FP4_DTYPES,
     FP8_DTYPES,
     ActivationRecipe,
     Fp8Recipe,
@@ -63,6 +65,7 @@ from fp8_linen.recipes import (
     int8_lsq,
     load_recipe,
     mx_block_scaling,
+    nvfp4,
     recipe_from_dict,
     recipe_names,
     recipe_to_dict,
@@ -91,6 +94,7 @@ __all__ = [
     "weight_bytes",
     # recipes
     "FP8_DTYPES",
+    "FP4_DTYPES",
     "ScalingConfig",
     "Fp8Recipe",
     "ActivationRecipe",
@@ -98,6 +102,7 @@ __all__ = [
     "current_scaling",
     "rowwise_scaling",
     "mx_block_scaling",
+    "nvfp4",
     "IntQuantConfig",
     "IntRecipe",
     "int8_lsq",
@@ -144,6 +149,7 @@ __all__ = [
     "quantization",
     "quantize_model",
     "projection_rules",
+    "high_precision_layers",
     "Product",
     "ProductReport",
     "product_report",

@@ -220,3 +220,20 @@ def test_bench_serving_quick(tmp_path):
   # (int4 LSQ+ also keeps an int32 column sum of its codes per output channel).
   for name, bound in (("int8", 0.3), ("fp8", 0.3), ("int4", 0.18)):
     assert rows[name]["weight_bytes"] < bound * rows["f32"]["weight_bytes"], name
+
+
+def test_bench_block_quality_quick(tmp_path):
+  bq = _load("bench_block_quality")
+  out = tmp_path / "cpu-block-quality.json"
+  bq.main(["--quick", "--arms", "bf16", "mxfp8", "nvfp4", "--seeds", "0", "1", "--lengths",
+           "1", "--eval-batches", "2", "--val-points", "1", "--out", str(out)])
+  saved = json.loads(out.read_text())
+  assert saved["seeds"] == [0, 1] and saved["lengths_steps"] == [10]
+  rows = saved["summary"]["10_steps"]
+  assert set(rows) == {"bf16", "mxfp8", "nvfp4"}
+  assert rows["nvfp4"]["target_excess"] == 0.015 and "meets_target" in rows["mxfp8"]
+  assert len(rows["nvfp4"]["ratio_vs_bf16_per_seed"]) == 2
+  assert len(saved["runs"]) == 6 and all(r["finite"] for r in saved["runs"])
+  # The NVFP4 arm keeps the last block's MLP in bf16 by rule.
+  nv = [r for r in saved["runs"] if r["arm"] == "nvfp4"][0]
+  assert "block1/mlp" in nv["rules"] and "float4_e2m1fn" in nv["recipe"]

@@ -4,10 +4,11 @@
 carries its sharding, and a product whose contraction is sharded (the weight
 gradient of data parallelism, a row-parallel layer) must say how to shard its
 output. The models below chain every product kind (dense, einsum, row-wise,
-MX, integer STE and LSQ, fp8 activation; convolutions with both lowerings and
+MX, NVFP4, integer STE and LSQ, fp8 activation; convolutions with both lowerings and
 integer) so one compile per mesh checks them all.
 """
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -31,6 +32,8 @@ class DenseChain(nn.Module):
     x = fl.QDense(32, recipe=fl.Fp8Recipe(gemm="fp8"), name="tensor_fp8_gemm")(x)
     x = fl.QDense(32, recipe=fl.rowwise_scaling(), name="row")(x)
     x = fl.QDense(32, recipe=fl.mx_block_scaling(block_size=8), name="mx")(x)
+    x = fl.QDense(32, recipe=dataclasses.replace(fl.nvfp4(), block_size=8, wgrad_hadamard=8),
+                  name="nvfp4")(x)
     x = fl.QDense(32, recipe=fl.IntRecipe(), name="int_ste")(x)
     x = fl.QDense(32, recipe=fl.int8_lsq(), name="int_lsq")(x)
     x = nn.Dense(32, dot_general_cls=fl.Fp8DotGeneral, name="injected")(x)

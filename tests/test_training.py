@@ -239,8 +239,8 @@ def test_shard_map_with_vma_checks_reduces_state_by_max():
       np.linalg.norm(a - b), 2e-2 * np.linalg.norm(b)), g["params"], summed["params"])
 
 
-@pytest.mark.parametrize("recipe", [fl.rowwise_scaling(), fl.mx_block_scaling()],
-                         ids=["rowwise", "mx_block"])
+@pytest.mark.parametrize("recipe", [fl.rowwise_scaling(), fl.mx_block_scaling(), fl.nvfp4()],
+                         ids=["rowwise", "mx_block", "nvfp4"])
 def test_shard_map_vma_for_finer_granularity(recipe):
   # Every fp8 op reduces its state by max (and its gradients by sum) under shard_map.
   m = fl.QDense(4, recipe=recipe)
@@ -252,7 +252,10 @@ def test_shard_map_vma_for_finer_granularity(recipe):
   g = jax.jit(f)(v, x)
   assert float(g[fl.OWG]["input_amax_history"][0]) == 30.0
   full = jax.grad(lambda v: jnp.sum(m.apply(v, x) ** 2))(v)
-  np.testing.assert_allclose(g["params"]["kernel"], full["params"]["kernel"], rtol=2e-2, atol=1e-3)
+  # Each device blocks its own rows for wgrad; e2m1 codes (NVFP4) round far
+  # more coarsely than fp8 when the blocks differ.
+  rtol = 0.15 if recipe.is_nvfp4 else 2e-2
+  np.testing.assert_allclose(g["params"]["kernel"], full["params"]["kernel"], rtol=rtol, atol=1e-3)
 
 
 # ---------------------------------------------------------------------------

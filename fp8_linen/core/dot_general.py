@@ -1,4 +1,4 @@
-"""The direct fp8 ``dot_general``: per-tensor, row-wise and MX block scaling.
+"""The direct fp8 ``dot_general``: per-tensor, row-wise and block (MXFP8, NVFP4) scaling.
 
 :func:`fp8_dot_general` feeds fp8 operands straight into ``lax.dot_general`` and
 applies the scales to the output (the form flax and TransformerEngine moved
@@ -19,7 +19,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
+
+import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from fp8_linen.core import dims, lowering, numerics, owg
 from fp8_linen.core.product import ProductSpec, product
@@ -162,32 +167,87 @@ class RowDot(_DotSpec):
     return d_lhs, d_rhs, numerics.amax(g)
 
 
+def _view(x, first, second, third):
+  """``x`` as (B, P, Q): the axes of each group transposed together and flattened."""
+  perm = (*first, *second, *third)
+  if perm != tuple(range(x.ndim)):
+    x = jnp.transpose(x, perm)
+  size = lambda group: math.prod(x.shape[perm.index(a)] for a in group)
+  return x.reshape(size(first), size(second), size(third))
+
+
+def _unview(t, shape, first, second, third):
+  """Inverse of :func:`_view`: ``t`` (B, P, Q) back into an array of ``shape``."""
+  perm = (*first, *second, *third)
+  t = t.reshape(tuple(shape[a] for a in perm))
+  return t if perm == tuple(range(len(shape))) else jnp.transpose(t, np.argsort(perm))
+
+
+def _pad(t, axis: int, multiple: int):
+  """``t`` zero-padded along ``axis`` to a multiple of ``multiple``."""
+  pad = (-t.shape[axis]) % multiple
+  if not pad:
+    return t
+  widths = [(0, 0)] * t.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(t, widths)
+
+
+def _crop(t, axis: int, n: int):
+  return numerics.lax_slice_axis(t, axis % t.ndim, n)
+
+
 def _block_up(gemm: str):
   """The dtype MX blocks are dequantized to for the GEMM (exact for fp8 * 2**e)."""
   return jnp.float32 if gemm == "f32" else jnp.bfloat16
 
 
 def block_quantize(x, contract, cfg, recipe):
-  """``(q, e)``: MX blocks of ``recipe.block_size`` along the last contracting axis."""
+  """``(q, e)``: MX blocks of ``recipe.block_size`` along the last contracting axis.
+
+  The served form of an MXFP8 layer (its forward GEMM contracts that axis).
+  """
   return numerics.mx_quantize(x, contract[-1], recipe.block_size, cfg.jnp_dtype)
 
 
 class BlockDot(_DotSpec):
-  """MX emulation: e8m0 scales per block of the last contracting axis."""
+  """Block scaling (MXFP8, NVFP4) of all three GEMMs, each along the axis it contracts.
+
+  Every product runs on 3-D views: ``lhs`` as (B, M, K), ``rhs`` as (B, N, K)
+  and the output gradient as (B, M, N) (batch, free and contracting axes each
+  flattened, in ``dot_general``'s order). A block-scaled GEMM multiplies
+  operands blocked along the axis it contracts, so each tensor is quantized
+  once per GEMM it feeds, from its own values (never requantized): the
+  forward takes ``lhs`` and ``rhs`` blocked along K, dgrad the gradient and
+  ``rhs`` along N, wgrad the gradient and ``lhs`` along M. The weight's
+  ``kernel_2d_blocks`` tiles serve both of its GEMMs with one set of codes;
+  ``wgrad_hadamard`` rotates both wgrad operands along M first;
+  ``grad_stochastic_rounding`` rounds both gradient copies stochastically.
+
+  ``gemm='block'`` hands the codes and scales to the block-scaled GEMM
+  (:func:`~fp8_linen.core.lowering.block_scaled_matmul`). The emulation
+  (``'bf16'``/``'f32'``) dequantizes the same codes exactly and runs the
+  layer's own ``dot_general`` on them, the product today's MX forward and its
+  served form run. Both apply NVFP4's per-tensor factors to the GEMM output.
+
+  Residuals: the codes the backward reads (``lhs`` blocked along M, ``rhs``
+  along N), in the operands' layouts, and their scales. Cropping a padded
+  block off and zero-padding it again changes nothing: zeros quantize to
+  zero codes, and the Hadamard transform leaves a trailing partial group
+  alone.
+  """
+
+  def _axes(self, lhs_ndim, rhs_ndim):
+    (lc, rc), (lb, rb) = self.dn
+    return (lb, tuple(dims.free_dims(lhs_ndim, lc, lb)), lc,
+            rb, tuple(dims.free_dims(rhs_ndim, rc, rb)), rc)
 
   def _up(self):
     return _block_up(self.gemm)
 
-  def quantize(self, lhs, rhs, states):
-    del states
-    in_cfg, k_cfg, _ = self.cfgs
-    (lc, rc), _ = self.dn
-    q_l, e_l = block_quantize(lhs, lc, in_cfg, self.recipe)
-    q_r, e_r = block_quantize(rhs, rc, k_cfg, self.recipe)
-    return q_l, e_l, q_r, e_r, (numerics.amax(lhs), numerics.amax(rhs))
-
   @staticmethod
   def multiply(q_l, s_l, q_r, s_r, *, dn, recipe, gemm, out_dtype):
+    """The served MXFP8 forward: blocks along the last contracting axis, dequantized exactly."""
     (lc, rc), _ = dn
     bs, up = recipe.block_size, _block_up(gemm)
     y = lowering.lax_dot_general(numerics.mx_dequantize(q_l, s_l, lc[-1], bs, up),
@@ -196,22 +256,145 @@ class BlockDot(_DotSpec):
                                  out_sharding=lowering.dot_out_sharding(q_l, q_r, dn))
     return y.astype(out_dtype)
 
+  def _tensor_scale(self, cfg, state, a):
+    """NVFP4's per-tensor factor of a role (its ScalingConfig: delayed or current); MX: 1."""
+    if not self.recipe.is_nvfp4:
+      return jnp.ones((), jnp.float32)
+    return numerics.nvfp4_tensor_scale(
+        numerics.select_scale(cfg, state.scale, state.amax_history, a))
+
+  def _current_scale(self, cfg, t):
+    """The per-tensor factor of a rotated copy: always its own amax (no history of it)."""
+    if not self.recipe.is_nvfp4:
+      return jnp.ones((), jnp.float32)
+    a = lowering.global_max(numerics.amax(t))
+    return numerics.nvfp4_tensor_scale(numerics.scale_from_amax(a, jnp.ones((), jnp.float32),
+                                                                cfg))
+
+  def _quant(self, t, cfg, g, *, tile=False, seed=None, salt=0):
+    """``(q, scales)`` of ``t`` (B, P, Q) blocked along Q (padded to whole blocks).
+
+    ``seed`` (the gradient's copies): stochastic rounding with noise from
+    ``seed`` and ``salt``, when the recipe asks for it.
+    """
+    bs = self.recipe.block_size
+    t = _pad(t, 2, bs)
+    if tile:
+      t = _pad(t, 1, bs)
+    noise = (numerics.uniform_noise(t.shape, seed, salt)
+             if seed is not None and self.recipe.grad_stochastic_rounding else None)
+    return numerics.block_quantize(t, bs, cfg.jnp_dtype,
+                                   tensor_scale=g if self.recipe.is_nvfp4 else None,
+                                   tile=tile, noise=noise)
+
+  def _rotate(self, t):
+    h = self.recipe.wgrad_hadamard
+    return numerics.random_hadamard(t, h) if h else t
+
+  def _block_gemm(self, a, sa, b, sb, scale, out_dtype):
+    """(B, P, Q) x (B, R, Q) -> (B, P, R): the block-scaled GEMM, then NVFP4's tensor factors."""
+    nv = self.recipe.is_nvfp4
+    y = lowering.block_scaled_matmul(a, b, sa, sb, jnp.float32 if nv else out_dtype)
+    return lowering.scaled(y, scale, out_dtype) if nv else y.astype(out_dtype)
+
+  def _dequant(self, q, s, n, shape, groups):
+    """Exact dequantization of codes (B, P, Qp) cropped to Q = ``n``, in the layout ``shape``."""
+    d = numerics.block_dequantize(q, s, self.recipe.block_size, self._up())
+    return _unview(_crop(d, 2, n), shape, *groups)
+
+  def forward(self, lhs, rhs, states):
+    if lowering.explicit_spec(lhs) is None and lowering.explicit_spec(rhs) is None:
+      return self._forward(lhs, rhs, states)
+    # The 3-D views merge and split sharded axes, which an explicit mesh
+    # makes the user spell out; XLA's partitioner places them instead (auto
+    # axes), and the results get the shardings JAX would give them.
+    spec = lambda a: lowering.explicit_spec(a)[1] if lowering.explicit_spec(a) else P()
+    out = lowering.dot_out_sharding(lhs, rhs, self.dn)
+    shardings = (P(*out.spec) if out is not None else P(), (P(*spec(lhs)), P(*spec(rhs))),
+                 (P(), P()), (P(), P(), P(), P()))
+    return jax.sharding.auto_axes(self._forward, out_sharding=shardings)(lhs, rhs, states)
+
+  def _forward(self, lhs, rhs, states):
+    in_cfg, k_cfg, _ = self.cfgs
+    lb, lf, lc, rb, rf, rc = self._axes(lhs.ndim, rhs.ndim)
+    x3, w3 = _view(lhs, lb, lf, lc), _view(rhs, rb, rf, rc)   # (B, M, K), (B, N, K)
+    (_, m, k), n = x3.shape, w3.shape[1]
+    a_x = lowering.global_max(numerics.amax(lhs))
+    a_w = lowering.global_max(numerics.amax(rhs))
+    g_x, g_w = self._tensor_scale(in_cfg, states[0], a_x), self._tensor_scale(k_cfg, states[1], a_w)
+    q_x, s_x = self._quant(x3, in_cfg, g_x)                          # along K
+    if self.recipe.kernel_2d_blocks:
+      # One set of tile codes: rows of it for the forward (along K), columns
+      # for dgrad (along N); a tile's scale is repeated on each of its rows.
+      bs = self.recipe.block_size
+      q_t, s_t = self._quant(w3, k_cfg, g_w, tile=True)              # (B, Np, Kp)
+      q_w, s_w = _crop(q_t, 1, n), _crop(s_t, 1, n)
+      q_wc = _crop(jnp.swapaxes(q_t, 1, 2), 1, k)                   # (B, K, Np)
+      s_wc = _crop(jnp.repeat(jnp.swapaxes(s_t[:, ::bs, :], 1, 2), bs, axis=1), 1, k)
+    else:
+      q_w, s_w = self._quant(w3, k_cfg, g_w)                         # along K
+      q_wc, s_wc = self._quant(jnp.swapaxes(w3, 1, 2), k_cfg, g_w)   # along N, for dgrad
+    # lhs along M, for wgrad (rotated first: its factor is the rotated copy's own).
+    xc = self._rotate(jnp.swapaxes(x3, 1, 2))                        # (B, K, M)
+    g_xc = self._current_scale(in_cfg, xc) if self.recipe.wgrad_hadamard else g_x
+    q_xc, s_xc = self._quant(xc, in_cfg, g_xc)
+    if self.gemm == "block":
+      y = self._block_gemm(q_x, s_x, q_w, s_w, g_x * g_w, self.out_dtype)
+      y = y.reshape(tuple(lhs.shape[a] for a in lb + lf) + tuple(rhs.shape[a] for a in rf))
+    else:
+      xd = self._dequant(q_x, s_x, k, lhs.shape, (lb, lf, lc))
+      wd = self._dequant(q_w, s_w, k, rhs.shape, (rb, rf, rc))
+      y = lowering.lax_dot_general(xd, wd, self.dn, preferred_element_type=jnp.float32,
+                                   out_sharding=lowering.dot_out_sharding(xd, wd, self.dn))
+      y = lowering.scaled(y, g_x * g_w, self.out_dtype)
+    res_l = _unview(_crop(q_xc, 2, m), lhs.shape, lb, lc, lf)
+    res_r = _unview(_crop(q_wc, 2, n), rhs.shape, rb, rc, rf)
+    extras = (owg.name_fp8_residual(s_xc), owg.name_fp8_residual(s_wc), g_xc, g_w)
+    return y, (res_l, res_r), (a_x, a_w), extras
+
   def backward(self, q_l, q_r, extras, states, g):
-    e_l, e_r = extras
-    (lc, rc), _ = self.dn
-    l_axis, r_axis = lc[-1], rc[-1]
-    bs, up = self.recipe.block_size, self._up()
-    q_g, s_g, a_g = numerics.quantize_with(self.cfgs[2], *states[2], g)
+    if lowering.explicit_spec(q_l) is None and lowering.explicit_spec(q_r) is None:
+      return self._backward(q_l, q_r, extras, states, g)
+    spec = lambda a: lowering.explicit_spec(a)[1] if lowering.explicit_spec(a) else P()
+    return jax.sharding.auto_axes(
+        self._backward, out_sharding=(P(*spec(q_l)), P(*spec(q_r)), P()))(
+            q_l, q_r, extras, states, g)
+
+  def _backward(self, q_l, q_r, extras, states, g):
+    s_xc, s_wc, g_xc, g_w = extras
+    g_cfg = self.cfgs[2]
+    bs = self.recipe.block_size
+    lb, lf, lc, rb, rf, rc = self._axes(q_l.ndim, q_r.ndim)
+    xc = _pad(_view(q_l, lb, lc, lf), 2, bs)                         # (B, K, Mp)
+    wc = _pad(_view(q_r, rb, rc, rf), 2, bs)                         # (B, K, Np)
+    b = xc.shape[0]
+    m, n = math.prod(q_l.shape[a] for a in lf), math.prod(q_r.shape[a] for a in rf)
+    g3 = g.reshape(b, m, n)
+    a_g = lowering.global_max(numerics.amax(g))
+    g_g = self._tensor_scale(g_cfg, states[2], a_g)
+    # Stochastic rounding draws its bits from the gradient role's state (this
+    # layer's amax history: it changes every step and is the same on every
+    # device of a mesh, unlike the gradient's own last bits).
+    seed = numerics.bits_seed(states[2].scale, states[2].amax_history)
+    q_g1, s_g1 = self._quant(g3, g_cfg, g_g, seed=seed, salt=1)     # along N, for dgrad
+    gt = self._rotate(jnp.swapaxes(g3, 1, 2))                        # (B, N, M)
+    g_gt = self._current_scale(g_cfg, gt) if self.recipe.wgrad_hadamard else g_g
+    q_g2, s_g2 = self._quant(gt, g_cfg, g_gt, seed=seed, salt=2)    # along M, for wgrad
+    if self.gemm == "block":
+      d_l = self._block_gemm(q_g1, s_g1, wc, s_wc, g_g * g_w, self.lhs_dtype)   # (B, M, K)
+      d_r = self._block_gemm(q_g2, s_g2, xc, s_xc, g_gt * g_xc, self.rhs_dtype)  # (B, N, K)
+      return (_unview(d_l, q_l.shape, lb, lf, lc), _unview(d_r, q_r.shape, rb, rf, rc), a_g)
     one = jnp.ones((), jnp.float32)
-    gg = q_g.astype(up)
     nd = (q_l.ndim, q_r.ndim)
-    # "fp8" = feed the (already dequantized, bf16/f32) operands to the GEMM as is.
-    d_lhs = grad_gemm(gg, numerics.mx_dequantize(q_r, e_r, r_axis, bs, up), self.dn, *nd,
-                      "lhs", "fp8", jnp.float32, one, like=q_l)
-    d_rhs = grad_gemm(gg, numerics.mx_dequantize(q_l, e_l, l_axis, bs, up), self.dn, *nd,
-                      "rhs", "fp8", jnp.float32, one, like=q_r)
-    return (lowering.scaled(d_lhs, s_g, self.lhs_dtype),
-            lowering.scaled(d_rhs, s_g, self.rhs_dtype), a_g)
+    gd1 = _crop(numerics.block_dequantize(q_g1, s_g1, bs, self._up()), 2, n).reshape(g.shape)
+    wd = self._dequant(wc, s_wc, n, q_r.shape, (rb, rc, rf))
+    d_l = grad_gemm(gd1, wd, self.dn, *nd, "lhs", "fp8", jnp.float32, one, like=q_l)
+    gd2 = _crop(numerics.block_dequantize(q_g2, s_g2, bs, self._up()), 2, m)
+    gd2 = jnp.swapaxes(gd2, 1, 2).reshape(g.shape)
+    xd = self._dequant(xc, s_xc, m, q_l.shape, (lb, lc, lf))
+    d_r = grad_gemm(gd2, xd, self.dn, *nd, "rhs", "fp8", jnp.float32, one, like=q_r)
+    return (lowering.scaled(d_l, g_g * g_w, self.lhs_dtype),
+            lowering.scaled(d_r, g_gt * g_xc, self.rhs_dtype), a_g)
 
 
 _SPECS = {"tensor": TensorDot, "row": RowDot, "block": BlockDot}
@@ -258,16 +441,19 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
     axes); each GEMM's output is multiplied by its gradient scales. The
     gradient is therefore cast to e5m2 twice; only fp8 operands and the scale
     vectors are kept as residuals.
-  * ``'block'``: MX emulation. ``lhs`` and ``rhs`` are quantized in blocks of
-    ``recipe.block_size`` along their last contracting axis with e8m0 scales
-    (:func:`~fp8_linen.numerics.mx_quantize`), dequantized exactly to bfloat16
-    (``gemm='f32'``: float32) and multiplied there. The output gradient is
-    quantized per tensor (its ``ScalingConfig``, delayed or current) and both
-    gradient GEMMs use the same emulation. Residuals: fp8 elements and e8m0
+  * ``'block'`` (MXFP8, NVFP4; see :class:`BlockDot`): every GEMM takes its
+    two operands in blocks of ``recipe.block_size`` along the axis it
+    contracts (forward: ``lhs`` and ``rhs`` along K; dgrad: the gradient and
+    ``rhs`` along N; wgrad: the gradient and ``lhs`` along M), with e8m0 block
+    scales (MX) or e4m3 block scales and a per-tensor scale (NVFP4). On a GPU
+    with block-scaled GEMMs they run as such (``jax.nn.scaled_matmul``);
+    elsewhere the blocks are dequantized exactly to bfloat16 (``gemm='f32'``:
+    float32) and multiplied there. Residuals: the backward's codes and their
     scales.
 
-  In both modes the OWG state records the per-tensor amax of each role
-  (monitoring); the stored scale is the per-tensor scale of that amax.
+  In all modes the OWG state records the per-tensor amax of each role; the
+  stored scale is the per-tensor scale of that amax (used by NVFP4, for
+  monitoring only by the row and MX scales).
 
   Args:
     lhs: floating array (the activation).

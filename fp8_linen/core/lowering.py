@@ -7,11 +7,16 @@
 * ``'bf16'`` / ``'f32'``: the fp8 operands are upcast (exactly) first, for
   backends without fp8 units (XLA:CPU lowers an fp8 dot as convert-then-dot
   anyway);
-* ``'auto'``: ``'fp8'`` when the target backend is a GPU, else ``'bf16'``.
+* ``'block'`` (block recipes): the block-scaled GEMM
+  (:func:`block_scaled_matmul`: cuDNN's MXFP8/NVFP4 dot on Blackwell);
+* ``'auto'``: ``'fp8'`` when the target backend is a GPU, else ``'bf16'``; for a
+  block recipe ``'block'`` when the target has block-scaled GEMMs in its formats
+  (:func:`block_scaled_gemms`), else ``'bf16'`` (the emulation).
 
 The target backend is ``jax.default_backend()`` unless :func:`target_backend`
-says otherwise: that is how a step is traced for an H100 on a machine without
-one (a compile-only "deviceless" topology).
+says otherwise: that is how a step is traced for an H100 (or, with
+``block_scaled=True``, a B200) on a machine without one (a compile-only
+"deviceless" topology).
 
 The lax functions are bound when this module is imported, so the library's own
 products never go through a function that :mod:`fp8_linen.interception`
@@ -30,14 +35,18 @@ Example:
   >>> import fp8_linen as fl
   >>> from fp8_linen.core import lowering
   >>> with lowering.target_backend("gpu"):
-  ...   lowering.resolve_gemm(fl.Fp8Recipe())
-  'fp8'
+  ...   lowering.resolve_gemm(fl.Fp8Recipe()), lowering.resolve_gemm(fl.nvfp4())
+  ('fp8', 'bf16')
+  >>> with lowering.target_backend("gpu", block_scaled=True):
+  ...   lowering.resolve_gemm(fl.nvfp4())
+  'block'
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 
 import jax
@@ -50,7 +59,10 @@ __all__ = [
     "GEMMS",
     "target_backend",
     "current_backend",
+    "block_scaled_gemms",
+    "block_scaled_format",
     "resolve_gemm",
+    "block_scaled_matmul",
     "gemm",
     "scaled",
     "explicit_spec",
@@ -65,18 +77,21 @@ __all__ = [
     "lax_conv_general_dilated",
 ]
 
-GEMMS = ("fp8", "bf16", "f32")
+GEMMS = ("fp8", "block", "bf16", "f32")
 
 _TARGET: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_target_backend",
                                                          default=None)
 
 
 @contextlib.contextmanager
-def target_backend(backend: str):
+def target_backend(backend: str, *, block_scaled: bool = False):
   """Traces ``gemm='auto'`` products for ``backend`` instead of the default one.
 
   Args:
     backend: ``'gpu'``, ``'cpu'`` or ``'tpu'``.
+    block_scaled: ``backend='gpu'`` only: a GPU with block-scaled GEMMs
+      (Blackwell: cuDNN's MXFP8 and NVFP4 dots), where block recipes run as
+      such. ``False``: a GPU without them (Hopper), where they are emulated.
 
   Every choice the library makes per backend while tracing (the GEMM form,
   the fp8 encoder) follows it.
@@ -85,10 +100,19 @@ def target_backend(backend: str):
     >>> import fp8_linen as fl
     >>> with fl.target_backend('gpu'):
     ...   pass  # jax.jit(step).lower(...) here emits direct fp8 GEMMs
+    >>> from fp8_linen.core import lowering
+    >>> with fl.target_backend('gpu', block_scaled=True):
+    ...   lowering.resolve_gemm(fl.mx_block_scaling())
+    'block'
   """
   if backend not in ("gpu", "cpu", "tpu"):
     raise ValueError(f"target_backend: backend={backend!r} must be 'gpu', 'cpu' or 'tpu'")
-  token = _TARGET.set(backend)
+  if not isinstance(block_scaled, bool):
+    raise ValueError(f"target_backend: block_scaled={block_scaled!r} must be True or False")
+  if block_scaled and backend != "gpu":
+    raise ValueError(f"target_backend: block_scaled=True needs backend='gpu' (block-scaled "
+                     f"GEMMs are a Blackwell GPU's), got backend={backend!r}")
+  token = _TARGET.set((backend, block_scaled))
   try:
     yield
   finally:
@@ -97,14 +121,80 @@ def target_backend(backend: str):
 
 def current_backend() -> str:
   """The backend products are traced for: :func:`target_backend`'s, else JAX's default."""
-  return _TARGET.get() or jax.default_backend()
+  target = _TARGET.get()
+  return target[0] if target else jax.default_backend()
+
+
+@functools.lru_cache(maxsize=None)
+def _device_has_block_scaled_gemms() -> bool:
+  """Whether JAX's first device is a CUDA GPU of compute capability >= 10 (Blackwell)."""
+  try:
+    device = jax.devices()[0]
+    major = int(str(getattr(device, "compute_capability", "")).split(".")[0])
+  except (RuntimeError, ValueError):  # no device, or not a CUDA compute capability
+    return False
+  return device.platform == "gpu" and major >= 10
+
+
+def block_scaled_gemms() -> bool:
+  """Whether the traced-for target has block-scaled GEMMs.
+
+  :func:`target_backend`'s ``block_scaled`` when one is set; otherwise
+  whether JAX's default device is a CUDA GPU of compute capability 10 or more
+  (XLA hands those dots to cuDNN there; with a cuDNN older than 9.10 XLA
+  dequantizes them to a bf16 GEMM instead, which is slower but equal).
+  """
+  target = _TARGET.get()
+  if target:
+    return target[1]
+  return jax.default_backend() == "gpu" and _device_has_block_scaled_gemms()
+
+
+def block_scaled_format(recipe) -> str | None:
+  """``'mxfp8'`` / ``'nvfp4'`` when a block recipe is in a format Blackwell multiplies, else None.
+
+  MXFP8: e4m3/e5m2 elements, blocks of 32 (e8m0 scales); NVFP4: e2m1
+  elements, blocks of 16 (e4m3 scales). Other block sizes and the fnuz
+  formats are emulated everywhere.
+  """
+  if recipe.granularity != "block":
+    return None
+  names = {getattr(recipe, r).dtype for r in ("input", "kernel", "output_grad")}
+  if names <= {"float8_e4m3fn", "float8_e5m2"} and recipe.block_size == 32:
+    return "mxfp8"
+  if names == {"float4_e2m1fn"} and recipe.block_size == 16:
+    return "nvfp4"
+  return None
 
 
 def resolve_gemm(recipe) -> str:
   """Resolves ``recipe.gemm='auto'`` against the target backend."""
   if recipe.gemm != "auto":
     return recipe.gemm
+  if recipe.granularity == "block":
+    return "block" if block_scaled_gemms() and block_scaled_format(recipe) else "bf16"
   return "fp8" if current_backend() == "gpu" else "bf16"
+
+
+def block_scaled_matmul(a, b, a_scales, b_scales, out_dtype):
+  """The block-scaled GEMM ``(B, M, K) x (B, N, K) -> (B, M, N)``.
+
+  ``a_scales`` (B, M, K / block) and ``b_scales`` (B, N, K / block) scale
+  blocks of the contracting (last) axis. On a GPU this is
+  ``jax.nn.scaled_matmul``, which XLA makes cuDNN's block-scaled dot on
+  Blackwell (MXFP8: fp8 elements, e8m0 scales, blocks of 32; NVFP4: e2m1, e4m3,
+  16) and a dequantize + bf16 GEMM elsewhere. ``scaled_matmul`` has no CPU or
+  TPU lowering, so there it is ``jax.lax.scaled_dot``, XLA's composite of the
+  same product (dequantize in bfloat16, one dot): the form tests compare with
+  the emulation. The output is ``out_dtype`` on a GPU (cuDNN writes it from
+  its float32 accumulator) and float32 elsewhere (the composite would
+  otherwise accumulate in ``out_dtype``); cast it.
+  """
+  if current_backend() == "gpu":
+    return jax.nn.scaled_matmul(a, b, a_scales, b_scales, preferred_element_type=out_dtype)
+  return jax.lax.scaled_dot(a, b, lhs_scale=a_scales, rhs_scale=b_scales,
+                            dimension_numbers=(((2,), (2,)), ((0,), (0,))),
+                            preferred_element_type=jnp.float32)
 
 
 def _as_matmul_operand(x, contract, batch, contract_last: bool):

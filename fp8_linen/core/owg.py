@@ -259,7 +259,9 @@ def state_cotangents(cfgs, states, observed, ct_chain, first: bool, empty: bool 
 
 
 def _bits_named(q, name):
-  bits = jax.ad_checkpoint.checkpoint_name(lax.bitcast_convert_type(q, jnp.uint8), name)
+  # A 4-bit float (NVFP4's e2m1 codes) is named as uint4, an 8-bit one as uint8.
+  unsigned = jnp.uint4 if jnp.finfo(q.dtype).bits == 4 else jnp.uint8
+  bits = jax.ad_checkpoint.checkpoint_name(lax.bitcast_convert_type(q, unsigned), name)
   return lax.bitcast_convert_type(bits, q.dtype)
 
 
@@ -281,13 +283,14 @@ _named_fp8.defvjp(_named_fp8_fwd, _named_fp8_bwd)
 
 
 def name_fp8_residual(q, name: str = CHECKPOINT_NAME):
-  """``checkpoint_name(q, name)`` for an fp8 array, safe under ``jax.checkpoint``.
+  """``checkpoint_name(q, name)`` for an fp8 (or fp4) array, safe under ``jax.checkpoint``.
 
   jax 0.10's remat inserts ``reduce_precision(exponent_bits, mantissa_bits)`` on
   every floating residual it saves; for ``float8_e4m3fn`` that is IEEE e4m3
   (largest finite 240), so saved values of magnitude >= 256 come back as
-  inf/NaN. The fp8 bits are therefore named as ``uint8`` (same byte count,
-  never rounded) and bitcast back; the gradient passes straight through.
+  inf/NaN. The fp8 bits are therefore named as ``uint8`` (``uint4`` for e2m1
+  codes: same bit count, never rounded) and bitcast back; the gradient passes
+  straight through.
   """
   if jnp.issubdtype(q.dtype, jnp.floating) and jnp.dtype(q.dtype).itemsize == 1:
     return _named_fp8(q, name)

@@ -5,7 +5,7 @@ arguments of jitted functions) and never mutated. This package imports nothing
 else from fp8_linen.
 
 * :mod:`~fp8_linen.recipes.fp8`: :class:`ScalingConfig`, :class:`Fp8Recipe`,
-  :class:`ActivationRecipe` and the delayed/current/row-wise/MX presets;
+  :class:`ActivationRecipe` and the delayed/current/row-wise/MXFP8/NVFP4 presets;
 * :mod:`~fp8_linen.recipes.integer`: :class:`IntQuantConfig`, :class:`IntRecipe`;
 * :mod:`~fp8_linen.recipes.yaml`: recipes to and from YAML, and the shipped
   presets (``presets/*.yaml``).
@@ -19,6 +19,7 @@ Example:
 """
 
 from fp8_linen.recipes.fp8 import (
+    FP4_DTYPES,
     FP8_DTYPES,
     GRANULARITIES,
     ActivationRecipe,
@@ -28,6 +29,7 @@ from fp8_linen.recipes.fp8 import (
     current_scaling,
     delayed_scaling,
     mx_block_scaling,
+    nvfp4,
     rowwise_scaling,
 )
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe, int4_lsq_plus, int8_lsq
@@ -40,6 +42,7 @@ from fp8_linen.recipes.yaml import (
 )
 
 __all__ = [
+    "FP4_DTYPES",
     "FP8_DTYPES",
     "GRANULARITIES",
     "ActivationRecipe",
@@ -49,6 +52,7 @@ __all__ = [
     "current_scaling",
     "delayed_scaling",
     "mx_block_scaling",
+    "nvfp4",
     "rowwise_scaling",
     "IntQuantConfig",
     "IntRecipe",

@@ -18,7 +18,8 @@ import re
 import warnings
 from typing import Any
 
-__all__ = ["OPS", "OPERANDS", "QuantizationRule", "normalize_rules", "report_unmatched"]
+__all__ = ["OPS", "OPERANDS", "QuantizationRule", "high_precision_layers", "normalize_rules",
+           "report_unmatched"]
 
 # Op kinds: the Linen quantize_model intercepts all five; the NNX one matches
 # its layers as dot_general (Linear, LinearGeneral), einsum (Einsum) and conv.
@@ -86,6 +87,56 @@ class QuantizationRule:
                        f"{list(OPERANDS)}")
     if not isinstance(self.optional, bool):
       raise ValueError(f"QuantizationRule.optional={self.optional!r} must be True or False")
+
+
+def high_precision_layers(layer: str, num_layers: int, *, last: int = 1,
+                          first: int = 0) -> tuple[QuantizationRule, ...]:
+  """A rule keeping the first and last layers of a stack in the model's own precision.
+
+  NVIDIA's NVFP4 pretraining recipe quantizes most linear layers to 4 bits
+  but keeps a few numerically sensitive ones in higher precision, mostly
+  the last layers of the network (their weight gradients carry the largest
+  quantization error); training diverged with every layer in FP4. Put the
+  rule before the others: rules are tried in order.
+
+  Args:
+    layer: the module path of layer ``i`` as a regular expression with an
+      ``{i}`` placeholder, e.g. ``'block{i}'``, ``'decoder/layers_{i}'`` or
+      ``'block{i}/mlp'`` (only that part of each layer). It matches the layer
+      anywhere in the path and every module under it.
+    num_layers: how many layers the stack has.
+    last: how many of the last layers to keep in high precision.
+    first: how many of the first layers to keep in high precision.
+
+  Returns:
+    One :class:`QuantizationRule` with ``quantize=False`` (empty when
+    ``first == last == 0``), for ``quantize_model(model, recipe, rules=...)``
+    (Linen or NNX).
+
+  Raises:
+    ValueError: naming the argument, for a template without ``{i}`` or
+      counts outside ``0 <= first + last <= num_layers``.
+
+  Example:
+    >>> import fp8_linen as fl
+    >>> rules = fl.high_precision_layers('block{i}', 8, last=2) + fl.projection_rules()
+    >>> rules[0].module_path
+    '(?:.*/)?(?:block6|block7)(?:/.*)?'
+  """
+  if not isinstance(layer, str) or "{i}" not in layer:
+    raise ValueError(f"high_precision_layers: layer={layer!r} must be a string with an '{{i}}' "
+                     "placeholder for the layer index, e.g. 'block{i}'")
+  for name, value, lo in (("num_layers", num_layers, 1), ("last", last, 0), ("first", first, 0)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+      raise ValueError(f"high_precision_layers: {name}={value!r} must be an int >= {lo}")
+  if first + last > num_layers:
+    raise ValueError(f"high_precision_layers: first={first} + last={last} exceeds "
+                     f"num_layers={num_layers}")
+  kept = sorted(set(range(first)) | set(range(num_layers - last, num_layers)))
+  if not kept:
+    return ()
+  paths = "|".join(layer.replace("{i}", str(i)) for i in kept)
+  return (QuantizationRule(module_path=f"(?:.*/)?(?:{paths})(?:/.*)?", quantize=False),)
 
 
 def normalize_rules(rules) -> tuple[QuantizationRule, ...]:

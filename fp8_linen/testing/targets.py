@@ -59,8 +59,9 @@ Notes:
   pattern match is what the counts check.
 * fp8_linen picks its GEMM lowering for the backend it traces for, which is
   ``'cpu'`` here; :func:`compile_for` traces under
-  ``fl.target_backend(target.platform)``, exactly the forms a user of that
-  target gets.
+  ``fl.target_backend(target.platform, block_scaled=target.block_scaled_gemms)``,
+  exactly the forms a user of that target gets (on the B200, block recipes
+  as block-scaled GEMMs).
 * libtpu logs warnings about ``TPU_ACCELERATOR_TYPE`` and worker hostnames
   when it builds a compile-only topology: harmless.
 * Install: ``pip install "fp8_linen[targets]"`` (the CUDA plugin at jaxlib's
@@ -203,6 +204,9 @@ class Target:
     gpu_config: GPU only: the ``GpuTargetConfigProto`` text.
     peaks_of: the name whose :data:`~fp8_linen.testing.estimate.PEAKS` the
       estimate uses (default: ``name``).
+    block_scaled_gemms: GPU only: the target multiplies MXFP8/NVFP4 blocks
+      natively (Blackwell with cuDNN >= 9.10); block recipes are traced as
+      block-scaled GEMMs for it (``fl.target_backend(..., block_scaled=True)``).
   """
 
   name: str
@@ -213,6 +217,7 @@ class Target:
   chips_per_host: tuple[int, int, int] = (1, 1, 1)
   gpu_config: str | None = None
   peaks_of: str | None = None
+  block_scaled_gemms: bool = False
 
   @property
   def peaks(self) -> estimate_lib.Peaks:
@@ -224,7 +229,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
     Target(name="h100", platform="gpu", description="NVIDIA H100 SXM",
            gpu_config=H100_SXM_TARGET_CONFIG),
     Target(name="b200", platform="gpu", description="NVIDIA B200",
-           gpu_config=B200_TARGET_CONFIG),
+           gpu_config=B200_TARGET_CONFIG, block_scaled_gemms=True),
     Target(name="tpu-v5e", platform="tpu", description="TPU v5e (one chip)",
            topology="v5e:1x1"),
     Target(name="tpu-v6e", platform="tpu", description="TPU v6e (one chip)",
@@ -244,17 +249,31 @@ SINGLE_DEVICE = ("h100", "b200", "tpu-v5e", "tpu-v6e", "tpu7x")
 _CUSTOM: dict[str, Target] = {}
 
 
+def _block_scaled_config(gpu_config: str) -> bool:
+  """Whether a target config describes a GPU whose block-scaled dots XLA gives cuDNN.
+
+  Compute capability 10 or more with cuDNN 9.10 or newer (older cuDNN: XLA
+  dequantizes the blocks to a bf16 GEMM).
+  """
+  cc = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)", gpu_config)
+  dnn = re.search(r"dnn_version_info\s*\{\s*major:\s*(\d+)\s+minor:\s*(\d+)", gpu_config)
+  return bool(cc and dnn and int(cc.group(1)) >= 10
+              and (int(dnn.group(1)), int(dnn.group(2))) >= (9, 10))
+
+
 def custom_gpu_target(gpu_config: str) -> Target:
   """A one-device GPU target described by ``gpu_config`` (a ``GpuTargetConfigProto`` text).
 
-  Its estimate uses the H100's peaks. The same text gives the same target.
+  Its estimate uses the H100's peaks. It has block-scaled GEMMs when the text
+  says compute capability >= 10 and cuDNN >= 9.10. The same text gives the
+  same target.
   """
   for t in _CUSTOM.values():
     if t.gpu_config == gpu_config:
       return t
   t = Target(name=f"gpu-custom-{len(_CUSTOM)}", platform="gpu",
              description="a GPU described by its target config", gpu_config=gpu_config,
-             peaks_of="h100")
+             peaks_of="h100", block_scaled_gemms=_block_scaled_config(gpu_config))
   _CUSTOM[t.name] = t
   return t
 
@@ -649,6 +668,11 @@ class CompileReport(hlo.ProductCounts):
             f"temp {self.temp_bytes / 2**20:.1f} MiB")
 
 
+def _traced_for(t: Target):
+  """``fl.target_backend`` of what runs on ``t`` (a B200: block-scaled GEMMs)."""
+  return target_backend(t.platform, block_scaled=t.block_scaled_gemms)
+
+
 def compile_for(target: str | Target, fn: Callable, *args,
                 compiler_options: Mapping[str, Any] | None = None,
                 trace_as_target: bool = True) -> CompileReport:
@@ -662,8 +686,9 @@ def compile_for(target: str | Target, fn: Callable, *args,
       others are replicated.
     compiler_options: XLA options (default: :data:`GPU_COMPILER_OPTIONS` on a
       GPU, none on a TPU).
-    trace_as_target: trace under ``fl.target_backend(target.platform)`` (the
-      forms fp8_linen traces on that hardware).
+    trace_as_target: trace under ``fl.target_backend(target.platform,
+      block_scaled=target.block_scaled_gemms)`` (the forms fp8_linen traces
+      on that hardware).
 
   Returns:
     A :class:`CompileReport`.
@@ -678,7 +703,7 @@ def compile_for(target: str | Target, fn: Callable, *args,
   default = GPU_COMPILER_OPTIONS if t.platform == "gpu" else {}
   options = dict(default if compiler_options is None else compiler_options)
   t0 = time.perf_counter()
-  with target_backend(t.platform) if trace_as_target else contextlib.nullcontext():
+  with _traced_for(t) if trace_as_target else contextlib.nullcontext():
     lowered = jax.jit(fn).lower(*abstract_on(args, mesh))
   compiled = lowered.compile(compiler_options=options or None)
   seconds = time.perf_counter() - t0
@@ -826,6 +851,9 @@ class Case:
       compiled program must have (see :attr:`CompileReport.classes`), or
       ``None`` where the case makes no claim on that platform.
     note: ``fn(platform) -> str``: what the row shows, where it needs saying.
+    on_target: per-target overrides of ``(expected, note)`` by target name,
+      where one target of a platform multiplies differently (the B200's
+      block-scaled dots: block recipes are emulated on the H100).
   """
 
   name: str
@@ -833,14 +861,24 @@ class Case:
   build: Callable[[str], tuple]
   expected: Callable[[str], Mapping[str, int] | None]
   note: Callable[[str], str] = lambda platform: ""
+  on_target: Mapping[str, tuple[Mapping[str, int] | None, str]] = dataclasses.field(
+      default_factory=dict)
+
+  def expected_on(self, target: str, platform: str) -> Mapping[str, int] | None:
+    """The products the case claims on ``target`` (of ``platform``)."""
+    return self.on_target[target][0] if target in self.on_target else self.expected(platform)
+
+  def note_on(self, target: str, platform: str) -> str:
+    """The row's note on ``target`` (of ``platform``)."""
+    return self.on_target[target][1] if target in self.on_target else self.note(platform)
 
 
-def _step_case(name, what, model_fn, x, dtype, expected, note=None) -> Case:
+def _step_case(name, what, model_fn, x, dtype, expected, note=None, on_target=None) -> Case:
   def build(platform):
     model = model_fn()
     return make_train_step(model), train_step_inputs(model, x, dtype, platform)
   return Case(name=name, what=what, build=build, expected=expected,
-              note=note or (lambda platform: ""))
+              note=note or (lambda platform: ""), on_target=dict(on_target or {}))
 
 
 def _nnx_step_case(name, what, recipe, expected) -> Case:
@@ -895,8 +933,15 @@ def cases() -> list[Case]:
   dense = lambda r: (lambda: fl.QDense(d, dtype=bf16, recipe=r))
   mlp = lambda: nn.Sequential([fl.QDense(d, dtype=bf16), nn.gelu, fl.QDense(d, dtype=bf16),
                                nn.gelu, fl.QDense(d, dtype=bf16)])
-  mx_note = lambda p: ("bf16 emulation: no block-scaled GEMM on this target"
-                       if p == "tpu" else "bf16 emulation of the MX blocks")
+  mx, nv = fl.mx_block_scaling(), fl.nvfp4()
+  block_note = lambda fmt: (lambda p: f"bf16 emulation of the {fmt} blocks: no block-scaled "
+                                      "GEMM on this target")
+  # Blackwell multiplies the blocks itself: cuDNN block-scaled dots for the
+  # forward, dgrad and wgrad.
+  on_b200 = lambda cls: {"b200": ({cls: 3}, "cuDNN block-scaled dots (forward, dgrad, wgrad)")}
+  general = lambda r: (lambda: fl.QDenseGeneral(features=(8, 32), dtype=bf16, recipe=r))
+  einsum = lambda r: (lambda: fl.QEinsum(shape=(d, 8, 32), einsum_str="btd,dhk->bthk",
+                                         dtype=bf16, recipe=r))
   tpu_fp8_note = lambda p: ("e4m3 products: MXU at the bf16 rate on v5e/v6e, fp8 rate on 7x"
                             if p == "tpu" else "")
   return [
@@ -907,8 +952,18 @@ def cases() -> list[Case]:
       _step_case("qdense-rowwise", "QDense, fp8 row-wise scaling",
                  dense(fl.rowwise_scaling()), tokens, bf16, _all(3),
                  lambda p: "plain fp8 GEMM, row/column scales on its output"),
-      _step_case("qdense-mx", "QDense, MX block scaling", dense(fl.mx_block_scaling()), tokens,
-                 bf16, _all(3, "bf16"), mx_note),
+      _step_case("qdense-mx", "QDense, MXFP8 block scaling", dense(mx), tokens, bf16,
+                 _all(3, "bf16"), block_note("MXFP8"), on_b200("fp8")),
+      _step_case("qdensegeneral-mx", "QDenseGeneral (256, 8, 32), MXFP8", general(mx),
+                 (4, 32, d), bf16, _all(3, "bf16"), block_note("MXFP8"), on_b200("fp8")),
+      _step_case("qeinsum-mx", "QEinsum 'btd,dhk->bthk', MXFP8", einsum(mx), (4, 32, d), bf16,
+                 _all(3, "bf16"), block_note("MXFP8"), on_b200("fp8")),
+      _step_case("qdense-nvfp4", "QDense, NVFP4 (2-D weight tiles, Hadamard, SR)", dense(nv),
+                 tokens, bf16, _all(3, "bf16"), block_note("NVFP4"), on_b200("fp4")),
+      _step_case("qdensegeneral-nvfp4", "QDenseGeneral (256, 8, 32), NVFP4", general(nv),
+                 (4, 32, d), bf16, _all(3, "bf16"), block_note("NVFP4"), on_b200("fp4")),
+      _step_case("qeinsum-nvfp4", "QEinsum 'btd,dhk->bthk', NVFP4", einsum(nv), (4, 32, d),
+                 bf16, _all(3, "bf16"), block_note("NVFP4"), on_b200("fp4")),
       _step_case("qdense-int8-ste", "QDense, int8 STE (channel weights)", dense(ste), tokens,
                  bf16, int_fwd, lambda p: "forward s8 x s8 -> s32; gradients bf16"),
       _step_case("qdense-int8-lsq", "QDense, int8 LSQ", dense(lsq), tokens, bf16, int_fwd,
@@ -965,8 +1020,8 @@ def compile_case(case_name: str, target: str) -> CompileReport:
 
 
 def check(case: Case, report: CompileReport) -> str | None:
-  """Why ``report`` does not show what ``case`` claims on its platform, or None."""
-  want = case.expected(report.platform)
+  """Why ``report`` does not show what ``case`` claims on its target, or None."""
+  want = case.expected_on(report.target, report.platform)
   if want is None:
     return None
   if report.classes != dict(want):
@@ -982,7 +1037,7 @@ def _cell(case: Case, r: CompileReport) -> list[str]:
   problem = check(case, r)
   return [case.name, r.target, f"{r.low_precision}/{len(r.product_list)}", kinds, classes,
           f"{r.temp_bytes / 2**20:.1f}", "ok" if problem is None else "NO: " + problem,
-          case.note(r.platform) or case.what]
+          case.note_on(r.target, r.platform) or case.what]
 
 
 def markdown_cell(case: Case, target: str) -> str:

@@ -1,5 +1,6 @@
 """fp8 granularity: row-wise and MX block scaling, against numpy/ml_dtypes references."""
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -66,8 +67,12 @@ def test_bad_granularity_recipes_name_field_and_allowed():
     fl.ScalingConfig(history_length=0)
   with pytest.raises(ValueError, match="float8_e4m3fn"):
     fl.ScalingConfig(dtype="int8")
-  # Block mode may keep a delayed per-tensor gradient scale.
-  assert fl.mx_block_scaling(grad_scaling="delayed").output_grad.scaling == "delayed"
+  # MX blocks every role's values this step (the gradient too: each gradient
+  # GEMM blocks it along the axis it contracts), so a delayed scale has no use.
+  with pytest.raises(ValueError, match=r"output_grad.scaling='delayed'.*\['current'\]"):
+    dataclasses.replace(fl.mx_block_scaling(), output_grad=fl.ScalingConfig(scaling="delayed"))
+  # NVFP4 keeps a per-tensor scale per role, which may be delayed.
+  assert fl.nvfp4(scaling="delayed").output_grad.scaling == "delayed"
 
 
 # --- row-wise -----------------------------------------------------------------
@@ -164,17 +169,20 @@ def test_mx_quantize_reference_and_no_clipping(k):
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_mx_block_dot_matches_reference(jit):
-  x, w, g = _data(3, k=96)
+  """Each GEMM blocks its operands along the axis it contracts, the gradient included."""
+  x, w, g = _data(3, m=48, k=96)
   rec = fl.mx_block_scaling()
   f = jax.jit(_dot(rec)) if jit else _dot(rec)
   y, vjp = jax.vjp(f, x, w)
   dx, dw = vjp(g)
-  xd, wd = _mxq(x, 1), _mxq(w, 0)
+  xd, wd = _mxq(x, 1), _mxq(w, 0)          # forward: both along K
   np.testing.assert_allclose(np.asarray(y), xd @ wd, rtol=1e-5, atol=1e-6 * np.abs(xd @ wd).max())
-  sg = np.abs(g).max() / float(ml_dtypes.finfo(E5).max)
-  gd = _cast(g / sg, E5) * sg
-  np.testing.assert_allclose(np.asarray(dx), gd @ wd.T, rtol=1e-4, atol=1e-5 * np.abs(gd @ wd.T).max())
-  np.testing.assert_allclose(np.asarray(dw), xd.T @ gd, rtol=1e-4, atol=1e-5 * np.abs(xd.T @ gd).max())
+  g_n, w_n = _mxq(g, 1), _mxq(w, 1)        # dgrad: g and w along N
+  np.testing.assert_allclose(np.asarray(dx), g_n @ w_n.T, rtol=1e-4,
+                             atol=1e-5 * np.abs(g_n @ w_n.T).max())
+  g_m, x_m = _mxq(g, 0), _mxq(x, 0)        # wgrad: g and x along M
+  np.testing.assert_allclose(np.asarray(dw), x_m.T @ g_m, rtol=1e-4,
+                             atol=1e-5 * np.abs(x_m.T @ g_m).max())
 
 
 # --- through the layers ---------------------------------------------------------

@@ -16,6 +16,7 @@ EMPTY = {
     "QDense": (lambda: fl.QDense(4), lambda: nn.Dense(4), (2, 3), (0, 3)),
     "QDense_rowwise": (lambda: fl.QDense(4, recipe=fl.rowwise_scaling()), None, (2, 3), (0, 3)),
     "QDense_mx": (lambda: fl.QDense(4, recipe=fl.mx_block_scaling()), None, (2, 32), (0, 32)),
+    "QDense_nvfp4": (lambda: fl.QDense(4, recipe=fl.nvfp4()), None, (2, 32), (0, 32)),
     "QDense_int8": (lambda: fl.QDense(4, recipe=fl.IntRecipe()), None, (2, 3), (0, 3)),
     "QDenseGeneral": (lambda: fl.QDenseGeneral((2, 2)), lambda: nn.DenseGeneral((2, 2)),
                       (2, 3), (0, 3)),
@@ -91,6 +92,7 @@ def test_empty_first_use_still_records_a_later_use():
 
 RECIPES = {"delayed": fl.Fp8Recipe(), "current": fl.current_scaling(),
            "rowwise": fl.rowwise_scaling(), "mx": fl.mx_block_scaling(block_size=4),
+           "nvfp4": fl.nvfp4(),
            "fp8_gemm": fl.Fp8Recipe(gemm="fp8")}
 
 

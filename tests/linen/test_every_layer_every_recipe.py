@@ -3,7 +3,8 @@
 Closeness to the float layer alone let a layer silently ignore its recipe, so
 each layer x recipe output is also compared with a reference built another
 way: operands quantized in NumPy with ml_dtypes casts (per tensor, per row /
-channel, per MX block, or on the integer grid) and multiplied in float64. The
+channel, per MX block, per NVFP4 block or tile, or on the integer grid) and
+multiplied in float64. The
 inputs have rows of very different magnitudes, so the granularities differ.
 """
 
@@ -21,6 +22,7 @@ RECIPES = {
     "fp8_current": fl.current_scaling(),
     "fp8_rowwise": fl.rowwise_scaling(),
     "mx_block": fl.mx_block_scaling(),
+    "nvfp4": fl.nvfp4(),
     "int8_ste": fl.IntRecipe(),
     "int8_lsq": fl.int8_lsq(),
     "int4_lsq_plus": fl.int4_lsq_plus(),
@@ -70,6 +72,24 @@ def _mx(x, axis):
   return np.moveaxis((q * s).reshape(x.shape), -1, axis)
 
 
+def _nvfp4(t, tile):
+  """NVFP4 of t (R, C) along C: e4m3 scales per 16 (16x16 tiles), e2m1 codes, current tensor factor."""
+  t = np.asarray(t, np.float32)
+  g = np.float32(np.float32(np.abs(t).max() / np.float32(6.0)) / np.float32(448.0))
+  r, c = t.shape
+  rp = -(-r // 16) * 16 if tile else r
+  tp = np.zeros((rp, c), np.float32)
+  tp[:r] = t
+  b = tp.reshape(rp // (16 if tile else 1), 16 if tile else 1, c // 16, 16)
+  a = np.abs(b).max(axis=(1, 3), keepdims=True)
+  s = np.minimum(a / np.float32(np.float32(6.0) * g), np.float32(448.0)).astype(
+      ml_dtypes.float8_e4m3fn).astype(np.float32)
+  den = s * g
+  y = np.clip(np.where(den > 0, b / np.where(den > 0, den, 1), 0), -6, 6).astype(np.float32)
+  q = y.astype(ml_dtypes.float4_e2m1fn).astype(np.float64) * s * np.float64(g)
+  return q.reshape(rp, c)[:r]
+
+
 def _int_fake(x, s, z, qmin, qmax):
   x = np.asarray(x, np.float64)
   return s * (np.clip(np.round(x / s) + z, qmin, qmax) - z)
@@ -91,6 +111,8 @@ def _reference(recipe_name, x, kernel, params):
     kq = _fp8(k, _scale(np.abs(k).max(0, keepdims=True)))
   elif recipe_name == "mx_block":
     xq, kq = _mx(x, 1), _mx(k, 0)
+  elif recipe_name == "nvfp4":  # the weight in 16x16 tiles of its (out, in) view
+    xq, kq = _nvfp4(x, tile=False), _nvfp4(k.T, tile=True).T
   elif recipe_name == "int8_ste":  # observer's first batch; kernel's own min/max
     sx = max(-x.min(), x.max(), 0) / 127
     sk = max(-k.min(), k.max(), 0) / 127
@@ -114,7 +136,7 @@ def test_layer_trains_with_recipe(layer_name, recipe_name):
   recipe = RECIPES[recipe_name]
   x = _uneven(shape)
   q, ref = make_q(recipe), make_ref()
-  if layer_name == "QConv" and recipe_name in ("fp8_rowwise", "mx_block"):
+  if layer_name == "QConv" and recipe_name in ("fp8_rowwise", "mx_block", "nvfp4"):
     # Convolutions have per-tensor fp8 scales only; other granularities are refused.
     with pytest.raises(ValueError, match="granularity"):
       q.init(jax.random.key(0), x)
@@ -128,7 +150,7 @@ def test_layer_trains_with_recipe(layer_name, recipe_name):
   y = q.apply(vq, x)
   y_ref = ref.apply({"params": vr["params"]}, x)
   err = float(jnp.abs(y - y_ref).max() / jnp.abs(y_ref).max())
-  bound = 0.35 if "int4" in recipe_name else 0.12
+  bound = 0.35 if ("int4" in recipe_name or "nvfp4" in recipe_name) else 0.12
   assert err < bound, err  # quantized, but close to the float layer
   g = jax.jit(jax.grad(lambda v: jnp.sum(q.apply(v, x) ** 2)))(vq)
   for leaf in jax.tree.leaves(g):

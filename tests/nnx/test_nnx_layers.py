@@ -16,6 +16,7 @@ RECIPES = {
     "current": fl.current_scaling(),
     "rowwise": fl.rowwise_scaling(),
     "mx": fl.mx_block_scaling(),
+    "nvfp4": fl.nvfp4(scaling="delayed"),
     "int_ste": fl.IntRecipe(),
     "int8_lsq": fl.int8_lsq(),
     "int4_lsq_plus": fl.int4_lsq_plus(),

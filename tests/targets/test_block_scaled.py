@@ -1,0 +1,71 @@
+"""MXFP8 and NVFP4 compiled for Blackwell: every product of a layer's step is a block-scaled dot.
+
+Compiled without the hardware (see ``fp8_linen.testing.targets``): the B200
+target is traced as a GPU with block-scaled GEMMs, and XLA hands each
+``scaled_matmul`` to cuDNN's ``__cudnn$blockScaledDot``. The step returns
+the loss, dL/dx and the gradients, so the forward, dgrad and wgrad products
+are all there: 3 of 3 per layer, fed fp8 (MXFP8) or e2m1 (NVFP4) codes. On
+the H100 the same recipes are the bf16 emulation (no block-scaled GEMM).
+"""
+
+import jax.numpy as jnp
+import pytest
+
+import fp8_linen as fl
+from fp8_linen.testing import hlo, targets
+
+LAYERS = ["qdense", "qdensegeneral", "qeinsum"]
+FORMATS = {"mx": ("f8e4m3fn", "fp8"), "nvfp4": ("f4e2m1fn", "fp4")}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("layer", LAYERS)
+def test_b200_runs_forward_dgrad_and_wgrad_as_block_scaled_dots(require_target, layer, fmt):
+  require_target("b200")
+  report = targets.compile_case(f"{layer}-{fmt}", "b200")
+  dtype, cls = FORMATS[fmt]
+  assert report.by_kind == {"cuDNN block-scaled": 3}, report.summary()
+  assert dict(report.custom_calls) == {hlo.BLOCK_SCALED_DOT_TARGET: 3}, report.summary()
+  assert [p.operands for p in report.product_list] == [(dtype, dtype)] * 3
+  assert report.classes == {cls: 3}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("layer", LAYERS)
+def test_h100_emulates_the_blocks_in_bf16(require_target, layer, fmt):
+  require_target("h100")
+  report = targets.compile_case(f"{layer}-{fmt}", "h100")
+  assert report.block_scaled_dots == 0 and report.low_precision == 0, report.summary()
+  assert [p.operands for p in report.product_list] == [("bf16", "bf16")] * 3
+
+
+def test_a_blackwell_with_an_older_cudnn_is_traced_as_emulation(require_target):
+  """XLA gives block-scaled dots to cuDNN only from 9.10: a target that says 9.8 is not asked."""
+  require_target("b200")
+  old = targets.B200_TARGET_CONFIG.replace("minor: 10 patch: 0", "minor: 8 patch: 0")
+  t = targets.custom_gpu_target(old)
+  assert not t.block_scaled_gemms and targets.get_target("b200").block_scaled_gemms
+  report = targets.compile_train_step(fl.QDense(256, dtype=jnp.bfloat16, recipe=fl.nvfp4()),
+                                      (128, 256), target=t)
+  assert report.block_scaled_dots == 0 and report.classes == {"bf16": 3}, report.summary()
+
+
+@pytest.mark.parametrize("recipe", [fl.mx_block_scaling(), fl.nvfp4()], ids=["mx", "nvfp4"])
+def test_b200_nnx_linear_is_three_block_scaled_dots(require_target, recipe):
+  require_target("b200")
+  case = targets._nnx_step_case("nnx", "", recipe, None)  # pylint: disable=protected-access
+  fn, args = case.build("gpu")
+  report = targets.compile_for("b200", fn, *args)
+  assert report.by_kind == {"cuDNN block-scaled": 3}, report.summary()
+
+
+def test_b200_decoder_block_projections_block_scaled_attention_math_bf16(
+    require_target):
+  """NVFP4 on the projections by rule; the attention math stays in the model's bf16."""
+  require_target("b200")
+  block = targets.DecoderBlock(dtype=jnp.bfloat16)
+  model = fl.quantize_model(block, fl.nvfp4(), rules=fl.projection_rules())
+  report = targets.compile_train_step(model, (2, 64, 128), target="b200")
+  # 6 projections (query, key, value, out, 2 MLP) x 3; q.k and p.v x 3 stay bf16.
+  assert report.classes == {"fp4": 18, "bf16": 6}, report.summary()
+  assert report.block_scaled_dots == 18
