@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import dims, int_numerics, int_ops, lowering, owg
+from fp8_linen.core import dims, int_numerics, int_ops, lowering, mesh, owg
 from fp8_linen.core.dot_general import grad_gemm, relayout
 from fp8_linen.core.numerics import SCALE_FLOOR
 from fp8_linen.recipes.integer import COMPUTE_DTYPES, IntQuantConfig, IntRecipe
@@ -325,9 +325,14 @@ def int_gemm(xc: Codes, wc: Codes, dn, *, lhs_shape, group: bool, how: str):
   # On an explicit mesh the product is told its output sharding (not for the
   # group view, whose reshaped operands JAX reshards itself).
   out_sharding = None if group else lowering.dot_out_sharding(cx, wc.codes, dn)
-  fn = lambda a, b, pref: lowering.lax_dot_general(a, b, vdn, preferred_element_type=pref,
-                                                   out_sharding=out_sharding)
-  acc = _code_product(cx, wc.codes, how, fn)
+  # On a mesh the codes are gathered or sliced as codes (1 byte), before the
+  # 'bf16' lowering upcasts them.
+  acc = mesh.product(
+      cx, wc.codes, mesh.dot_roles(vdn, cx.ndim, wc.codes.ndim),
+      lambda a, b, _pa, _pb, sharding: _code_product(
+          a, b, how, lambda a, b, pref: lowering.lax_dot_general(
+              a, b, vdn, preferred_element_type=pref, out_sharding=sharding)),
+      out_sharding=out_sharding)
   k = math.prod(cx.shape[a] for a in vlc)
   to_out = lambda t, pairs: relayout(t, pairs, acc.ndim)
   # Row sums of the codes, needed when the other operand has a zero point or offset.
@@ -408,7 +413,10 @@ def int_conv(xc: Codes, wc: Codes, conv, *, how: str):
     raise ValueError("int_conv: convolutions of integer codes need symmetric grids "
                      "without zero points or offsets")
   out_sharding = lowering.conv_out_sharding(xc.codes, wc.codes, conv[4])
-  acc = _code_product(xc.codes, wc.codes, how, _conv_fn(conv, out_sharding))
+  acc = mesh.product(
+      xc.codes, wc.codes, mesh.conv_roles(conv[4], xc.codes.ndim),
+      lambda a, b, _pa, _pb, sharding: _code_product(a, b, how, _conv_fn(conv, sharding)),
+      out_sharding=out_sharding)
   cdn = conv[4]
   shape = [1] * acc.ndim
   s_w = jnp.reshape(wc.scale, (-1,))
@@ -486,6 +494,27 @@ class _DotSpec(_Spec):
             grad_gemm(g, xh, self.dn, *nd, "rhs", how, rt, one, like=wh))
 
 
+  def code_grads(self, g, xc: Codes, wc: Codes):
+    """:meth:`grads` with each operand given as its codes, dequantized where it is multiplied.
+
+    The same products bit for bit (each operand is dequantized by the same
+    expression, on each device after the codes moved): on a mesh the weight
+    an FSDP layer gathers for its input gradient is gathered as int8 codes,
+    the very array its forward product gathered, instead of its bfloat16
+    dequantized copy. ``None`` where the codes are in another shape than the
+    operand (``'group'`` views), for :meth:`grads` to run instead.
+    """
+    if xc.codes.shape != self.lhs_shape or wc.codes.shape != self.rhs_shape:
+      return None
+    nd = (len(self.lhs_shape), len(self.rhs_shape))
+    lt = jnp.float32 if self.x.cfg.learned else self.lhs_dtype
+    rt = jnp.float32 if self.w.cfg.learned else self.rhs_dtype
+    how = "bf16" if self.grad_dtype == jnp.bfloat16 else "f32"
+    if how == "bf16" and lowering.current_backend() == "gpu":
+      how, g = "fp8", g.astype(jnp.bfloat16)
+    return (_code_grad_gemm(g, wc, xc.codes, self.dn, nd, "lhs", how, lt, self.grad_dtype),
+            _code_grad_gemm(g, xc, wc.codes, self.dn, nd, "rhs", how, rt, self.grad_dtype))
+
   def int_grads(self, g, xc: Codes, wc: Codes):
     """Both gradient GEMMs on integer codes (``IntRecipe.grad_bits``).
 
@@ -511,6 +540,35 @@ class _DotSpec(_Spec):
     d_w = (d_w.astype(jnp.float32) * relayout(s2, dims.flip(lay.rhs_to_out), d_w.ndim)
            * jnp.reshape(xc.scale, ()))
     return d_x, d_w
+
+
+def _code_grad_gemm(g, other: Codes, like, dn, nd, wrt: str, how: str, out_dtype, grad_dtype):
+  """``grad_gemm(g, dequantize(other))`` w.r.t. ``wrt``, ``other`` moved on a mesh as codes.
+
+  ``like`` is the differentiated operand (its codes): on an explicit mesh the
+  gradient is sharded like it.
+  """
+  gdn, g_first, perm = dims.grad_dims(dn, *nd, wrt)
+  params = tuple(_full(p, other.codes) for p in (other.scale, other.centre, other.offset)
+                 if p is not None)
+  has_centre, has_offset = other.centre is not None, other.offset is not None
+
+  def operand(codes, ps):
+    ps = iter(ps)
+    scale = next(ps)
+    centre = next(ps) if has_centre else None
+    offset = next(ps) if has_offset else None
+    return dequantize(Codes(codes, scale, centre, offset), grad_dtype)
+
+  if g_first:
+    local = lambda a, b, _pa, pb, sh: lowering.gemm(a, operand(b, pb), gdn, how, out_dtype, sh)
+    a, b, pa, pb = g, other.codes, (), params
+  else:
+    local = lambda a, b, pa, _pb, sh: lowering.gemm(operand(a, pa), b, gdn, how, out_dtype, sh)
+    a, b, pa, pb = other.codes, g, params, ()
+  y = mesh.product(a, b, mesh.dot_roles(gdn, a.ndim, b.ndim), local, lhs_params=pa,
+                   rhs_params=pb, out_sharding=lowering.like_sharding(like, perm))
+  return jnp.transpose(y.astype(out_dtype), perm)
 
 
 def _int_rows(t, axes, qmax: int):
@@ -611,7 +669,10 @@ def _int_product_bwd(spec, res, cts):
   if spec.grad_bits:
     g_xh, g_wh = spec.int_grads(g, xc, wc)
   else:
-    g_xh, g_wh = spec.grads(g, xh, wh)
+    # Dot products read the codes (dequantized where they are multiplied);
+    # group views and convolutions the dequantized operands.
+    grads = spec.code_grads(g, xc, wc) if isinstance(spec, _DotSpec) else None
+    g_xh, g_wh = grads if grads is not None else spec.grads(g, xh, wh)
   dx, dlp = _role_grads(spec.x, g_xh, x, x_in, lparams, xh, spec.lhs_dtype)
   dw, drp = _role_grads(spec.w, g_wh, w, w_in, rparams, wh, spec.rhs_dtype)
   chain_ct = jnp.zeros_like(ct_chain)
