@@ -413,10 +413,12 @@ def int_conv(xc: Codes, wc: Codes, conv, *, how: str):
     raise ValueError("int_conv: convolutions of integer codes need symmetric grids "
                      "without zero points or offsets")
   out_sharding = lowering.conv_out_sharding(xc.codes, wc.codes, conv[4])
-  acc = mesh.product(
-      xc.codes, wc.codes, mesh.conv_roles(conv[4], xc.codes.ndim),
-      lambda a, b, _pa, _pb, sharding: _code_product(a, b, how, _conv_fn(conv, sharding)),
-      out_sharding=out_sharding)
+  local = lambda a, b, _pa, _pb, sharding: _code_product(a, b, how, _conv_fn(conv, sharding))
+  if conv[5] != 1:  # grouped: the input and kernel features differ in size
+    acc = local(xc.codes, wc.codes, (), (), out_sharding)
+  else:
+    acc = mesh.product(xc.codes, wc.codes, mesh.conv_roles(conv[4], xc.codes.ndim), local,
+                       out_sharding=out_sharding)
   cdn = conv[4]
   shape = [1] * acc.ndim
   s_w = jnp.reshape(wc.scale, (-1,))
@@ -549,16 +551,8 @@ def _code_grad_gemm(g, other: Codes, like, dn, nd, wrt: str, how: str, out_dtype
   gradient is sharded like it.
   """
   gdn, g_first, perm = dims.grad_dims(dn, *nd, wrt)
-  params = tuple(_full(p, other.codes) for p in (other.scale, other.centre, other.offset)
-                 if p is not None)
-  has_centre, has_offset = other.centre is not None, other.offset is not None
-
-  def operand(codes, ps):
-    ps = iter(ps)
-    scale = next(ps)
-    centre = next(ps) if has_centre else None
-    offset = next(ps) if has_offset else None
-    return dequantize(Codes(codes, scale, centre, offset), grad_dtype)
+  params, has = _code_params(other)
+  operand = lambda codes, ps: _dequantized(codes, ps, has, grad_dtype)
 
   if g_first:
     local = lambda a, b, _pa, pb, sh: lowering.gemm(a, operand(b, pb), gdn, how, out_dtype, sh)
@@ -601,6 +595,60 @@ class _ConvSpec(_Spec):
     # convolutions (still accumulated in float32 by the hardware).
     _, vjp = jax.vjp(lambda a, b: fn(a, b, None), xh, wh)
     return vjp(g.astype(self.grad_dtype))
+
+  def code_grads(self, g, xc: Codes, wc: Codes):
+    """:meth:`grads` from the codes, dequantized where they are multiplied (see
+    :meth:`_DotSpec.code_grads`); ``None`` for grouped convolutions and views."""
+    if (xc.codes.shape != self.lhs_shape or wc.codes.shape != self.rhs_shape
+        or self.conv[5] != 1):
+      return None
+    learned = self.x.cfg.learned or self.w.cfg.learned
+    # As :meth:`grads`: LSQ transposes into a float32 cotangent, STE in grad_dtype.
+    pref, ct = ((jnp.float32, g.astype(jnp.float32)) if learned
+                else (None, g.astype(self.grad_dtype)))
+    cdn = self.conv[4]
+    (x_n, x_c), (w_o, w_i), (y_n, y_o) = cdn.lhs_spec[:2], cdn.rhs_spec[:2], cdn.out_spec[:2]
+    nd = len(self.lhs_shape)
+    ident = tuple(range(nd))
+    px, has_x = _code_params(xc)
+    pw, has_w = _code_params(wc)
+
+    def dgrad(gl, wl, _pg, pws, sharding):
+      wh = _dequantized(wl, pws, has_w, self.grad_dtype)
+      shape = list(self.lhs_shape)
+      shape[x_n], shape[x_c] = gl.shape[y_n], wl.shape[w_i]
+      at = mesh.point(tuple(shape), self.grad_dtype, sharding)
+      fn = _conv_fn(self.conv, lowering.conv_out_sharding(at, wh, cdn))
+      return jax.vjp(lambda a: fn(a, wh, pref), at)[1](gl)[0]
+
+    def wgrad(xl, gl, pxs, _pg, sharding):
+      xh = _dequantized(xl, pxs, has_x, self.grad_dtype)
+      shape = list(self.rhs_shape)
+      shape[w_o], shape[w_i] = gl.shape[y_o], xl.shape[x_c]
+      at = mesh.point(tuple(shape), self.grad_dtype, sharding)
+      fn = _conv_fn(self.conv, lowering.conv_out_sharding(xh, at, cdn))
+      return jax.vjp(lambda b: fn(xh, b, pref), at)[1](gl)[0]
+
+    d_x = mesh.product(ct, wc.codes, mesh.conv_roles(cdn, nd, "dgrad"), dgrad, rhs_params=pw,
+                       out_sharding=lowering.like_sharding(xc.codes, ident))
+    d_w = mesh.product(xc.codes, ct, mesh.conv_roles(cdn, nd, "wgrad"), wgrad, lhs_params=px,
+                       out_sharding=lowering.like_sharding(wc.codes, ident))
+    return d_x, d_w
+
+
+def _code_params(c: Codes):
+  """``(params, (has_centre, has_offset))``: ``c``'s parameters with the codes' rank."""
+  params = tuple(_full(p, c.codes) for p in (c.scale, c.centre, c.offset) if p is not None)
+  return params, (c.centre is not None, c.offset is not None)
+
+
+def _dequantized(codes, params, has, dtype):
+  """:func:`dequantize` of codes given with :func:`_code_params`' parameters."""
+  ps = iter(params)
+  scale = next(ps)
+  centre = next(ps) if has[0] else None
+  offset = next(ps) if has[1] else None
+  return dequantize(Codes(codes, scale, centre, offset), dtype)
 
 
 def _residual(op: Operand, x, c: Codes, inside):
@@ -669,9 +717,9 @@ def _int_product_bwd(spec, res, cts):
   if spec.grad_bits:
     g_xh, g_wh = spec.int_grads(g, xc, wc)
   else:
-    # Dot products read the codes (dequantized where they are multiplied);
-    # group views and convolutions the dequantized operands.
-    grads = spec.code_grads(g, xc, wc) if isinstance(spec, _DotSpec) else None
+    # The products read the codes (dequantized where they are multiplied);
+    # group views and grouped convolutions the dequantized operands.
+    grads = spec.code_grads(g, xc, wc)
     g_xh, g_wh = grads if grads is not None else spec.grads(g, xh, wh)
   dx, dlp = _role_grads(spec.x, g_xh, x, x_in, lparams, xh, spec.lhs_dtype)
   dw, drp = _role_grads(spec.w, g_wh, w, w_in, rparams, wh, spec.rhs_dtype)

@@ -52,8 +52,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-__all__ = ["Roles", "dot_roles", "conv_roles", "plan", "product", "as_bytes", "from_bytes",
-           "sharing_bytes"]
+__all__ = ["Roles", "dot_roles", "conv_roles", "plan", "product", "point", "as_bytes",
+           "from_bytes", "sharing_bytes"]
 
 
 class Roles(NamedTuple):
@@ -86,20 +86,35 @@ def dot_roles(dn, lhs_ndim: int, rhs_ndim: int) -> Roles:
   return Roles(lhs, rhs, tuple(out))
 
 
-def conv_roles(cdn, ndim: int) -> Roles:
+def conv_roles(cdn, ndim: int, product: str = "forward") -> Roles:
   """The :class:`Roles` of a convolution with ``lax.ConvDimensionNumbers`` ``cdn``.
 
-  The input batch and the kernel's output features are free dimensions, the
-  input features the contraction, the windows spatial.
+  ``product='forward'``: ``conv(x, w)`` (the batch and the output features
+  free, the input features contracted, the windows spatial); ``'dgrad'``:
+  the input gradient from ``(g, w)`` (in ``x``'s layout, the output features
+  contracted); ``'wgrad'``: the kernel gradient from ``(x, g)`` (in ``w``'s
+  layout, the batch contracted). Grouped convolutions are not described.
   """
-  lhs_spec, rhs_spec, out_spec = cdn
-  lhs = [("spatial", None)] * ndim
-  rhs = [("spatial", None)] * ndim
-  out = [("spatial", None)] * ndim
-  lhs[lhs_spec[0]], lhs[lhs_spec[1]] = ("free", None), ("contract", 0)
-  rhs[rhs_spec[0]], rhs[rhs_spec[1]] = ("free", None), ("contract", 0)
-  out[out_spec[0]], out[out_spec[1]] = ("lhs", lhs_spec[0]), ("rhs", rhs_spec[0])
-  return Roles(tuple(lhs), tuple(rhs), tuple(out))
+  (x_n, x_c), (w_o, w_i), (y_n, y_o) = cdn.lhs_spec[:2], cdn.rhs_spec[:2], cdn.out_spec[:2]
+  spatial = [("spatial", None)] * ndim
+
+  def roles(pairs):
+    r = list(spatial)
+    for d, role in pairs:
+      r[d] = role
+    return tuple(r)
+
+  free, k = ("free", None), ("contract", 0)
+  if product == "forward":
+    return Roles(roles([(x_n, free), (x_c, k)]), roles([(w_o, free), (w_i, k)]),
+                 roles([(y_n, ("lhs", x_n)), (y_o, ("rhs", w_o))]))
+  if product == "dgrad":
+    return Roles(roles([(y_n, free), (y_o, k)]), roles([(w_o, k), (w_i, free)]),
+                 roles([(x_n, ("lhs", y_n)), (x_c, ("rhs", w_i))]))
+  if product == "wgrad":
+    return Roles(roles([(x_n, k), (x_c, free)]), roles([(y_n, k), (y_o, free)]),
+                 roles([(w_o, ("rhs", y_o)), (w_i, ("lhs", x_c))]))
+  raise ValueError(f"conv_roles: product={product!r} must be 'forward', 'dgrad' or 'wgrad'")
 
 
 def _axes(entry) -> tuple:
@@ -114,7 +129,7 @@ def _entries(spec, ndim: int) -> tuple:
                                           else _axes(e)[0]) for e in spec)
 
 
-def plan(roles: Roles, lhs_spec, rhs_spec):
+def plan(roles: Roles, lhs_spec, rhs_spec, out_spec=None):
   """Where the operands of a product must be, given where they are.
 
   The choices XLA's partitioner makes for a dot, made on the codes:
@@ -123,10 +138,11 @@ def plan(roles: Roles, lhs_spec, rhs_spec):
      unsharded there);
   2. a contraction both operands shard alike stays sharded: each device
      multiplies its slice and the partial products are reduced;
-  3. every free dimension keeps its axes, the left operand's first, unless an
-     earlier dimension took them (a mesh axis shards one dimension of the
-     output): FSDP's weight, whose contraction is sharded over the batch's
-     axis, is gathered;
+  3. every free dimension keeps its axes, those the output asks for
+     (``out_spec``) first, then the left operand's, unless an earlier
+     dimension took them (a mesh axis shards one dimension of the output):
+     FSDP's weight, whose contraction is sharded over the batch's axis, is
+     gathered;
   4. a contraction only one operand shards stays sharded when the other does
      not use those axes at all (slicing that one moves nothing);
   5. window dimensions are gathered.
@@ -135,6 +151,9 @@ def plan(roles: Roles, lhs_spec, rhs_spec):
     roles: the product's :class:`Roles`.
     lhs_spec: the left operand's partition spec entries (one per dimension).
     rhs_spec: the right operand's.
+    out_spec: the output's wanted spec entries, if any (a gradient sharded
+      like its operand): where two free dimensions want one axis, the one the
+      output keeps it on wins.
 
   Returns:
     ``(lhs_target, rhs_target, out, partial)``: the operands' specs, the
@@ -163,11 +182,17 @@ def plan(roles: Roles, lhs_spec, rhs_spec):
   for i, j in pairs("contract"):
     if sa[i] is not None and sa[i] == sb[j]:
       ta[i] = tb[j] = take(sa[i])
+  if out_spec is not None:
+    for want, r in zip(_entries(out_spec, len(roles.out)), roles.out):
+      if r[0] == "lhs" and want is not None and sa[r[1]] == want:
+        ta[r[1]] = take(want)
+      elif r[0] == "rhs" and want is not None and sb[r[1]] == want:
+        tb[r[1]] = take(want)
   for d, r in enumerate(roles.lhs):
-    if r[0] == "free":
+    if r[0] == "free" and ta[d] is None:
       ta[d] = take(sa[d])
   for d, r in enumerate(roles.rhs):
-    if r[0] == "free":
+    if r[0] == "free" and tb[d] is None:
       tb[d] = take(sb[d])
   all_a = {a for e in sa for a in _axes(e)}
   all_b = {a for e in sb for a in _axes(e)}
@@ -211,6 +236,17 @@ def sharing_bytes():
     yield
   finally:
     _SHARED.reset(token)
+
+
+def point(shape, dtype, sharding=None):
+  """Zeros to linearize a product at (it is linear in that operand), sharded like its gradient.
+
+  The gradient products of a convolution are transposes (``jax.vjp``) of it;
+  their result takes the sharding of the point they are linearized at, on an
+  explicit mesh that of the operand they differentiate.
+  """
+  z = jnp.zeros(shape, dtype)
+  return z if sharding is None else jax.sharding.reshard(z, sharding)
 
 
 def as_bytes(x):
@@ -343,7 +379,8 @@ def product(lhs, rhs, roles: Roles, local: Callable, *, lhs_params: Sequence = (
   lhs_params, rhs_params = tuple(lhs_params), tuple(rhs_params)
   mesh = _mesh_of(lhs, rhs)
   if _explicit_mesh(mesh):
-    ta, tb, _, _ = plan(roles, _spec_of(lhs), _spec_of(rhs))
+    want = None if out_sharding is None else tuple(out_sharding.spec)
+    ta, tb, _, _ = plan(roles, _spec_of(lhs), _spec_of(rhs), want)
     if ta != _spec_of(lhs):
       lhs = from_bytes(_reshard(as_bytes(lhs), mesh, ta), lhs.dtype)
       lhs_params = tuple(_reshard(p, mesh, _param_spec(p, lhs, ta)) for p in lhs_params)
@@ -389,8 +426,8 @@ def _partitioned(lhs, rhs, roles, local, lhs_params, rhs_params):
 
   def partition(mesh, arg_shapes, result_shape):
     a_s, b_s = arg_shapes[0], arg_shapes[1]
-    ta, tb, out, partial = plan(roles, a_s.sharding.spec, b_s.sharding.spec)
     want = _entries(result_shape.sharding.spec, len(roles.out))
+    ta, tb, out, partial = plan(roles, a_s.sharding.spec, b_s.sharding.spec, want)
     out, scatters, sums = list(out), [], []
     for axis in partial:
       dims = [d for d, e in enumerate(want) if e == axis and out[d] is None
