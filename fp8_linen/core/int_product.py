@@ -334,7 +334,10 @@ def int_gemm(xc: Codes, wc: Codes, dn, *, lhs_shape, group: bool, how: str):
               a, b, vdn, preferred_element_type=pref, out_sharding=sharding)),
       out_sharding=out_sharding)
   k = math.prod(cx.shape[a] for a in vlc)
-  to_out = lambda t, pairs: relayout(t, pairs, acc.ndim)
+  # Per-row/column terms are laid out like the product (on an explicit mesh
+  # also sharded like it: a weight's channel axis may be sharded where the
+  # product's is not).
+  to_out = lambda t, pairs: lowering.reshard_like(relayout(t, pairs, acc.ndim), acc)
   # Row sums of the codes, needed when the other operand has a zero point or offset.
   need_sx = wc.centre is not None or wc.offset is not None
   need_sw = xc.centre is not None or xc.offset is not None

@@ -107,8 +107,14 @@ class StepCollectives:
 
   @property
   def gather_bytes(self) -> float:
-    """Bytes all-gathered per step."""
+    """Bytes all-gathered per step (weights, and activations where XLA gathers those)."""
     return sum(c.nbytes for c in self.gathers)
+
+  @property
+  def weight_gather_bytes(self) -> float:
+    """Bytes of the all-gathered arrays that have a kernel's shape (the weight gathers)."""
+    kernel = (self.width, self.width)
+    return sum(a.nbytes for c in self.gathers for a in c.arrays if tuple(a.shape) == kernel)
 
   @property
   def gathers_in_codes(self) -> bool:
@@ -127,9 +133,10 @@ class StepCollectives:
             "first_step_only": {k: {"count": n, "bytes": b}
                                 for k, (n, b) in self.first_step_only.items()},
             "gather_bytes": self.gather_bytes,
+            "weight_gather_bytes": self.weight_gather_bytes,
             "gather_dtypes": sorted({d for c in self.gathers for d in c.dtypes}),
             "kernel_f32_bytes": self.kernel_f32_bytes,
-            "gather_vs_f32_params": self.gather_bytes / self.kernel_f32_bytes}
+            "weight_gathers_vs_f32_params": self.weight_gather_bytes / self.kernel_f32_bytes}
 
 
 def _mesh(where: str, axis_type: str):

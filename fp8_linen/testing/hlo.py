@@ -529,6 +529,8 @@ class Collective:
       so it runs only in the steps that take that branch (e.g. the first
       step of delayed scaling, whose history is still empty), not in every
       step.
+    arrays: the :class:`ArrayType` s it produces (several when XLA combined
+      collectives into one).
   """
 
   kind: str
@@ -536,6 +538,7 @@ class Collective:
   dtypes: tuple[str, ...]
   name: str = ""
   conditional: bool = False
+  arrays: tuple[ArrayType, ...] = ()
 
 
 def _branches(inst: Instruction) -> list[str]:
@@ -603,7 +606,7 @@ def collectives(module: Module) -> list[Collective]:
       out_bytes = sum(a.nbytes for a in res)
       dtypes = tuple(sorted({a.dtype for a in (res or ins)}))
       out.append(Collective(base, max(in_bytes, out_bytes), dtypes, inst.name,
-                            comp in branched))
+                            comp in branched, tuple(res or ins)))
   return out
 
 
