@@ -26,10 +26,10 @@ the codes become GEMM operands:
 * elsewhere (one device, inside ``shard_map``, under ``vmap``, GSPMD instead
   of Shardy) it is the plain product.
 
-The weight a layer gathers in its forward product is gathered again by its
-gradient product; both ask for the same codes in the same layout, and the
-partitioner's reshard cache (or XLA's CSE of the two identical constraints)
-gathers them once per step.
+The weight a layer gathers for its forward product is needed again by its
+input-gradient product. Both read the very same bytes (the residual is the
+forward's bytes, :func:`sharing_bytes`) and ask for the same layout, so the
+partitioner reuses one gather: each weight moves once per step, as codes.
 
 Example:
   >>> import jax.numpy as jnp
@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -276,7 +276,7 @@ def from_bytes(b, dtype):
 
 
 def _mesh_of(*xs):
-  """The (abstract) mesh of the first operand that has one, and whether its axes are Explicit."""
+  """The (abstract) mesh of the first operand that has one, else the current mesh (or None)."""
   for x in xs:
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)

@@ -11,7 +11,8 @@ and every gradient) on the 8-device CPU mesh or for a multi-device target
   in a step that takes a ``lax.cond`` branch (delayed scaling's first step);
 * the weight gathers (all-gathers) with the bytes they move, against the
   kernels' bytes as float32 parameters;
-* the all-reduces the arm adds over the bf16 stack's (its quantization state).
+* the all-reduces that only make the new quantization state
+  (:func:`state_all_reduces`), and all the arm adds over the bf16 stack's.
 
 Example:
   >>> from fp8_linen.testing import collectives
@@ -39,7 +40,7 @@ from fp8_linen.testing import hlo
 from fp8_linen.testing import targets as targets_lib
 
 __all__ = ["ARMS", "CPU_MESH", "DEVICES", "StepCollectives", "recipe", "stack", "fsdp_step",
-           "state_all_reduces"]
+           "state_all_reduces", "extra_all_reduces"]
 
 ARMS = ("bf16", "fp8_delayed", "fp8_current", "int8")
 """The arms: ``nn.Dense`` bf16, ``fl.QDense`` fp8 delayed / current, int8 STE (channel weights)."""
@@ -84,6 +85,7 @@ class StepCollectives:
     depth: layers.
     width: features per layer.
     axis_type: ``'auto'`` or ``'explicit'`` mesh axes.
+    tokens: rows of the batch.
     every_step: ``{kind: (count, bytes)}`` of the collectives every step runs.
     first_step_only: the same for those inside a ``lax.cond`` branch (delayed
       scaling's scale from the current amax, taken while a history is empty).
@@ -99,6 +101,7 @@ class StepCollectives:
   depth: int
   width: int
   axis_type: str
+  tokens: int
   every_step: dict
   first_step_only: dict
   gathers: tuple
@@ -127,7 +130,7 @@ class StepCollectives:
 
   def row(self) -> dict:
     """A JSON-able summary."""
-    return {"arm": self.arm, "depth": self.depth, "width": self.width,
+    return {"arm": self.arm, "depth": self.depth, "width": self.width, "tokens": self.tokens,
             "axis_type": self.axis_type,
             "every_step": {k: {"count": n, "bytes": b} for k, (n, b) in self.every_step.items()},
             "first_step_only": {k: {"count": n, "bytes": b}
@@ -154,7 +157,8 @@ def _mesh(where: str, axis_type: str):
 
 @functools.lru_cache(maxsize=None)
 def fsdp_step(arm: str, depth: int, where: str = CPU_MESH, *, width: int = 1024,
-              tokens_per_device: int = 128, axis_type: str = "auto") -> StepCollectives:
+              tokens: int = 1024, axis_type: str = "auto",
+              with_state: bool = True) -> StepCollectives:
   """Compiles the FSDP step of :func:`stack` and reads its collectives (cached per arguments).
 
   Args:
@@ -163,9 +167,15 @@ def fsdp_step(arm: str, depth: int, where: str = CPU_MESH, *, width: int = 1024,
     where: :data:`CPU_MESH` or a multi-device target (``'h100x8'``,
       ``'tpu-v6e-2x2'``; compile only, see :mod:`fp8_linen.testing.targets`).
     width: features per layer.
-    tokens_per_device: rows of the batch per device.
+    tokens: rows of the batch (split over the devices). With fewer rows than
+      a layer's width XLA may gather activations for the weight gradients
+      instead of reducing them (``weight_gather_bytes`` counts weights only).
     axis_type: ``'auto'`` (XLA places every sharding) or ``'explicit'``
       (shardings in the arrays' types; ``jax.make_mesh``'s default).
+    with_state: the step returns the new quantization state (the
+      ``_overwrite_with_gradient`` gradients) with the parameters' gradients.
+      Without it XLA drops every reduction that only feeds that state (see
+      :func:`state_all_reduces`).
 
   Returns:
     A :class:`StepCollectives`.
@@ -174,9 +184,7 @@ def fsdp_step(arm: str, depth: int, where: str = CPU_MESH, *, width: int = 1024,
     raise ValueError(f"axis_type={axis_type!r} must be 'auto' or 'explicit'")
   mesh, platform = _mesh(where, axis_type)
   model = stack(arm, depth, width)
-  n = mesh.devices.size
-  v, x, r = targets_lib.train_step_inputs(model, (n * tokens_per_device, width),
-                                          platform=platform)
+  v, x, r = targets_lib.train_step_inputs(model, (tokens, width), platform=platform)
 
   def place(path, a):
     kernel = jax.tree_util.keystr(path).endswith("['kernel']")
@@ -187,6 +195,9 @@ def fsdp_step(arm: str, depth: int, where: str = CPU_MESH, *, width: int = 1024,
   x, r = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P("fsdp")))
           for a in (x, r))
   step = targets_lib.make_train_step(model)
+  if not with_state:
+    full = step
+    step = lambda v, x, r: (lambda out: (out[0], out[1], out[2]["params"]))(full(v, x, r))
   with jax.set_mesh(mesh) if axis_type == "explicit" else contextlib.nullcontext():
     if where == CPU_MESH:
       with target_backend("cpu"):
@@ -199,12 +210,31 @@ def fsdp_step(arm: str, depth: int, where: str = CPU_MESH, *, width: int = 1024,
   every = [c for c in found if not c.conditional]
   return StepCollectives(
       where=where, device=device, arm=arm, depth=depth, width=width, axis_type=axis_type,
+      tokens=tokens,
       every_step=hlo.collective_totals(every),
       first_step_only=hlo.collective_totals([c for c in found if c.conditional]),
       gathers=tuple(c for c in every if c.kind == "all-gather"),
       kernel_f32_bytes=4 * depth * width * width, hlo_text=text)
 
 
-def state_all_reduces(result: StepCollectives, bf16: StepCollectives) -> int:
-  """All-reduces per step ``result`` runs beyond the bf16 stack's (its quantization state)."""
+def state_all_reduces(result: StepCollectives) -> int:
+  """The all-reduces per step that only make ``result``'s new quantization state.
+
+  The same step compiled without returning that state (``with_state=False``)
+  has the same program but for what feeds only the state: the difference in
+  all-reduces is the cost of keeping the state (delayed scaling's amaxes of
+  the step). Reductions a cast needs (current scaling's amax, an integer
+  weight's range) are in both. Counting this way is immune to how XLA splits
+  or merges the gradients' reductions.
+  """
+  if not result.arm.startswith("fp8"):
+    return 0
+  bare = fsdp_step(result.arm, result.depth, result.where, width=result.width,
+                   tokens=result.tokens, axis_type=result.axis_type, with_state=False)
+  return result.count("all-reduce") - bare.count("all-reduce")
+
+
+def extra_all_reduces(result: StepCollectives, bf16: StepCollectives) -> int:
+  """All-reduces per step ``result`` runs beyond the bf16 stack's (a count; XLA may split the
+  gradients' reduction differently in the two programs)."""
   return result.count("all-reduce") - bf16.count("all-reduce")
