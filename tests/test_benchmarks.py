@@ -186,7 +186,7 @@ def test_scripts_import_only_the_public_api():
   import ast
   allowed_ours = {"fp8_linen", "fp8_linen.testing.gpu_compile", "fp8_linen.testing",
                   "fp8_linen.testing.hlo", "fp8_linen.testing.targets",
-                  "fp8_linen.testing.estimate",
+                  "fp8_linen.testing.estimate", "fp8_linen.testing.collectives",
                   "fp8_linen_job", "common", "plot_results"}
   for path in sorted(pathlib.Path(BENCH_DIR).glob("*.py")):
     tree = ast.parse(path.read_text())
@@ -204,6 +204,22 @@ def test_scripts_import_only_the_public_api():
           assert ok, f"{path.name} imports {name}"
       if path.name != "bench_transformer.py":
         assert not any(n.startswith("fp8_linen_job") for n in names), path.name
+
+
+def test_bench_collectives_quick(tmp_path, capsys):
+  bc = _load("bench_collectives")
+  out = tmp_path / "collectives.json"
+  payload = bc.main(["--quick", "--markdown", "--out", str(out)])
+  saved = json.loads(out.read_text())
+  rows = saved["meshes"]["cpu"]["rows"]
+  assert saved["meshes"]["cpu"]["device"] == "CPU (8 virtual devices)"
+  assert {(r["depth"], r["arm"]) for r in rows} == {
+      (d, a) for d in (2, 4) for a in ("bf16", "fp8_delayed", "fp8_current", "int8")}
+  assert payload["goals_missed"] == [] and saved["goals_missed"] == []
+  delayed = [r for r in rows if r["arm"] == "fp8_delayed"]
+  assert all(1 <= r["state_all_reduces"] <= 2 for r in delayed)
+  assert all(r["first_step_only"]["all-reduce"]["count"] > 0 for r in delayed)
+  assert "| CPU (8 virtual devices) | 4 | int8 |" in capsys.readouterr().out
 
 
 def test_bench_serving_quick(tmp_path):

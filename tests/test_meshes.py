@@ -140,3 +140,59 @@ def test_train_step_on_an_explicit_mesh_matches_one_device():
   jax.tree.map(lambda a, b: np.testing.assert_array_less(
       np.linalg.norm(a - b), 2e-2 * np.linalg.norm(b)), sharded.params["params"],
       single.params["params"])
+
+
+class Parallel(nn.Module):
+  """A column-parallel then row-parallel pair (TP), each kernel also FSDP-sharded."""
+
+  recipe: object
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.gelu(fl.QDense(64, recipe=self.recipe, name="up")(x))
+    return fl.QDense(32, recipe=self.recipe, name="down")(h)
+
+
+_DP_FSDP_TP = {"up": P("fsdp", "model"), "down": P("model", "fsdp")}
+_SCALE_RECIPES = {"delayed": fl.delayed_scaling(), "current": fl.current_scaling(),
+                  "rowwise": fl.rowwise_scaling(),
+                  "int8": fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel"))}
+
+
+def _outlier_batch():
+  x = np.random.default_rng(3).normal(size=(32, 32)).astype(np.float32)
+  x[27, 5] = 64.0  # on one device's rows only (the batch is split 4 ways)
+  return jnp.asarray(x)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit],
+                         ids=["auto", "explicit"])
+@pytest.mark.parametrize("name", sorted(_SCALE_RECIPES))
+def test_dp_fsdp_tp_step_matches_one_device(name, axis_type):
+  # 2 (data) x 2 (fsdp) x 2 (model): the batch over data and fsdp, kernels over
+  # fsdp and model (replicated over data), the state replicated.
+  model, x = Parallel(_SCALE_RECIPES[name]), _outlier_batch()
+  v = model.init(jax.random.key(0), x)
+  loss_grad = jax.jit(jax.value_and_grad(functools.partial(_loss, model)))
+  loss1, g1 = loss_grad(v, x)
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "model"), axis_types=(axis_type,) * 3)
+
+  def spec(path, a):
+    names = [getattr(k, "key", None) for k in path]
+    return _DP_FSDP_TP[names[-2]] if names[-1] == "kernel" else P()
+
+  with jax.set_mesh(mesh):
+    vs = jax.tree_util.tree_map_with_path(
+        lambda p, a: jax.device_put(a, NamedSharding(mesh, spec(p, a))), v)
+    xs = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"))))
+    loss, g = loss_grad(vs, xs)
+  np.testing.assert_allclose(loss, loss1, rtol=1e-4)
+  jax.tree.map(lambda a, b: np.testing.assert_array_less(
+      np.linalg.norm(a - b), 2e-2 * np.linalg.norm(b) + 1e-12), g["params"], g1["params"])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-2), g[fl.OWG], g1[fl.OWG])
+  # The outlier on one device's rows is in every device's copy of the state.
+  state = g[fl.OWG]["up"]
+  seen = state["input_range"][1] if name == "int8" else state["input_amax_history"][0]
+  assert seen.sharding.is_fully_replicated
+  for shard in seen.addressable_shards:
+    assert float(shard.data) == 64.0

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from fp8_linen.core import lowering, numerics, owg
+from fp8_linen.core import lowering, mesh, numerics, owg
 from fp8_linen.core.product import ProductSpec, product
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
@@ -129,17 +129,36 @@ def _fp8_wgrad(q_l, q_g, q_r, cfg):
   return jnp.transpose(w, perm)
 
 
+def _on_mesh(a, b, conv_cfg, product: str, local, a_scale, b_scale, out_sharding=None):
+  """``local(a, b, (a_scale,), (b_scale,), out_sharding)``, fp8 codes moved as codes on a mesh.
+
+  See :func:`fp8_linen.core.mesh.product`; the scalar scales ride along as
+  size-1 arrays of the operands' rank. Grouped convolutions run as they are.
+  """
+  as_param = lambda s, like: jnp.reshape(jnp.asarray(s, jnp.float32), (1,) * like.ndim)
+  pa, pb = (as_param(a_scale, a),), (as_param(b_scale, b),)
+  if conv_cfg[5] != 1:
+    return local(a, b, pa, pb, out_sharding)
+  return mesh.product(a, b, mesh.conv_roles(conv_cfg[4], a.ndim, product), local,
+                      lhs_params=pa, rhs_params=pb, out_sharding=out_sharding)
+
+
 def fp8_conv_of(q_l, s_l, q_r, s_r, conv_cfg, gemm: str, out_dtype):
   """The forward convolution of two fp8 operands with scalar scales, lowered as ``gemm``.
 
   Shared by the training product and the served model (``core/serve.py``).
-  ``conv_cfg`` is :func:`conv_config`'s tuple.
+  ``conv_cfg`` is :func:`conv_config`'s tuple. On a mesh the operands move as
+  fp8 codes (:func:`fp8_linen.core.mesh.product`).
   """
-  if gemm == "fp8":  # dequantize-then-conv: the cuDNN fp8 graph form
-    return _conv(_deq(q_l, s_l), _deq(q_r, s_r), conv_cfg, jnp.float32).astype(out_dtype)
-  up = jnp.bfloat16 if gemm == "bf16" else jnp.float32  # fp8 -> bf16 is exact
-  y = _conv(q_l, q_r, conv_cfg, up, preferred=jnp.float32)
-  return (y * jnp.reshape(numerics.scale_product(s_l, s_r), ())).astype(out_dtype)
+  def local(a, b, pa, pb, _):
+    (sa,), (sb,) = pa, pb
+    if gemm == "fp8":  # dequantize-then-conv: the cuDNN fp8 graph form
+      return _conv(_deq(a, sa), _deq(b, sb), conv_cfg, jnp.float32).astype(out_dtype)
+    up = jnp.bfloat16 if gemm == "bf16" else jnp.float32  # fp8 -> bf16 is exact
+    y = _conv(a, b, conv_cfg, up, preferred=jnp.float32)
+    return (y * jnp.reshape(numerics.scale_product(sa, sb), ())).astype(out_dtype)
+
+  return _on_mesh(q_l, q_r, conv_cfg, "forward", local, s_l, s_r)
 
 
 def conv_config(n: int, window_strides, padding, lhs_dilation, rhs_dilation, dn,
@@ -166,22 +185,54 @@ class ConvSpec(ProductSpec):
   def backward(self, q_l, q_r, extras, states, g):
     s_l, s_r = extras
     q_g, s_g, a_g = numerics.quantize_with(self.cfgs[2], *states[2], g)
+    cfg = self.conv_cfg
+    (x_n, x_c), (w_o, w_i), (y_n, y_o) = (cfg[4].lhs_spec[:2], cfg[4].rhs_spec[:2],
+                                          cfg[4].out_spec[:2])
+    groups = cfg[5]
+
+    # Each gradient is a product of the gradient's fp8 codes and one operand's,
+    # moved as codes on a mesh (the ones the forward product moved). The
+    # shapes below are those of the codes each device holds then.
+    def x_shape(gq, wq):
+      shape = list(q_l.shape)
+      shape[x_n], shape[x_c] = gq.shape[y_n], wq.shape[w_i] * groups
+      return tuple(shape)
+
+    def w_shape(xq, gq):
+      shape = list(q_r.shape)
+      shape[w_o], shape[w_i] = gq.shape[y_o], xq.shape[x_c] // groups
+      return tuple(shape)
+
     if self.gemm == "fp8":
-      d_lhs = _fp8_dgrad(q_l, q_r, q_g, s_r, s_g, self.conv_cfg)
-      d_rhs = _fp8_wgrad(q_l, q_g, q_r, self.conv_cfg)
-      if d_rhs is None:  # grouped / input-dilated: the dequantized (non-fp8) form
-        _, vjp = jax.vjp(lambda b: _conv(_deq(q_l, s_l), b, self.conv_cfg, jnp.float32),
-                         _deq(q_r, s_r))
-        d_rhs = vjp(_deq(q_g, s_g))[0]
-      else:
-        d_rhs = d_rhs * jnp.reshape(numerics.scale_product(s_l, s_g), ())
+      def dgrad(gq, wq, pg, pw, sharding):
+        return _fp8_dgrad(mesh.point(x_shape(gq, wq), q_l.dtype, sharding), wq, gq, pw[0], pg[0], cfg)
+
+      def wgrad(xq, gq, px, pg, sharding):
+        d = _fp8_wgrad(xq, gq, mesh.point(w_shape(xq, gq), q_r.dtype, sharding), cfg)
+        if d is None:  # grouped / input-dilated: the dequantized (non-fp8) form
+          _, vjp = jax.vjp(lambda b: _conv(_deq(xq, px[0]), b, cfg, jnp.float32),
+                           mesh.point(w_shape(xq, gq), jnp.float32, sharding))
+          return vjp(_deq(gq, pg[0]))[0]
+        return d * jnp.reshape(numerics.scale_product(px[0], pg[0]), ())
     else:
       up = jnp.bfloat16 if self.gemm == "bf16" else jnp.float32
-      _, vjp = jax.vjp(lambda a, b: _conv(a, b, self.conv_cfg, up), q_l.astype(up),
-                       q_r.astype(up))
-      d_lhs, d_rhs = vjp(q_g.astype(up))
-      d_lhs = d_lhs.astype(jnp.float32) * jnp.reshape(numerics.scale_product(s_g, s_r), ())
-      d_rhs = d_rhs.astype(jnp.float32) * jnp.reshape(numerics.scale_product(s_g, s_l), ())
+
+      def dgrad(gq, wq, pg, pw, sharding):
+        _, vjp = jax.vjp(lambda a: _conv(a, wq.astype(up), cfg, up),
+                         mesh.point(x_shape(gq, wq), up, sharding))
+        d = vjp(gq.astype(up))[0]
+        return d.astype(jnp.float32) * jnp.reshape(numerics.scale_product(pg[0], pw[0]), ())
+
+      def wgrad(xq, gq, px, pg, sharding):
+        _, vjp = jax.vjp(lambda b: _conv(xq.astype(up), b, cfg, up),
+                         mesh.point(w_shape(xq, gq), up, sharding))
+        d = vjp(gq.astype(up))[0]
+        return d.astype(jnp.float32) * jnp.reshape(numerics.scale_product(pg[0], px[0]), ())
+
+    d_lhs = _on_mesh(q_g, q_r, cfg, "dgrad", dgrad, s_g, s_r, lowering.like_sharding(
+        q_l, tuple(range(q_l.ndim))))
+    d_rhs = _on_mesh(q_l, q_g, cfg, "wgrad", wgrad, s_l, s_g, lowering.like_sharding(
+        q_r, tuple(range(q_r.ndim))))
     return d_lhs.astype(self.lhs_dtype), d_rhs.astype(self.rhs_dtype), a_g
 
 

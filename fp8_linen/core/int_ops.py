@@ -202,7 +202,9 @@ def _observe(cfg: IntQuantConfig, old, x):
   x32 = jnp.asarray(x, jnp.float32)
   if x32.size == 0:  # an empty batch observes nothing
     return old
-  cur = jnp.stack([-jnp.min(x32), jnp.max(x32)])
+  # Two max reductions (max(-x) is -min(x)): over a sharded x XLA merges their
+  # all-reduces into one, where a min and a max would need two.
+  cur = jnp.stack([jnp.max(-x32), jnp.max(x32)])
   cur = jnp.where(jnp.isfinite(cur), cur, old)  # a NaN batch never poisons the range
   empty = jnp.all(old == 0)
   if cfg.observer == "minmax":
@@ -309,7 +311,10 @@ def minmax_fake_quant(view, axes, cfg: IntQuantConfig):
 
 def minmax_qparams(view, axes, cfg: IntQuantConfig):
   """Scale and zero point from ``view``'s own min/max over ``axes`` (kept as size 1)."""
-  lo = jnp.min(view, axis=axes, keepdims=True)
+  # -max(-w), not min(w): on a mesh both reductions are max all-reduces,
+  # which XLA merges into one (a weight sharded over its contraction, as
+  # under FSDP, needs its per-channel range before it is cast).
+  lo = -jnp.max(-view, axis=axes, keepdims=True)
   hi = jnp.max(view, axis=axes, keepdims=True)
   return int_numerics.int_params_from_range(lo, hi, cfg)
 

@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import dims, int_numerics, int_ops, lowering, owg
+from fp8_linen.core import dims, int_numerics, int_ops, lowering, mesh, owg
 from fp8_linen.core.dot_general import grad_gemm, relayout
 from fp8_linen.core.numerics import SCALE_FLOOR
 from fp8_linen.recipes.integer import COMPUTE_DTYPES, IntQuantConfig, IntRecipe
@@ -325,11 +325,19 @@ def int_gemm(xc: Codes, wc: Codes, dn, *, lhs_shape, group: bool, how: str):
   # On an explicit mesh the product is told its output sharding (not for the
   # group view, whose reshaped operands JAX reshards itself).
   out_sharding = None if group else lowering.dot_out_sharding(cx, wc.codes, dn)
-  fn = lambda a, b, pref: lowering.lax_dot_general(a, b, vdn, preferred_element_type=pref,
-                                                   out_sharding=out_sharding)
-  acc = _code_product(cx, wc.codes, how, fn)
+  # On a mesh the codes are gathered or sliced as codes (1 byte), before the
+  # 'bf16' lowering upcasts them.
+  acc = mesh.product(
+      cx, wc.codes, mesh.dot_roles(vdn, cx.ndim, wc.codes.ndim),
+      lambda a, b, _pa, _pb, sharding: _code_product(
+          a, b, how, lambda a, b, pref: lowering.lax_dot_general(
+              a, b, vdn, preferred_element_type=pref, out_sharding=sharding)),
+      out_sharding=out_sharding)
   k = math.prod(cx.shape[a] for a in vlc)
-  to_out = lambda t, pairs: relayout(t, pairs, acc.ndim)
+  # Per-row/column terms are laid out like the product (on an explicit mesh
+  # also sharded like it: a weight's channel axis may be sharded where the
+  # product's is not).
+  to_out = lambda t, pairs: lowering.reshard_like(relayout(t, pairs, acc.ndim), acc)
   # Row sums of the codes, needed when the other operand has a zero point or offset.
   need_sx = wc.centre is not None or wc.offset is not None
   need_sw = xc.centre is not None or xc.offset is not None
@@ -408,7 +416,12 @@ def int_conv(xc: Codes, wc: Codes, conv, *, how: str):
     raise ValueError("int_conv: convolutions of integer codes need symmetric grids "
                      "without zero points or offsets")
   out_sharding = lowering.conv_out_sharding(xc.codes, wc.codes, conv[4])
-  acc = _code_product(xc.codes, wc.codes, how, _conv_fn(conv, out_sharding))
+  local = lambda a, b, _pa, _pb, sharding: _code_product(a, b, how, _conv_fn(conv, sharding))
+  if conv[5] != 1:  # grouped: the input and kernel features differ in size
+    acc = local(xc.codes, wc.codes, (), (), out_sharding)
+  else:
+    acc = mesh.product(xc.codes, wc.codes, mesh.conv_roles(conv[4], xc.codes.ndim), local,
+                       out_sharding=out_sharding)
   cdn = conv[4]
   shape = [1] * acc.ndim
   s_w = jnp.reshape(wc.scale, (-1,))
@@ -486,6 +499,27 @@ class _DotSpec(_Spec):
             grad_gemm(g, xh, self.dn, *nd, "rhs", how, rt, one, like=wh))
 
 
+  def code_grads(self, g, xc: Codes, wc: Codes):
+    """:meth:`grads` with each operand given as its codes, dequantized where it is multiplied.
+
+    The same products bit for bit (each operand is dequantized by the same
+    expression, on each device after the codes moved): on a mesh the weight
+    an FSDP layer gathers for its input gradient is gathered as int8 codes,
+    the very array its forward product gathered, instead of its bfloat16
+    dequantized copy. ``None`` where the codes are in another shape than the
+    operand (``'group'`` views), for :meth:`grads` to run instead.
+    """
+    if xc.codes.shape != self.lhs_shape or wc.codes.shape != self.rhs_shape:
+      return None
+    nd = (len(self.lhs_shape), len(self.rhs_shape))
+    lt = jnp.float32 if self.x.cfg.learned else self.lhs_dtype
+    rt = jnp.float32 if self.w.cfg.learned else self.rhs_dtype
+    how = "bf16" if self.grad_dtype == jnp.bfloat16 else "f32"
+    if how == "bf16" and lowering.current_backend() == "gpu":
+      how, g = "fp8", g.astype(jnp.bfloat16)
+    return (_code_grad_gemm(g, wc, xc.codes, self.dn, nd, "lhs", how, lt, self.grad_dtype),
+            _code_grad_gemm(g, xc, wc.codes, self.dn, nd, "rhs", how, rt, self.grad_dtype))
+
   def int_grads(self, g, xc: Codes, wc: Codes):
     """Both gradient GEMMs on integer codes (``IntRecipe.grad_bits``).
 
@@ -511,6 +545,27 @@ class _DotSpec(_Spec):
     d_w = (d_w.astype(jnp.float32) * relayout(s2, dims.flip(lay.rhs_to_out), d_w.ndim)
            * jnp.reshape(xc.scale, ()))
     return d_x, d_w
+
+
+def _code_grad_gemm(g, other: Codes, like, dn, nd, wrt: str, how: str, out_dtype, grad_dtype):
+  """``grad_gemm(g, dequantize(other))`` w.r.t. ``wrt``, ``other`` moved on a mesh as codes.
+
+  ``like`` is the differentiated operand (its codes): on an explicit mesh the
+  gradient is sharded like it.
+  """
+  gdn, g_first, perm = dims.grad_dims(dn, *nd, wrt)
+  params, has = _code_params(other)
+  operand = lambda codes, ps: _dequantized(codes, ps, has, grad_dtype)
+
+  if g_first:
+    local = lambda a, b, _pa, pb, sh: lowering.gemm(a, operand(b, pb), gdn, how, out_dtype, sh)
+    a, b, pa, pb = g, other.codes, (), params
+  else:
+    local = lambda a, b, pa, _pb, sh: lowering.gemm(operand(a, pa), b, gdn, how, out_dtype, sh)
+    a, b, pa, pb = other.codes, g, params, ()
+  y = mesh.product(a, b, mesh.dot_roles(gdn, a.ndim, b.ndim), local, lhs_params=pa,
+                   rhs_params=pb, out_sharding=lowering.like_sharding(like, perm))
+  return jnp.transpose(y.astype(out_dtype), perm)
 
 
 def _int_rows(t, axes, qmax: int):
@@ -543,6 +598,60 @@ class _ConvSpec(_Spec):
     # convolutions (still accumulated in float32 by the hardware).
     _, vjp = jax.vjp(lambda a, b: fn(a, b, None), xh, wh)
     return vjp(g.astype(self.grad_dtype))
+
+  def code_grads(self, g, xc: Codes, wc: Codes):
+    """:meth:`grads` from the codes, dequantized where they are multiplied (see
+    :meth:`_DotSpec.code_grads`); ``None`` for grouped convolutions and views."""
+    if (xc.codes.shape != self.lhs_shape or wc.codes.shape != self.rhs_shape
+        or self.conv[5] != 1):
+      return None
+    learned = self.x.cfg.learned or self.w.cfg.learned
+    # As :meth:`grads`: LSQ transposes into a float32 cotangent, STE in grad_dtype.
+    pref, ct = ((jnp.float32, g.astype(jnp.float32)) if learned
+                else (None, g.astype(self.grad_dtype)))
+    cdn = self.conv[4]
+    (x_n, x_c), (w_o, w_i), (y_n, y_o) = cdn.lhs_spec[:2], cdn.rhs_spec[:2], cdn.out_spec[:2]
+    nd = len(self.lhs_shape)
+    ident = tuple(range(nd))
+    px, has_x = _code_params(xc)
+    pw, has_w = _code_params(wc)
+
+    def dgrad(gl, wl, _pg, pws, sharding):
+      wh = _dequantized(wl, pws, has_w, self.grad_dtype)
+      shape = list(self.lhs_shape)
+      shape[x_n], shape[x_c] = gl.shape[y_n], wl.shape[w_i]
+      at = mesh.point(tuple(shape), self.grad_dtype, sharding)
+      fn = _conv_fn(self.conv, lowering.conv_out_sharding(at, wh, cdn))
+      return jax.vjp(lambda a: fn(a, wh, pref), at)[1](gl)[0]
+
+    def wgrad(xl, gl, pxs, _pg, sharding):
+      xh = _dequantized(xl, pxs, has_x, self.grad_dtype)
+      shape = list(self.rhs_shape)
+      shape[w_o], shape[w_i] = gl.shape[y_o], xl.shape[x_c]
+      at = mesh.point(tuple(shape), self.grad_dtype, sharding)
+      fn = _conv_fn(self.conv, lowering.conv_out_sharding(xh, at, cdn))
+      return jax.vjp(lambda b: fn(xh, b, pref), at)[1](gl)[0]
+
+    d_x = mesh.product(ct, wc.codes, mesh.conv_roles(cdn, nd, "dgrad"), dgrad, rhs_params=pw,
+                       out_sharding=lowering.like_sharding(xc.codes, ident))
+    d_w = mesh.product(xc.codes, ct, mesh.conv_roles(cdn, nd, "wgrad"), wgrad, lhs_params=px,
+                       out_sharding=lowering.like_sharding(wc.codes, ident))
+    return d_x, d_w
+
+
+def _code_params(c: Codes):
+  """``(params, (has_centre, has_offset))``: ``c``'s parameters with the codes' rank."""
+  params = tuple(_full(p, c.codes) for p in (c.scale, c.centre, c.offset) if p is not None)
+  return params, (c.centre is not None, c.offset is not None)
+
+
+def _dequantized(codes, params, has, dtype):
+  """:func:`dequantize` of codes given with :func:`_code_params`' parameters."""
+  ps = iter(params)
+  scale = next(ps)
+  centre = next(ps) if has[0] else None
+  offset = next(ps) if has[1] else None
+  return dequantize(Codes(codes, scale, centre, offset), dtype)
 
 
 def _residual(op: Operand, x, c: Codes, inside):
@@ -611,7 +720,10 @@ def _int_product_bwd(spec, res, cts):
   if spec.grad_bits:
     g_xh, g_wh = spec.int_grads(g, xc, wc)
   else:
-    g_xh, g_wh = spec.grads(g, xh, wh)
+    # The products read the codes (dequantized where they are multiplied);
+    # group views and grouped convolutions the dequantized operands.
+    grads = spec.code_grads(g, xc, wc)
+    g_xh, g_wh = grads if grads is not None else spec.grads(g, xh, wh)
   dx, dlp = _role_grads(spec.x, g_xh, x, x_in, lparams, xh, spec.lhs_dtype)
   dw, drp = _role_grads(spec.w, g_wh, w, w_in, rparams, wh, spec.rhs_dtype)
   chain_ct = jnp.zeros_like(ct_chain)

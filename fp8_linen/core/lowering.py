@@ -55,6 +55,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jax.lax import conv_general_dilated as lax_conv_general_dilated
 from jax.lax import dot_general as lax_dot_general
 
+from fp8_linen.core import mesh
+
 __all__ = [
     "GEMMS",
     "target_backend",
@@ -64,6 +66,7 @@ __all__ = [
     "resolve_gemm",
     "block_scaled_matmul",
     "gemm",
+    "is_code",
     "scaled",
     "explicit_spec",
     "reshard_like",
@@ -372,12 +375,26 @@ def global_max(a):
   return jax.lax.pmax(a, tuple(sorted(axes))) if axes else a
 
 
+def is_code(x) -> bool:
+  """Whether ``x`` holds 1-byte codes (fp8, int8, uint8): what a mesh should move of it."""
+  return jnp.dtype(jnp.result_type(x)).itemsize == 1
+
+
 def gemm(a, b, dn, how: str, out_dtype, out_sharding=None):
   """``dot_general`` of two fp8 operands under the lowering ``how``.
 
   ``out_sharding`` (see :func:`dot_out_sharding`) is passed to the product on
-  explicit meshes.
+  explicit meshes. On a mesh, operands that are 1-byte codes are gathered or
+  sliced as codes before they are upcast (:func:`fp8_linen.core.mesh.product`).
   """
+  if is_code(a) or is_code(b):
+    local = lambda a, b, _pa, _pb, sharding: _gemm(a, b, dn, how, out_dtype, sharding)
+    return mesh.product(a, b, mesh.dot_roles(dn, a.ndim, b.ndim), local,
+                        out_sharding=out_sharding)
+  return _gemm(a, b, dn, how, out_dtype, out_sharding)
+
+
+def _gemm(a, b, dn, how: str, out_dtype, out_sharding=None):
   if how == "fp8":
     return lax_dot_general(a, b, dn, preferred_element_type=out_dtype,
                            out_sharding=out_sharding)

@@ -51,6 +51,8 @@ __all__ = [
     "roll_history",
     "scale_from_amax",
     "select_scale",
+    "history_amax",
+    "step_scale",
     "quantize_with",
     "row_scale",
     "mx_quantize",
@@ -133,16 +135,20 @@ def amax(x: jnp.ndarray) -> jnp.ndarray:
 
   An empty ``x`` has amax 0 ("nothing observed").
 
-  Written as ``max(max(x), -min(x))``: XLA:GPU fuses a ``max(|y|)`` of an fp8
+  Written as ``max(max(x), max(-x))``: XLA:GPU fuses a ``max(|y|)`` of an fp8
   GEMM's output ``y`` into the cuBLASLt call as a second output, and when ``y``
   is then quantized with a scale computed from that amax (a gradient fed to
   the next fp8 GEMM) the fused call depends on itself and compilation fails
-  ("cycle detected"). This form is not fused.
+  ("cycle detected"). This form is not fused. Both halves are *max*
+  reductions (``-min(x)`` would be a min): over a sharded ``x`` each becomes a
+  max all-reduce, and XLA's all-reduce combiner merges all-reduces of one
+  kind that do not depend on each other, so an amax costs one collective, and
+  the amaxes of a whole step that only feed its new state share one.
   """
   x = jnp.asarray(x)
   if x.size == 0:  # an empty batch: max() of nothing would raise
     return jnp.zeros((), jnp.float32)
-  return jnp.maximum(jnp.max(x), -jnp.min(x)).astype(jnp.float32)
+  return jnp.maximum(jnp.max(x), jnp.max(-x)).astype(jnp.float32)
 
 
 def finite_or_zero(a: jnp.ndarray) -> jnp.ndarray:
@@ -295,7 +301,7 @@ def select_scale(cfg: ScalingConfig, prev_scale: jnp.ndarray, history: jnp.ndarr
   if cfg.scaling == "current":
     a = cur
   else:
-    h = history[:1] if cfg.amax_compute_algo == "most_recent" else jnp.max(history, keepdims=True)
+    h = history_amax(cfg, history)
     a = jnp.where(h > 0, h, cur)
   return scale_from_amax(a, prev_scale, cfg)
 
@@ -397,12 +403,68 @@ def mx_dequantize(q: jnp.ndarray, scales: jnp.ndarray, axis: int, block_size: in
   return q.astype(dtype) * s
 
 
+def history_amax(cfg: ScalingConfig, history: jnp.ndarray) -> jnp.ndarray:
+  """The amax a delayed scale is taken from: ``(1,)``, 0 when the history has none."""
+  if cfg.amax_compute_algo == "most_recent":
+    return history[:1]
+  return jnp.max(history, keepdims=True)
+
+
+def step_scale(cfg: ScalingConfig, prev_scale: jnp.ndarray, history: jnp.ndarray,
+               x: jnp.ndarray) -> jnp.ndarray:
+  """The scale ``x`` is quantized with at this step: :func:`select_scale` of its amax.
+
+  Equal to ``select_scale(cfg, prev_scale, history, global amax of x)``, but a
+  delayed scale does not wait for ``x``'s amax when the history answers. On a
+  mesh that amax is a reduction over every shard (an all-reduce): with
+  ``jnp.where(history > 0, history, amax)`` it would sit between every
+  quantization and its GEMM in every step, although only a step whose
+  history is empty (the first one) reads it. A ``lax.cond`` on the history
+  (replicated, so every device takes the same branch) runs the reduction in
+  that step only; the amax that feeds the new state is computed apart
+  (:func:`quantize_with`) and feeds nothing else, so XLA can defer it and
+  merge it with every other one of the step.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import numerics
+    >>> from fp8_linen.recipes import ScalingConfig
+    >>> x = jnp.array([4.0, -1792.0])
+    >>> numerics.step_scale(ScalingConfig(), jnp.ones((1,)), jnp.array([896.0, 0.0]), x).tolist()
+    [2.0]
+    >>> numerics.step_scale(ScalingConfig(), jnp.ones((1,)), jnp.zeros((2,)), x).tolist()
+    [4.0]
+  """
+  def current():
+    a = jnp.reshape(lowering.global_max(amax(x)), (1,))
+    return scale_from_amax(a, prev_scale, cfg)
+
+  def first_step():
+    # XLA turns a conditional whose branches are all reductions and
+    # elementwise ops into a select of both (ConditionalSimplifier), which
+    # would run the reduction in every step again; an optimization barrier
+    # counts as an expensive op there, and once the mesh is partitioned the
+    # branch holds its all-reduce, which keeps the conditional for good.
+    return lax.optimization_barrier(current())
+
+  if cfg.scaling == "current":
+    return current()
+  h = history_amax(cfg, history)
+  if lowering.varying_axes(h) or lowering.varying_axes(prev_scale):
+    # Per-device state (shard_map with state that varies): devices may take
+    # different branches, and a branch with a collective must not diverge.
+    return select_scale(cfg, prev_scale, history, lowering.global_max(amax(x)))
+  return lax.cond(h[0] > 0, lambda: scale_from_amax(h, prev_scale, cfg), first_step)
+
+
 def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, x: jnp.ndarray):
   """Quantizes ``x`` as ``cfg`` says, from a role's stored state.
 
   The one place a tensor (operand or gradient) is measured, scaled and cast:
   ``a = amax(x)`` (the global amax inside ``shard_map``), ``s =
-  select_scale(cfg, scale, history, a)``, ``q = quantize(x, cfg's dtype, s)``.
+  select_scale(cfg, scale, history, a)`` (computed by :func:`step_scale`,
+  which reads ``a`` only where the scale needs it), ``q = quantize(x, cfg's
+  dtype, s)``.
 
   Returns:
     ``(q, s, a)``: the fp8 tensor, the scale used and the observed amax.
@@ -418,7 +480,8 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
   """
   # Inside shard_map every device must pick the scale one device would.
   a = lowering.global_max(amax(x))
-  s = select_scale(cfg, scale, history, a)
+  s = scale_from_amax(jnp.reshape(a, (1,)), scale, cfg) if cfg.scaling == "current" else \
+      step_scale(cfg, scale, history, x)
   return quantize(x, cfg.jnp_dtype, s), s, a
 
 

@@ -38,10 +38,11 @@ import functools
 from typing import Any
 
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import lowering, owg
+from fp8_linen.core import lowering, mesh, owg
 
 __all__ = ["ProductSpec", "product"]
 
@@ -81,20 +82,38 @@ def product(spec, lhs, rhs, states, chain):
   return spec.forward(lhs, rhs, states)[0], chain
 
 
+def _saved(q):
+  """A residual fp8 operand as its bytes, named for remat policies (:data:`owg.CHECKPOINT_NAME`).
+
+  Bytes, not fp8: remat rounds floating residuals it saves to IEEE formats
+  (see :func:`~fp8_linen.core.owg.name_fp8_residual`), and on a mesh the
+  gradient GEMMs then read the very bytes the forward GEMM gathered, so the
+  partitioner gathers a weight once per step (:func:`mesh.sharing_bytes`).
+  """
+  return jax.ad_checkpoint.checkpoint_name(mesh.as_bytes(q), owg.CHECKPOINT_NAME)
+
+
 def _product_fwd(spec, lhs, rhs, states, chain):
-  y, (q_l, q_r), amaxes, extras = spec.forward(lhs, rhs, states)
-  # On an explicit mesh a spec may regather an operand (MX blocks along a
-  # sharded axis); the residuals keep the operands' own sharding, which the
-  # gradients must have.
-  q_l, q_r = lowering.reshard_like(q_l, lhs), lowering.reshard_like(q_r, rhs)
-  # Residuals: the fp8 operands, a few scalars/scale vectors, and the state
-  # inputs (arguments of the step, alive anyway). No high-precision copy.
-  res = ((owg.name_fp8_residual(q_l), owg.name_fp8_residual(q_r)), amaxes, extras, states)
+  with mesh.sharing_bytes():
+    y, (q_l, q_r), amaxes, extras = spec.forward(lhs, rhs, states)
+    # On an explicit mesh a spec may regather an operand (MX blocks along a
+    # sharded axis); the residuals keep the operands' own sharding, which the
+    # gradients must have.
+    q_l, q_r = lowering.reshard_like(q_l, lhs), lowering.reshard_like(q_r, rhs)
+    # Residuals: the fp8 operands, a few scalars/scale vectors, and the state
+    # inputs (arguments of the step, alive anyway). No high-precision copy.
+    res = ((_saved(q_l), _saved(q_r)), amaxes, extras, states)
   return (y, chain), res
 
 
 def _product_bwd(spec, res, cts):
-  (q_l, q_r), (a_l, a_r), extras, states = res
+  with mesh.sharing_bytes():
+    return _backward(spec, res, cts)
+
+
+def _backward(spec, res, cts):
+  (b_l, b_r), (a_l, a_r), extras, states = res
+  q_l, q_r = mesh.from_bytes(b_l, spec.cfgs[0].jnp_dtype), mesh.from_bytes(b_r, spec.cfgs[1].jnp_dtype)
   g, ct_chain = cts
   empty = q_l.size == 0 or q_r.size == 0 or g.size == 0
   if empty:

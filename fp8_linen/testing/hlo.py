@@ -83,6 +83,7 @@ _CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
 _TO_APPLY = re.compile(r"\bto_apply=%([\w.\-]+)")
 _BODY = re.compile(r"\bbody=%([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_PRED_BRANCHES = re.compile(r"\b(?:true|false)_computation=%([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
@@ -524,17 +525,72 @@ class Collective:
       larger of its inputs and its outputs.
     dtypes: the element types it moves.
     name: its instruction name.
+    conditional: it lies in a branch of a ``conditional`` (a ``lax.cond``),
+      so it runs only in the steps that take that branch (e.g. the first
+      step of delayed scaling, whose history is still empty), not in every
+      step.
+    arrays: the :class:`ArrayType` s it produces (several when XLA combined
+      collectives into one).
   """
 
   kind: str
   nbytes: float
   dtypes: tuple[str, ...]
   name: str = ""
+  conditional: bool = False
+  arrays: tuple[ArrayType, ...] = ()
+
+
+def _branches(inst: Instruction) -> list[str]:
+  """The branch computations of a ``conditional`` (either spelling XLA prints)."""
+  m = _BRANCHES.search(inst.attrs)
+  return _NAME.findall(m.group(1)) if m else _PRED_BRANCHES.findall(inst.attrs)
+
+
+def _in_branches(module: Module) -> set[str]:
+  """The computations that run only inside a branch of some ``conditional``."""
+  roots = [n for instrs in module.computations.values() for i in instrs
+           if i.opcode == "conditional" for n in _branches(i)]
+  out, todo = set(), roots
+  while todo:
+    c = todo.pop()
+    if c not in out and c in module.computations:
+      out.add(c)
+      todo.extend(_called(module, c))
+  return out
+
+
+def _called(module: Module, comp: str) -> list[str]:
+  """Every computation an instruction of ``comp`` names (bodies, branches, fusions)."""
+  names = []
+  for inst in module.computations.get(comp, []):
+    for pattern in (_CALLS, _TO_APPLY, _BODY):
+      names.extend(pattern.findall(inst.attrs))
+    if inst.opcode == "conditional":
+      names.extend(_branches(inst))
+  return names
 
 
 def collectives(module: Module) -> list[Collective]:
-  """Every collective of a compiled program (each asynchronous pair once)."""
+  """Every collective of a compiled program (each asynchronous pair once).
+
+  Example:
+    >>> from fp8_linen.testing import hlo
+    >>> text = '''%add (a: f32[], b: f32[]) -> f32[] {
+    ...   %a = f32[] parameter(0)
+    ...   %b = f32[] parameter(1)
+    ...   ROOT %s = f32[] add(%a, %b)
+    ... }
+    ...
+    ... ENTRY %main (x: bf16[64,32]) -> bf16[64,32] {
+    ...   %x = bf16[64,32]{1,0} parameter(0)
+    ...   ROOT %r = bf16[64,32]{1,0} all-reduce(%x), replica_groups={}, to_apply=%add
+    ... }'''
+    >>> [(c.kind, c.nbytes, c.dtypes) for c in hlo.collectives(hlo.parse(text))]
+    [('all-reduce', 4096, ('bf16',))]
+  """
   out = []
+  branched = _in_branches(module)
   for comp, instrs in module.computations.items():
     for inst in instrs:
       op = inst.opcode
@@ -549,7 +605,8 @@ def collectives(module: Module) -> list[Collective]:
         res = res[len(ins):len(ins) * 2] if len(res) >= 2 * len(ins) else res[len(ins):]
       out_bytes = sum(a.nbytes for a in res)
       dtypes = tuple(sorted({a.dtype for a in (res or ins)}))
-      out.append(Collective(base, max(in_bytes, out_bytes), dtypes, inst.name))
+      out.append(Collective(base, max(in_bytes, out_bytes), dtypes, inst.name,
+                            comp in branched, tuple(res or ins)))
   return out
 
 
@@ -622,9 +679,7 @@ def _top_level(module: Module) -> list[tuple[str, int]]:
         if m:
           todo.append((m.group(1), times))
       elif inst.opcode == "conditional":
-        m = _BRANCHES.search(inst.attrs)
-        if m:
-          todo.extend((n, times) for n in _NAME.findall(m.group(1)))
+        todo.extend((n, times) for n in _branches(inst))
       elif inst.opcode in ("async-start",) and inst.calls:
         todo.append((inst.calls, times))
   return out

@@ -220,9 +220,11 @@ def test_dot_residuals_are_fp8_copies_only():
   _, vjp = jax.vjp(lambda x, w: dot(x, w, states)[0], x, w)
   big = [r for r in jax.tree.leaves(vjp) if np.size(r) > 8]
   state_leaves = {id(l) for l in jax.tree.leaves(states)}
-  fp8 = [r for r in big if r.dtype == jnp.float8_e4m3fn]
+  # The fp8 copies, kept as their bytes (uint8): remat cannot round them, and
+  # on a mesh the gradient GEMMs read the bytes the forward GEMM gathered.
+  fp8 = [r for r in big if r.dtype == jnp.uint8]
   assert sorted(r.shape for r in fp8) == [(32, 64), (64, 16)]
-  others = [r for r in big if r.dtype != jnp.float8_e4m3fn and id(r) not in state_leaves]
+  others = [r for r in big if r.dtype != jnp.uint8 and id(r) not in state_leaves]
   assert all(r.shape == (8,) for r in others), [(r.shape, r.dtype) for r in others]
 
 
