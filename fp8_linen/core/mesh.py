@@ -257,7 +257,8 @@ def as_bytes(x):
   shared = _SHARED.get()
   if shared is not None and id(x) in shared and shared[id(x)][0] is x:
     return shared[id(x)][1]
-  if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 1:
+  # 8-bit floats only: a 4-bit float (NVFP4's e2m1) has no same-shape uint8 view.
+  if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits == 8:
     b = lax.bitcast_convert_type(x, jnp.uint8)
   else:
     b = x
