@@ -36,6 +36,7 @@ Usage:
   python benchmarks/bench_block_quality.py                       # 3 seeds x (1x, 4x) x 4 arms
   python benchmarks/bench_block_quality.py --arms nvfp4 nvfp4_no_sr --lengths 1 --seeds 0
   python benchmarks/bench_block_quality.py --quick               # smoke run
+  python benchmarks/bench_block_quality.py --merge a.json b.json --out all.json  # one table
 """
 
 from __future__ import annotations
@@ -188,6 +189,51 @@ def print_table(summary: dict) -> None:
             flush=True)
 
 
+def markdown(payload: dict, arms=MAIN_ARMS) -> str:
+  """The quality table: per arm, the mean final validation loss per run length and its excess
+  over bf16's (seeds in brackets), and the target where there is one."""
+  lengths = list(payload["summary"])
+  head = ["arm"] + [f"{k.replace('_steps', '')} steps: val loss (vs bf16)" for k in lengths]
+  lines = ["| " + " | ".join(head + ["target"]) + " |",
+           "| --- |" + " ---: |" * len(lengths) + " --- |"]
+  for arm in arms:
+    cells = []
+    for k in lengths:
+      r = payload["summary"][k].get(arm)
+      if r is None:
+        cells.append("-")
+        continue
+      ratio = r.get("ratio_vs_bf16_mean")
+      vs = "" if ratio is None else f" ({100 * (ratio - 1):+.2f}%)"
+      cells.append(f"{r['val_loss_mean']:.4f}{vs} [{len(r['seeds'])}]")
+    family = "nvfp4" if arm.startswith("nvfp4") else arm
+    target = f"within {100 * TARGETS[family]:.1f}%" if family in TARGETS and arm == family else ""
+    lines.append(f"| {arm} | " + " | ".join(cells) + f" | {target} |")
+  return "\n".join(lines)
+
+
+def merge(paths) -> dict:
+  """One payload from several partial runs' files (later files' runs win per arm, seed, steps)."""
+  payloads = [json.load(open(p)) for p in paths]
+  runs = {}
+  for payload in payloads:
+    for r in payload["runs"]:
+      runs[(r["arm"], r["seed"], r["steps"])] = r
+  runs = list(runs.values())
+  base_steps = min(r["steps"] for r in runs)
+  lengths = sorted({r["steps"] // base_steps for r in runs})
+  merged = dict(payloads[0])
+  merged.update(
+      runs=runs, summary=summarize(runs, lengths, base_steps),
+      seeds=sorted({r["seed"] for r in runs}),
+      lengths_steps=[base_steps * n for n in lengths],
+      arms=[a for a in ARM_CHOICES if any(r["arm"] == a for r in runs)],
+      total_seconds=sum(p["total_seconds"] for p in payloads),
+      complete=all(p["complete"] for p in payloads[1:]),
+      command=" ; ".join(p["command"] for p in payloads))
+  return merged
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -204,6 +250,9 @@ def parse_args(argv=None):
   p.add_argument("--estimate", action="store_true",
                  help="time 30 steps of each arm and extrapolate the full run's CPU time")
   p.add_argument("--quick", action="store_true", help="a tiny model and 10 steps (smoke run)")
+  p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                 help="merge these result files (runs of the same arm, seed and length: the "
+                      "later file's) into --out, then print the tables")
   p.add_argument("--out", default=None, help="output JSON (default benchmarks/results/"
                                              "<device>-block-quality.json)")
   return p.parse_args(argv)
@@ -262,6 +311,11 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   if args.estimate:
     return estimate(args)
+  if args.merge:
+    payload = merge(args.merge)
+    common.write_json_to(args.out or args.merge[0], payload)
+    print(markdown(payload), markdown(payload, ABLATIONS), sep="\n\n")
+    return payload
   base_steps = job_config(args, 0, 1).lm.steps
   path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                   f"{common.device_name()}-block-quality.json")
@@ -279,6 +333,7 @@ def main(argv=None) -> dict:
                                             time.perf_counter() - t0, False, argv))
   payload = _payload(args, runs, base_steps, time.perf_counter() - t0, True, argv)
   print_table(payload["summary"])
+  print(markdown(payload, [a for a in ARM_CHOICES if a in args.arms]))
   common.write_json_to(path, payload)
   print("wrote", path)
   bad = [r["arm"] for r in runs if not r["finite"] or not math.isfinite(r["val_loss"])]

@@ -51,7 +51,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEVICE = "estimate (compile only)"
-ARMS = ("bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "mx_block", "int8_ste",
+ARMS = ("bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "mx_block", "nvfp4", "int8_ste",
         "int8_lsq")
 WIDTHS = (1024, 4096, 8192)
 TARGETS = ("h100", "b200", "tpu-v5e", "tpu-v6e", "tpu7x")
@@ -64,6 +64,7 @@ def recipe(arm: str):
   import fp8_linen as fl  # pylint: disable=import-outside-toplevel
   return {"bf16": None, "fp8_delayed": fl.delayed_scaling(), "fp8_current": fl.current_scaling(),
           "fp8_rowwise": fl.rowwise_scaling(), "mx_block": fl.mx_block_scaling(),
+          "nvfp4": fl.nvfp4(),
           "int8_ste": fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel")),
           "int8_lsq": fl.int8_lsq()}[arm]
 
@@ -181,7 +182,7 @@ def measure(widths, arms, reps: int, quick: bool) -> dict:
 
 
 LABELS = {"fp8_delayed": "fp8 delayed", "fp8_current": "fp8 current", "fp8_rowwise": "fp8 row-wise",
-          "mx_block": "MX block", "int8_ste": "int8 STE", "int8_lsq": "int8 LSQ"}
+          "mx_block": "MXFP8", "nvfp4": "NVFP4", "int8_ste": "int8 STE", "int8_lsq": "int8 LSQ"}
 NAMES = {"h100": "H100", "b200": "B200", "tpu-v5e": "TPU v5e", "tpu-v6e": "TPU v6e",
          "tpu7x": "TPU7x"}
 

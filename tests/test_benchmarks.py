@@ -253,3 +253,34 @@ def test_bench_block_quality_quick(tmp_path):
   # The NVFP4 arm keeps the last block's MLP in bf16 by rule.
   nv = [r for r in saved["runs"] if r["arm"] == "nvfp4"][0]
   assert "block1/mlp" in nv["rules"] and "float4_e2m1fn" in nv["recipe"]
+  # Partial runs merge into one table: a second file's seeds join the first's.
+  other = dict(saved, runs=[dict(r, seed=r["seed"] + 10) for r in saved["runs"]])
+  (tmp_path / "more.json").write_text(json.dumps(other))
+  merged = bq.merge([str(out), str(tmp_path / "more.json")])
+  assert merged["seeds"] == [0, 1, 10, 11]
+  assert merged["summary"]["10_steps"]["nvfp4"]["seeds"] == [0, 1, 10, 11]
+  table = bq.markdown(merged).splitlines()
+  assert table[0].startswith("| arm | 10 steps: val loss (vs bf16) |")
+  assert table[4].startswith("| mxfp8 | ") and table[4].endswith("[4] | within 0.3% |")
+
+
+def test_bench_targets_quick(tmp_path, capsys, require_target):
+  require_target("b200")
+  bt = _load("bench_targets")
+  out = tmp_path / "estimate-targets.json"
+  payload = bt.main(["--quick", "--widths", "256", "--targets", "b200",
+                     "--arms", "bf16", "fp8_delayed", "nvfp4", "--out", str(out)])
+  saved = json.loads(out.read_text())
+  assert saved["device"] == "estimate (compile only)" and saved["measured"] is None
+  rows = saved["results"]["b200"]["256"]
+  assert set(rows) == {"bf16", "fp8_delayed", "nvfp4"}
+  assert rows["bf16"]["ratio_vs_bf16"] == 1.0 and rows["bf16"]["low_precision_products"] == 0
+  # The block's projections: 4 GEMMs x 3 products each, fp8 GEMMs / block-scaled dots on B200.
+  assert rows["fp8_delayed"]["by_kind"].get("cuBLASLt fp8", 0) >= 12
+  assert rows["nvfp4"]["by_kind"].get("cuDNN block-scaled", 0) >= 12
+  for row in rows.values():
+    assert row["estimate_ms"] > 0 and 0 <= row["low_precision_share"] <= 1
+  assert "no GPU or TPU found" in capsys.readouterr().out
+  table = bt.tables(payload).splitlines()
+  assert table[0] == "| recipe | B200 |"
+  assert any(l.startswith("| NVFP4 | ") for l in table)

@@ -995,7 +995,7 @@ def cases() -> list[Case]:
       _step_case("mlp-3", "3 x QDense MLP", mlp, tokens, bf16, _all(9)),
       _nnx_step_case("nnx-linear", "fl.nnx.Linear, fp8 delayed", delayed, _all(3)),
       _nnx_step_case("nnx-linear-int8-lsq", "fl.nnx.Linear, int8 LSQ", lsq, int_fwd),
-      _step_case("block-bf16", "pre-LN decoder block via quantize_model, bf16", lambda: (
+      _step_case("block-fp8", "bf16 pre-LN decoder block, quantize_model fp8 delayed", lambda: (
           fl.quantize_model(DecoderBlock(dtype=bf16), delayed)), (2, 64, 128), bf16, _all(24)),
       _step_case("block-int8", "the same block, int8 STE on every product", lambda: (
           fl.quantize_model(DecoderBlock(dtype=bf16), ste)), (2, 64, 128), bf16,
