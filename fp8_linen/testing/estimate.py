@@ -5,7 +5,8 @@ of the optimized program (:func:`fp8_linen.testing.hlo.kernels`) the time is
 the larger of its FLOPs at the peak rate of its operand class (bf16, fp8,
 int8, fp4, f32) and its bytes at the HBM bandwidth; the step is the sum over
 kernels plus a fixed per-kernel floor (launch and pipeline fill, which the
-roofline leaves out). Collectives are not included (see
+roofline leaves out). A ``conditional`` counts its cheapest branch (a step
+runs one; delayed scaling's first-step branch runs once). Collectives are not included (see
 :func:`fp8_linen.testing.hlo.collectives`). It ignores caches, overlap,
 fusion inside library kernels and partial-tile waste, so it is a lower bound
 of the kind that ranks recipes, not a prediction of wall time.
@@ -146,20 +147,32 @@ def estimate(kernels: Iterable[hlo.Kernel], peaks: Peaks) -> Estimate:
   Returns:
     An :class:`Estimate`.
   """
-  times, total, prod, low, other = [], 0.0, 0.0, 0.0, 0.0
-  flops = collections.Counter()
+  times = []
+  # Sums per (conditional, branch); None: the kernels every step runs.
+  parts: dict = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, collections.Counter()])
   for k in kernels:
     compute = sum(f / peaks.rate(c) for c, f in k.flops)
     memory = (k.bytes_read + k.bytes_written) / peaks.hbm
     t = (max(compute, memory) + peaks.kernel_floor) * k.count
     times.append(KernelTime(k, t, "compute" if compute >= memory else "memory"))
-    total += t
+    acc = parts[k.branch]
+    acc[0] += t
     for c, f in k.flops:
-      flops[c] += f * k.count
+      acc[4][c] += f * k.count
     if k.is_product:
-      prod += t
+      acc[1] += t
       if all(c in ("fp8", "int8", "fp4") for c, _ in k.flops):
-        low += t
+        acc[2] += t
     else:
-      other += (k.bytes_read + k.bytes_written) * k.count
+      acc[3] += (k.bytes_read + k.bytes_written) * k.count
+  # A conditional runs one branch per step: count its cheapest (delayed
+  # scaling's first-step branch, which takes the scale from this step's
+  # amax, runs once; every later step takes the other).
+  chosen = [parts.pop(None, [0.0, 0.0, 0.0, 0.0, collections.Counter()])]
+  by_cond = collections.defaultdict(list)
+  for (cond, _), acc in parts.items():
+    by_cond[cond].append(acc)
+  chosen += [min(branches, key=lambda a: a[0]) for branches in by_cond.values()]
+  total, prod, low, other = (sum(a[i] for a in chosen) for i in range(4))
+  flops = sum((a[4] for a in chosen), collections.Counter())
   return Estimate(total, prod, low, other, dict(flops), tuple(times), peaks)

@@ -644,6 +644,8 @@ class Kernel:
     count: how many times it runs per step (a loop body's trip count).
     xla_cycles: XLA:TPU's own cost-model estimate of the kernel's cycles (the
       ``estimated_cycles`` of its backend config), or None (other targets).
+    branch: ``(conditional, branch index)`` when the kernel runs only in one
+      branch of a ``conditional`` (a ``lax.cond``), else None.
   """
 
   name: str
@@ -653,35 +655,41 @@ class Kernel:
   bytes_written: float
   count: int = 1
   xla_cycles: int | None = None
+  branch: tuple[str, int] | None = None
 
   @property
   def is_product(self) -> bool:
     return bool(self.flops)
 
 
-def _top_level(module: Module) -> list[tuple[str, int]]:
-  """``(computation, times per step)`` of the computations whose instructions are kernels."""
-  out, todo, seen = [], [(module.entry, 1)], set()
+def _top_level(module: Module) -> list[tuple[str, int, tuple[str, int] | None]]:
+  """``(computation, times per step, branch)`` of the computations whose instructions are kernels.
+
+  ``branch`` is ``(conditional, branch index)`` of the outermost ``conditional``
+  the computation runs under, or None.
+  """
+  out, todo, seen = [], [(module.entry, 1, None)], set()
   while todo:
-    comp, times = todo.pop()
+    comp, times, branch = todo.pop()
     if comp in seen or comp not in module.computations:
       continue
     seen.add(comp)
-    out.append((comp, times))
+    out.append((comp, times, branch))
     for inst in module.computations[comp]:
       if inst.opcode == "while":
         m = _TRIP.search(inst.attrs)
         body = _BODY.search(inst.attrs)
         if body:
-          todo.append((body.group(1), times * (int(m.group(1)) if m else 1)))
+          todo.append((body.group(1), times * (int(m.group(1)) if m else 1), branch))
       elif inst.opcode == "call":
         m = _TO_APPLY.search(inst.attrs)
         if m:
-          todo.append((m.group(1), times))
+          todo.append((m.group(1), times, branch))
       elif inst.opcode == "conditional":
-        todo.extend((n, times) for n in _branches(inst))
+        todo.extend((n, times, branch or (inst.name, i))
+                    for i, n in enumerate(_branches(inst)))
       elif inst.opcode in ("async-start",) and inst.calls:
-        todo.append((inst.calls, times))
+        todo.append((inst.calls, times, branch))
   return out
 
 
@@ -704,7 +712,7 @@ def kernels(module: Module) -> list[Kernel]:
     return inner[comp]
 
   out = []
-  for comp, times in _top_level(module):
+  for comp, times, branch in _top_level(module):
     if comp in fused:
       continue
     own = {p.name: p for p in by_comp.get(comp, ())}
@@ -727,7 +735,7 @@ def kernels(module: Module) -> list[Kernel]:
       cycles = _CYCLES.search(inst.attrs)
       out.append(Kernel(inst.name, op, tuple(sorted(flops.items())), read,
                         sum(a.nbytes for a in res), times,
-                        int(cycles.group(1)) if cycles else None))
+                        int(cycles.group(1)) if cycles else None, branch))
   return out
 
 

@@ -6,6 +6,8 @@ on a TPU v5e the bf16 GEMM is about 5.6 ms and an int8 one about half, while
 an e4m3 one costs what bf16 does (v5e has no fp8 MXU mode).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -60,3 +62,32 @@ def test_large_gemm_estimates_match_the_published_peaks(require_target, target, 
   assert len(report.product_list) == 1, report.summary()
   ms = report.estimate().seconds * 1e3
   assert low < ms < high, (ms, [(t.kernel.name, t.seconds) for t in report.estimate().kernels])
+
+
+def test_a_conditional_counts_its_cheapest_branch():
+  peaks = estimate.PEAKS["h100"]
+  big = hlo.Kernel("cast", "fusion", (), 2 ** 30, 2 ** 30, branch=("cond", 0))
+  small = hlo.Kernel("noop", "fusion", (), 1024, 1024, branch=("cond", 1))
+  always = hlo.Kernel("gemm", "custom-call", (("bf16", 2 * 4096 ** 3),), 2 ** 25, 2 ** 25)
+  both = estimate.estimate([big, small, always], peaks)
+  alone = estimate.estimate([small, always], peaks)
+  assert both.seconds == alone.seconds
+  assert both.other_bytes == 2048 and len(both.kernels) == 3
+
+
+def test_delayed_scaling_first_step_branch_is_not_in_the_estimate(require_target):
+  # The delayed recipe's lax.cond (scale from this step's amax while the history is
+  # empty) lies in the program; the estimate counts the branch later steps take.
+  require_target("h100")
+  import flax.linen as nn
+  import jax.numpy as jnp
+  import fp8_linen as fl
+  from fp8_linen.testing import targets
+  model = nn.Sequential([fl.QDense(1024), fl.QDense(1024)])
+  r = targets.compile_train_step(model, (4096, 1024), jnp.bfloat16, target="h100")
+  ks = r.kernel_list
+  assert any(k.branch is not None for k in ks)
+  est = estimate.estimate(ks, estimate.PEAKS["h100"])
+  everything = estimate.estimate([dataclasses.replace(k, branch=None) for k in ks],
+                                 estimate.PEAKS["h100"])
+  assert est.seconds < everything.seconds
