@@ -190,9 +190,10 @@ def print_table(summary: dict) -> None:
 
 
 def markdown(payload: dict, arms=MAIN_ARMS) -> str:
-  """The quality table: per arm, the mean final validation loss per run length and its excess
-  over bf16's (seeds in brackets), and the target where there is one."""
-  lengths = list(payload["summary"])
+  """The quality table: per arm and run length, the mean final validation loss, its excess over
+  bf16's (the mean of per-seed ratios) and the number of seeds, and the target where there is
+  one."""
+  lengths = sorted(payload["summary"], key=lambda k: int(k.split("_")[0]))
   head = ["arm"] + [f"{k.replace('_steps', '')} steps: val loss (vs bf16)" for k in lengths]
   lines = ["| " + " | ".join(head + ["target"]) + " |",
            "| --- |" + " ---: |" * len(lengths) + " --- |"]
@@ -203,8 +204,9 @@ def markdown(payload: dict, arms=MAIN_ARMS) -> str:
       if r is None:
         cells.append("-")
         continue
-      ratio = r.get("ratio_vs_bf16_mean")
-      vs = "" if ratio is None else f" ({100 * (ratio - 1):+.2f}%)"
+      # Paired: each seed against bf16's run on the same seed (arms may lack some seeds).
+      paired = r.get("ratio_vs_bf16_per_seed")
+      vs = "" if not paired else f" ({100 * (float(np.mean(paired)) - 1):+.2f}%)"
       cells.append(f"{r['val_loss_mean']:.4f}{vs} [{len(r['seeds'])}]")
     family = "nvfp4" if arm.startswith("nvfp4") else arm
     target = f"within {100 * TARGETS[family]:.1f}%" if family in TARGETS and arm == family else ""
@@ -229,7 +231,9 @@ def merge(paths) -> dict:
       lengths_steps=[base_steps * n for n in lengths],
       arms=[a for a in ARM_CHOICES if any(r["arm"] == a for r in runs)],
       total_seconds=sum(p["total_seconds"] for p in payloads),
-      complete=all(p["complete"] for p in payloads[1:]),
+      # complete: every arm ran every seed at every length
+      complete=len(runs) == len({r["arm"] for r in runs}) * len(
+          {r["seed"] for r in runs}) * len(lengths),
       command=" ; ".join(p["command"] for p in payloads))
   return merged
 

@@ -93,3 +93,18 @@ def test_collectives_tables_are_the_benchmark_output():
   assert all(r["state_all_reduces"] <= 2 for _, r in rows if r["arm"] == "fp8_delayed")
   assert all(r["weight_gathers_vs_f32_params"] <= 0.25 + 1e-9 for m, r in rows
              if r["arm"] != "bf16" and (r["axis_type"] == "explicit" or "TPU" not in m["device"]))
+
+
+def test_quality_tables_are_the_benchmark_output():
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import bench_block_quality as bq  # pylint: disable=import-outside-toplevel
+  payload = json.loads((ROOT / "benchmarks/results/cpu-block-quality.json").read_text())
+  main = _rows(bq.markdown(payload))
+  assert _table_after(ROOT.joinpath("README.md").read_text(), "<!-- quality table") == main
+  doc = ROOT.joinpath("docs/recipes.md").read_text()
+  assert _table_after(doc, "<!-- quality table") == main
+  assert _table_after(doc, "<!-- quality ablations") == _rows(bq.markdown(payload, bq.ABLATIONS))
+  assert payload["seeds"] == [0, 1, 2] and payload["device"] == "CPU"
+  # Every main arm ran every seed at both lengths.
+  for rows in payload["summary"].values():
+    assert all(rows[a]["seeds"] == [0, 1, 2] for a in bq.MAIN_ARMS)
