@@ -365,7 +365,8 @@ def fp8_dot(lhs, kernel, dimension_numbers, *, recipe: Fp8Recipe, arrays: dict, 
   The "quantize" half of the QAT forward (:mod:`fp8_linen.core.dot_general`)
   with the input's frozen scale (delayed per tensor; the others measure the
   batch as in QAT) and the kernel read from its codes; then the very
-  "multiply" half QAT runs (:func:`~fp8_linen.core.dot_general.fp8_dot_of`).
+  "multiply" half QAT runs (:func:`~fp8_linen.core.dot_general.fp8_dot_of`;
+  block recipes: :meth:`~fp8_linen.core.dot_general.BlockDot.serve`).
   """
   lhs, kernel = jnp.asarray(lhs), jnp.asarray(kernel)
   dn = dims.canonical_dn(dimension_numbers, lhs.ndim, kernel.ndim)
