@@ -5,12 +5,12 @@ trained variables into a model that computes in low precision:
 
 * every quantized weight is quantized once, with the scale the QAT forward
   used, and stored in place of the float ``kernel`` as ``int8``, ``int4``
-  (``jnp.int4``) or fp8 codes, with its scales next to it
+  (``jnp.int4``), fp8 or (NVFP4) e2m1 codes, with its scales next to it
   (:mod:`fp8_linen.core.serve` lists the names);
 * activation quantization is frozen from the trained state (fp8 delayed: the
-  scale the amax history gives; LSQ/LSQ+: the learned step/offset; STE
-  observers: the recorded range). fp8 current, row-wise and MX scaling
-  measure each batch, in serving too;
+  scale the amax history gives, NVFP4 delayed too; LSQ/LSQ+: the learned
+  step/offset; STE observers: the recorded range). fp8 current, row-wise,
+  MXFP8 and NVFP4 current scaling measure each batch, in serving too;
 * training-only state is dropped: the ``_overwrite_with_gradient`` collection
   (amax histories, observer ranges) and the learned quantizer parameters
   become the few arrays serving reads;
@@ -249,18 +249,29 @@ def convert(model, variables, *args, **kwargs):
   return ServedModel(model=model, kernel_dtypes=kernel_dtypes), served
 
 
+# 4-bit formats: numpy gives them an itemsize of one byte, but they hold half of one.
+_FOUR_BIT = tuple(jnp.dtype(t) for t in (jnp.int4, jnp.uint4, jnp.float4_e2m1fn))
+
+
 def weight_bytes(tree) -> int:
-  """Bytes of the arrays in ``tree`` as stored: ``jnp.int4`` counted at half a byte.
+  """Bytes of the arrays in ``tree`` as stored: 4-bit codes counted at half a byte.
+
+  ``jnp.int4``/``uint4`` (int4 recipes) and ``float4_e2m1fn`` (NVFP4) take
+  half a byte per element (what the format holds); everything else its
+  itemsize.
 
   Example:
     >>> import jax.numpy as jnp
     >>> import fp8_linen as fl
     >>> fl.weight_bytes({'k': jnp.zeros((4, 4), jnp.int4), 's': jnp.zeros((4,))})
     24
+    >>> fl.weight_bytes({'k': jnp.zeros((4, 32), jnp.float4_e2m1fn),
+    ...                  's': jnp.zeros((4, 2), jnp.float8_e4m3fn)})
+    72
   """
   total = 0.0
   for leaf in jax.tree.leaves(tree):
     dtype = jnp.dtype(leaf.dtype)
-    bits = 4 if dtype == jnp.dtype(jnp.int4) else 8 * dtype.itemsize
+    bits = 4 if dtype in _FOUR_BIT else 8 * dtype.itemsize
     total += leaf.size * bits / 8
   return int(np.ceil(total))

@@ -123,3 +123,10 @@ def test_nnx_served_model_snippet_holds_codes_and_matches_frozen_qat():
   assert not jax.tree.leaves(nnx.state(served, fl.nnx.QuantState))
   assert model.layers[0].use_running_average  # model.eval() froze it
   assert (ns["forward"](served, x) == ns["forward"](model, x)).all()
+
+
+def test_block_served_snippet_stores_e2m1_codes_at_half_a_byte():
+  ns = _run("MXFP8 and NVFP4 served models", 1, "serving.md")
+  p = ns["p"]
+  assert p["kernel"].dtype == jnp.float4_e2m1fn and p["kernel"].shape == (128, 64)
+  assert fl.weight_bytes(p["kernel"]) == 128 * 64 // 2

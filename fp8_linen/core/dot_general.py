@@ -31,7 +31,8 @@ from fp8_linen.core.product import ProductSpec, product
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
 __all__ = ["TensorDot", "RowDot", "BlockDot", "fp8_dot_general", "fp8_dot_of", "row_quantize",
-           "block_quantize", "grad_gemm", "relayout", "relayout_like"]
+           "block_factor", "block_codes", "block_fold_kernel", "grad_gemm", "relayout",
+           "relayout_like"]
 
 
 def grad_gemm(g, other, dn, lhs_ndim: int, rhs_ndim: int, wrt: str, how: str, out_dtype,
@@ -70,7 +71,8 @@ class _DotSpec(ProductSpec):
   operands, the scales applied once). The served model quantizes its input
   with frozen scales and reads the weight from its stored codes, then runs
   the same ``multiply`` (:func:`fp8_dot_of`), so the two agree by
-  construction.
+  construction. (:class:`BlockDot` multiplies its operands' 3-D views; its
+  served forward is :meth:`BlockDot.serve`.)
   """
 
   dn: dims.DimensionNumbers
@@ -202,12 +204,73 @@ def _block_up(gemm: str):
   return jnp.float32 if gemm == "f32" else jnp.bfloat16
 
 
-def block_quantize(x, contract, cfg, recipe):
-  """``(q, e)``: MX blocks of ``recipe.block_size`` along the last contracting axis.
+def block_factor(recipe, cfg, scale, history, a):
+  """NVFP4's per-tensor factor (float32 scalar) of a role; 1 for MX.
 
-  The served form of an MXFP8 layer (its forward GEMM contracts that axis).
+  ``select_scale`` of the role's :class:`~fp8_linen.ScalingConfig` (delayed:
+  the amax history, else ``a``; current: ``a``, the tensor's global amax)
+  over 448 (:func:`~fp8_linen.core.numerics.nvfp4_tensor_scale`).
   """
-  return numerics.mx_quantize(x, contract[-1], recipe.block_size, cfg.jnp_dtype)
+  if not recipe.is_nvfp4:
+    return jnp.ones((), jnp.float32)
+  return numerics.nvfp4_tensor_scale(numerics.select_scale(cfg, scale, history, a))
+
+
+def block_codes(recipe, t, cfg, factor, *, tile=False, noise=None):
+  """``(q, scales)`` of ``t`` (B, P, Q) blocked along Q, padded to whole blocks.
+
+  ``tile``: one scale per ``block_size`` square (the padded P too), repeated
+  on its rows; ``noise``: stochastic rounding (NVFP4's gradient).
+  """
+  bs = recipe.block_size
+  t = _pad(t, 2, bs)
+  if tile:
+    t = _pad(t, 1, bs)
+  return numerics.block_quantize(t, bs, cfg.jnp_dtype,
+                                 tensor_scale=factor if recipe.is_nvfp4 else None,
+                                 tile=tile, noise=noise)
+
+
+def _rhs_groups(ndim: int, contract, batch):
+  """The (batch, free, contracting) axes of ``rhs``: its (B, N, K) view."""
+  return tuple(batch), tuple(dims.free_dims(ndim, contract, batch)), tuple(contract)
+
+
+def _forward_kernel(recipe, w3, cfg, factor):
+  """``(q_w, s_w, tiles)``: the forward's weight codes (B, N, Kp) blocked along K.
+
+  With ``kernel_2d_blocks`` they are the rows of the weight's tile codes
+  (``tiles``: the codes and scales of the tiles, which dgrad reads by
+  columns); otherwise ``tiles`` is ``None``.
+  """
+  if not recipe.kernel_2d_blocks:
+    q, s = block_codes(recipe, w3, cfg, factor)
+    return q, s, None
+  n = w3.shape[1]
+  q_t, s_t = block_codes(recipe, w3, cfg, factor, tile=True)     # (B, Np, Kp)
+  return _crop(q_t, 1, n), _crop(s_t, 1, n), (q_t, s_t)
+
+
+def block_fold_kernel(recipe, w, contract, batch, factor):
+  """``(codes, scales)``: a weight's forward codes as :class:`BlockDot` multiplies them.
+
+  Args:
+    recipe: the block recipe (MXFP8 or NVFP4).
+    w: the weight, in the layout the product sees.
+    contract: its contracting axes.
+    batch: its batch axes.
+    factor: NVFP4's per-tensor factor of the weight (:func:`block_factor`).
+
+  Returns:
+    ``codes`` in ``w``'s shape (e4m3 / e2m1) and ``scales`` of its (B, N, K)
+    view blocked along K, padded to whole blocks: (B, N, ceil(K / block))
+    (e8m0 / e4m3; 2-D tiles: each tile's scale on each of its rows).
+  """
+  w = jnp.asarray(w)
+  groups = _rhs_groups(w.ndim, contract, batch)
+  w3 = _view(w, *groups)
+  q, s, _ = _forward_kernel(recipe, w3, recipe.kernel, factor)
+  return _unview(_crop(q, 2, w3.shape[2]), w.shape, *groups), s
 
 
 class BlockDot(_DotSpec):
@@ -227,8 +290,10 @@ class BlockDot(_DotSpec):
   ``gemm='block'`` hands the codes and scales to the block-scaled GEMM
   (:func:`~fp8_linen.core.lowering.block_scaled_matmul`). The emulation
   (``'bf16'``/``'f32'``) dequantizes the same codes exactly and runs the
-  layer's own ``dot_general`` on them, the product today's MX forward and its
-  served form run. Both apply NVFP4's per-tensor factors to the GEMM output.
+  layer's own ``dot_general`` on them. Both apply NVFP4's per-tensor factors
+  to the GEMM output. The served model (:meth:`serve`) multiplies the very
+  forward codes of the weight (:func:`block_fold_kernel`, stored once) with
+  the input quantized as here, in the same "multiply" half.
 
   Residuals: the codes the backward reads (``lhs`` blocked along M, ``rhs``
   along N), in the operands' layouts, and their scales. Cropping a padded
@@ -245,23 +310,9 @@ class BlockDot(_DotSpec):
   def _up(self):
     return _block_up(self.gemm)
 
-  @staticmethod
-  def multiply(q_l, s_l, q_r, s_r, *, dn, recipe, gemm, out_dtype):
-    """The served MXFP8 forward: blocks along the last contracting axis, dequantized exactly."""
-    (lc, rc), _ = dn
-    bs, up = recipe.block_size, _block_up(gemm)
-    y = lowering.lax_dot_general(numerics.mx_dequantize(q_l, s_l, lc[-1], bs, up),
-                                 numerics.mx_dequantize(q_r, s_r, rc[-1], bs, up), dn,
-                                 preferred_element_type=jnp.float32,
-                                 out_sharding=lowering.dot_out_sharding(q_l, q_r, dn))
-    return y.astype(out_dtype)
-
   def _tensor_scale(self, cfg, state, a):
     """NVFP4's per-tensor factor of a role (its ScalingConfig: delayed or current); MX: 1."""
-    if not self.recipe.is_nvfp4:
-      return jnp.ones((), jnp.float32)
-    return numerics.nvfp4_tensor_scale(
-        numerics.select_scale(cfg, state.scale, state.amax_history, a))
+    return block_factor(self.recipe, cfg, state.scale, state.amax_history, a)
 
   def _current_scale(self, cfg, t):
     """The per-tensor factor of a rotated copy: always its own amax (no history of it)."""
@@ -283,9 +334,7 @@ class BlockDot(_DotSpec):
       t = _pad(t, 1, bs)
     noise = (numerics.uniform_noise(t.shape, seed, salt)
              if seed is not None and self.recipe.grad_stochastic_rounding else None)
-    return numerics.block_quantize(t, bs, cfg.jnp_dtype,
-                                   tensor_scale=g if self.recipe.is_nvfp4 else None,
-                                   tile=tile, noise=noise)
+    return block_codes(self.recipe, t, cfg, g, tile=tile, noise=noise)
 
   def _rotate(self, t):
     h = self.recipe.wgrad_hadamard
@@ -323,34 +372,81 @@ class BlockDot(_DotSpec):
     a_w = lowering.global_max(numerics.amax(rhs))
     g_x, g_w = self._tensor_scale(in_cfg, states[0], a_x), self._tensor_scale(k_cfg, states[1], a_w)
     q_x, s_x = self._quant(x3, in_cfg, g_x)                          # along K
-    if self.recipe.kernel_2d_blocks:
+    q_w, s_w, tiles = _forward_kernel(self.recipe, w3, k_cfg, g_w)   # along K
+    if tiles is not None:
       # One set of tile codes: rows of it for the forward (along K), columns
       # for dgrad (along N); a tile's scale is repeated on each of its rows.
       bs = self.recipe.block_size
-      q_t, s_t = self._quant(w3, k_cfg, g_w, tile=True)              # (B, Np, Kp)
-      q_w, s_w = _crop(q_t, 1, n), _crop(s_t, 1, n)
+      q_t, s_t = tiles                                               # (B, Np, Kp)
       q_wc = _crop(jnp.swapaxes(q_t, 1, 2), 1, k)                   # (B, K, Np)
       s_wc = _crop(jnp.repeat(jnp.swapaxes(s_t[:, ::bs, :], 1, 2), bs, axis=1), 1, k)
     else:
-      q_w, s_w = self._quant(w3, k_cfg, g_w)                         # along K
       q_wc, s_wc = self._quant(jnp.swapaxes(w3, 1, 2), k_cfg, g_w)   # along N, for dgrad
     # lhs along M, for wgrad (rotated first: its factor is the rotated copy's own).
     xc = self._rotate(jnp.swapaxes(x3, 1, 2))                        # (B, K, M)
     g_xc = self._current_scale(in_cfg, xc) if self.recipe.wgrad_hadamard else g_x
     q_xc, s_xc = self._quant(xc, in_cfg, g_xc)
-    if self.gemm == "block":
-      y = self._block_gemm(q_x, s_x, q_w, s_w, g_x * g_w, self.out_dtype)
-      y = y.reshape(tuple(lhs.shape[a] for a in lb + lf) + tuple(rhs.shape[a] for a in rf))
-    else:
-      xd = self._dequant(q_x, s_x, k, lhs.shape, (lb, lf, lc))
-      wd = self._dequant(q_w, s_w, k, rhs.shape, (rb, rf, rc))
-      y = lowering.lax_dot_general(xd, wd, self.dn, preferred_element_type=jnp.float32,
-                                   out_sharding=lowering.dot_out_sharding(xd, wd, self.dn))
-      y = lowering.scaled(y, g_x * g_w, self.out_dtype)
+    y = self._multiply(q_x, s_x, q_w, s_w, g_x * g_w, lhs.shape, rhs.shape)
     res_l = _unview(_crop(q_xc, 2, m), lhs.shape, lb, lc, lf)
     res_r = _unview(_crop(q_wc, 2, n), rhs.shape, rb, rc, rf)
     extras = (owg.name_fp8_residual(s_xc), owg.name_fp8_residual(s_wc), g_xc, g_w)
     return y, (res_l, res_r), (a_x, a_w), extras
+
+  def _multiply(self, q_x, s_x, q_w, s_w, factor, lhs_shape, rhs_shape):
+    """The forward GEMM of the codes (B, M, Kp) and (B, N, Kp), in the output's layout.
+
+    The "multiply" half of the forward, which the served model runs too
+    (:meth:`serve`). ``factor``: the product of NVFP4's two per-tensor
+    factors (1 for MX).
+    """
+    lb, lf, lc, rb, rf, rc = self._axes(len(lhs_shape), len(rhs_shape))
+    if self.gemm == "block":
+      y = self._block_gemm(q_x, s_x, q_w, s_w, factor, self.out_dtype)
+      return y.reshape(tuple(lhs_shape[a] for a in lb + lf) + tuple(rhs_shape[a] for a in rf))
+    k = math.prod(lhs_shape[a] for a in lc)
+    xd = self._dequant(q_x, s_x, k, lhs_shape, (lb, lf, lc))
+    wd = self._dequant(q_w, s_w, k, rhs_shape, (rb, rf, rc))
+    y = lowering.lax_dot_general(xd, wd, self.dn, preferred_element_type=jnp.float32,
+                                 out_sharding=lowering.dot_out_sharding(xd, wd, self.dn))
+    return lowering.scaled(y, factor, self.out_dtype)
+
+  def serve(self, lhs, codes, scales, kernel_factor, input_scale=None):
+    """The served forward: ``lhs`` quantized as the QAT forward does, times stored codes.
+
+    Args:
+      lhs: the activation.
+      codes: the weight's forward codes in its own layout
+        (:func:`block_fold_kernel`).
+      scales: their block scales, (B, N, ceil(K / block)).
+      kernel_factor: the weight's NVFP4 per-tensor factor (MX: 1).
+      input_scale: the input role's frozen scale (NVFP4 with delayed
+        scaling: the one its amax history gives), or ``None``: the factor
+        is taken from this batch's amax, as current scaling does in QAT.
+
+    Returns:
+      The product, as :meth:`forward` computes it from the same codes.
+    """
+    if lowering.explicit_spec(lhs) is None and lowering.explicit_spec(codes) is None:
+      return self._serve(lhs, codes, scales, kernel_factor, input_scale)
+    out = lowering.dot_out_sharding(lhs, codes, self.dn)
+    return jax.sharding.auto_axes(self._serve, out_sharding=P(*out.spec) if out else P())(
+        lhs, codes, scales, kernel_factor, input_scale)
+
+  def _serve(self, lhs, codes, scales, kernel_factor, input_scale):
+    in_cfg = self.recipe.input
+    lb, lf, lc, rb, rf, rc = self._axes(lhs.ndim, codes.ndim)
+    x3 = _view(lhs, lb, lf, lc)
+    if input_scale is None:
+      a_x = lowering.global_max(numerics.amax(lhs))
+      g_x = block_factor(self.recipe, in_cfg, jnp.ones((1,), jnp.float32),
+                         jnp.zeros((in_cfg.history_length,), jnp.float32), a_x)
+    else:
+      g_x = (numerics.nvfp4_tensor_scale(input_scale) if self.recipe.is_nvfp4
+             else jnp.ones((), jnp.float32))
+    q_x, s_x = self._quant(x3, in_cfg, g_x)
+    q_w = _pad(_view(codes, rb, rf, rc), 2, self.recipe.block_size)
+    return self._multiply(q_x, s_x, q_w, scales, g_x * jnp.reshape(kernel_factor, ()),
+                          lhs.shape, codes.shape)
 
   def backward(self, q_l, q_r, extras, states, g):
     if lowering.explicit_spec(q_l) is None and lowering.explicit_spec(q_r) is None:
@@ -407,8 +503,11 @@ def fp8_dot_of(q_l, s_l, q_r, s_r, dn, *, recipe: Fp8Recipe, gemm: str, out_dtyp
   product and the served model (``core/serve.py``), as
   :func:`~fp8_linen.core.conv.fp8_conv_of` is for convolutions. ``s_*`` are
   the scales the "quantize" half made: per tensor scalars, per row/channel
-  arrays in the operand's layout, MX e8m0 block scales.
+  arrays in the operand's layout. Block products multiply 3-D views of their
+  operands: :meth:`BlockDot.serve`.
   """
+  if recipe.granularity == "block":
+    raise ValueError("fp8_dot_of: block products are served by BlockDot.serve")
   return _SPECS[recipe.granularity].multiply(q_l, s_l, q_r, s_r, dn=dn, recipe=recipe,
                                              gemm=gemm, out_dtype=out_dtype)
 

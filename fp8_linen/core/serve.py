@@ -18,13 +18,20 @@ name           holds
 ============== ============================================================
 kernel         the weight's codes (``int8``/``int4``/fp8), the weight's shape
 kernel_scale   the weight's scale(s): per tensor ``(1,)``, per channel/group
-               in the weight's (view) layout; MX: ``float8_e8m0fnu`` per block
+               in the weight's (view) layout; block (MXFP8 ``float8_e8m0fnu``,
+               NVFP4 ``float8_e4m3fn``): per block of the forward's
+               contracting axes, ``(B, N, ceil(K / block))`` of the weight's
+               (batch, free, contracting) view
+kernel_tensor_scale  NVFP4: the weight's per-tensor scale ``(1,)`` as its
+               role's ScalingConfig chose it (its factor is this over 448)
 kernel_centre  integer grids with a zero point: ``zero_point - storage shift``
 kernel_offset  LSQ+'s learned offset
 kernel_colsum  the codes summed over the contracting axes (int32), for
                activations with a zero point or LSQ+ offset: folded once
-input_scale    the frozen activation scale (absent where it is computed
-               from each batch: fp8 current, row-wise, MX)
+input_scale    the frozen activation scale: fp8 delayed per tensor, and
+               NVFP4 delayed (its per-tensor factor is this over 448); absent
+               where it is computed from each batch (fp8 current, row-wise,
+               MXFP8, NVFP4 current)
 input_zero_point  STE observers on asymmetric grids
 input_offset   LSQ+'s learned activation offset
 ============== ============================================================
@@ -44,15 +51,14 @@ Example:
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 
 from jax import lax
 
 from fp8_linen.core import conv as conv_ops
 from fp8_linen.core import dims, int_numerics, int_ops, int_product, lowering, numerics
-from fp8_linen.core.dot_general import block_quantize, fp8_dot_of, row_quantize
+from fp8_linen.core.dot_general import (BlockDot, block_factor, block_fold_kernel, fp8_dot_of,
+                                        row_quantize)
 from fp8_linen.recipes.fp8 import Fp8Recipe, ScalingConfig
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
@@ -271,37 +277,70 @@ def _history_scale(cfg: ScalingConfig, state):
   return numerics.select_scale(cfg, scale, hist, jnp.zeros((), jnp.float32))
 
 
-def fold_fp8_kernel(recipe: Fp8Recipe, w, contract, kernel_state) -> dict:
-  """Quantizes a weight once to fp8, with the scale the QAT forward used.
+def fold_fp8_kernel(recipe: Fp8Recipe, w, contract, kernel_state, batch=()) -> dict:
+  """Quantizes a weight once to fp8 (or fp4), with the scale the QAT forward used.
 
   Per tensor: delayed scaling takes the scale its amax history gives (what
   the next step would use); current scaling the weight's own amax. Row-wise:
-  one current scale per output channel (in the weight's layout). MX: e8m0
-  scales per block of the last contracting axis.
+  one current scale per output channel (in the weight's layout). Block
+  (MXFP8, NVFP4): the codes and block scales the forward GEMM of
+  :class:`~fp8_linen.core.dot_general.BlockDot` multiplies (blocked along
+  the contracting axes; NVFP4's 2-D tiles: their rows), with NVFP4's
+  per-tensor factor chosen as the QAT forward chooses it from
+  ``kernel_state`` (delayed: the amax history; current: the weight's amax).
+
+  Args:
+    recipe: the product's recipe.
+    w: the weight, in the layout the product sees.
+    contract: its contracting axes.
+    kernel_state: its trained ``RoleState``.
+    batch: its batch axes (block products view the weight as (B, N, K)).
 
   Returns:
-    ``{'kernel': fp8 codes in w's shape, 'kernel_scale': ...}``.
+    ``{'kernel': codes in w's shape, 'kernel_scale': ...[,
+    'kernel_tensor_scale']}``.
   """
   w = jnp.asarray(w)
   cfg = recipe.kernel
-  if recipe.granularity != "tensor":
-    q, s = _current_q(recipe, w, cfg, tuple(contract), None)
+  if recipe.granularity == "block":
+    a = lowering.global_max(numerics.amax(w))
+    if not recipe.is_nvfp4:
+      q, s = block_fold_kernel(recipe, w, tuple(contract), tuple(batch), None)
+      return {"kernel": q, "kernel_scale": s}
+    # The role's scale is stored, not its factor (scale / 448): serving
+    # derives the factor with QAT's expression, which XLA then simplifies
+    # alike in both (it reassociates the product of the two factors).
+    t = numerics.select_scale(cfg, kernel_state[0], kernel_state[1], a)
+    q, s = block_fold_kernel(recipe, w, tuple(contract), tuple(batch),
+                             numerics.nvfp4_tensor_scale(t))
+    return {"kernel": q, "kernel_scale": s, "kernel_tensor_scale": t}
+  if recipe.granularity == "row":
+    q, s = row_quantize(w, tuple(contract), cfg)
     return {"kernel": q, "kernel_scale": s}
   s = numerics.select_scale(cfg, kernel_state[0], kernel_state[1], numerics.amax(w))
   return {"kernel": numerics.quantize(w, cfg.jnp_dtype, s), "kernel_scale": s}
 
 
+def _delayed_tensor_scale(recipe: Fp8Recipe, cfg: ScalingConfig) -> bool:
+  """Whether a role's per-tensor scale comes from its amax history (fp8 or NVFP4 delayed)."""
+  per_tensor = recipe.granularity == "tensor" or (recipe.granularity == "block" and
+                                                  recipe.is_nvfp4)
+  return per_tensor and cfg.scaling == "delayed"
+
+
 def live_fp8_kernel(recipe: Fp8Recipe, kernel_state) -> dict:
   """What an activation in the weight's role keeps: a delayed per-tensor scale."""
-  if recipe.granularity == "tensor" and recipe.kernel.scaling == "delayed":
+  if _delayed_tensor_scale(recipe, recipe.kernel):
     return {"kernel_live_scale": _history_scale(recipe.kernel, kernel_state)}
   return {}
 
 
 def freeze_fp8_input(recipe: Fp8Recipe, input_state) -> dict:
-  """The frozen input scale (delayed per-tensor scaling), else nothing.
+  """The frozen input scale (delayed per-tensor scaling, NVFP4 delayed too), else nothing.
 
-  Current, row-wise and MX scaling measure each batch, in serving too.
+  Current, row-wise and MXFP8 scaling measure each batch, in serving too; so
+  does NVFP4's per-tensor factor with current scaling (its block scales
+  always do).
   """
   if _frozen_fp8_input(recipe):
     return {"input_scale": _history_scale(recipe.input, input_state)}
@@ -326,16 +365,20 @@ def fp8_dot(lhs, kernel, dimension_numbers, *, recipe: Fp8Recipe, arrays: dict, 
   The "quantize" half of the QAT forward (:mod:`fp8_linen.core.dot_general`)
   with the input's frozen scale (delayed per tensor; the others measure the
   batch as in QAT) and the kernel read from its codes; then the very
-  "multiply" half QAT runs (:func:`~fp8_linen.core.dot_general.fp8_dot_of`).
+  "multiply" half QAT runs (:func:`~fp8_linen.core.dot_general.fp8_dot_of`;
+  block recipes: :meth:`~fp8_linen.core.dot_general.BlockDot.serve`).
   """
   lhs, kernel = jnp.asarray(lhs), jnp.asarray(kernel)
   dn = dims.canonical_dn(dimension_numbers, lhs.ndim, kernel.ndim)
+  if recipe.granularity == "block":
+    return _block_dot(lhs, kernel, dn, recipe=recipe, arrays=arrays, folded=folded,
+                      out_dtype=out_dtype)
   (lc, rc), _ = dn
   in_cfg, k_cfg = recipe.input, recipe.kernel
   if recipe.granularity == "tensor":
     quantize = lambda x, cfg, contract, scale: _tensor_q(cfg, x, scale)
   else:
-    quantize = functools.partial(_current_q, recipe)
+    quantize = lambda x, cfg, contract, scale: row_quantize(x, contract, cfg)
   if folded:
     q_r, s_r = kernel.astype(k_cfg.jnp_dtype), arrays["kernel_scale"]
   else:
@@ -345,12 +388,32 @@ def fp8_dot(lhs, kernel, dimension_numbers, *, recipe: Fp8Recipe, arrays: dict, 
                     out_dtype=out_dtype)
 
 
-def _current_q(recipe: Fp8Recipe, x, cfg: ScalingConfig, contract, scale):
-  """``(q, s)`` of a row-wise or MX operand: its own scales, as in QAT."""
-  del scale  # measured from x in serving too
-  if recipe.granularity == "row":
-    return row_quantize(x, contract, cfg)
-  return block_quantize(x, contract, cfg, recipe)
+def _block_dot(lhs, kernel, dn, *, recipe: Fp8Recipe, arrays: dict, folded: bool, out_dtype):
+  """The served block (MXFP8, NVFP4) ``dot_general``: :meth:`BlockDot.serve`.
+
+  The input is quantized as the QAT forward quantizes it: block scales from
+  this batch, NVFP4's per-tensor factor from the frozen ``input_scale``
+  (delayed) or this batch's amax (current). A live right operand (no stored
+  codes) is quantized as the QAT forward quantizes a weight.
+  """
+  (_, rc), (_, rb) = dn
+  spec = BlockDot(dn=dn, recipe=recipe, gemm=lowering.resolve_gemm(recipe), out_dtype=out_dtype,
+                  lhs_dtype=lhs.dtype, rhs_dtype=kernel.dtype, first=True, frozen=True)
+  if folded:
+    codes, scales = kernel.astype(recipe.kernel.jnp_dtype), arrays["kernel_scale"]
+    factor = (numerics.nvfp4_tensor_scale(arrays["kernel_tensor_scale"]) if recipe.is_nvfp4
+              else jnp.ones((), jnp.float32))
+  else:
+    live = arrays.get("kernel_live_scale")
+    if live is None:
+      cfg = recipe.kernel
+      factor = block_factor(recipe, cfg, jnp.ones((1,), jnp.float32),
+                            jnp.zeros((cfg.history_length,), jnp.float32),
+                            lowering.global_max(numerics.amax(kernel)))
+    else:
+      factor = numerics.nvfp4_tensor_scale(live)
+    codes, scales = block_fold_kernel(recipe, kernel, rc, rb, factor)
+  return spec.serve(lhs, codes, scales, factor, arrays.get("input_scale"))
 
 
 def fp8_conv(lhs, kernel, conv_kwargs: dict, *, recipe: Fp8Recipe, arrays: dict, out_dtype):
@@ -399,7 +462,7 @@ def check_servable(where: str, recipe, conv: bool = False) -> None:
 
 def _frozen_fp8_input(recipe: Fp8Recipe) -> bool:
   """Whether the input's scale is frozen (delayed per tensor) rather than measured per batch."""
-  return recipe.granularity == "tensor" and recipe.input.scaling == "delayed"
+  return _delayed_tensor_scale(recipe, recipe.input)
 
 
 def _record(fold: dict, live: dict, frozen: dict, state_ok) -> dict:
@@ -410,7 +473,7 @@ def _record(fold: dict, live: dict, frozen: dict, state_ok) -> dict:
 
 
 def fp8_record(recipe: Fp8Recipe, rhs, contract, input_state, kernel_state, *,
-               conv: bool = False) -> dict:
+               conv: bool = False, batch=()) -> dict:
   """What serving needs of one fp8 product (see :func:`served_from_record`).
 
   Args:
@@ -420,9 +483,10 @@ def fp8_record(recipe: Fp8Recipe, rhs, contract, input_state, kernel_state, *,
     input_state: the input's trained ``RoleState``.
     kernel_state: the weight's.
     conv: the product is a convolution (its right operand is always a weight).
+    batch: the right operand's batch axes.
   """
   ok = jnp.any(input_state.amax_history > 0) if _frozen_fp8_input(recipe) else True
-  return _record(fold_fp8_kernel(recipe, rhs, contract, kernel_state),
+  return _record(fold_fp8_kernel(recipe, rhs, contract, kernel_state, batch),
                  {} if conv else live_fp8_kernel(recipe, kernel_state),
                  freeze_fp8_input(recipe, input_state), ok)
 
@@ -524,7 +588,10 @@ def served_dot(lhs, rhs, dimension_numbers, *, recipe, arrays: dict, out_dtype, 
   """
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
   if isinstance(recipe, Fp8Recipe):
-    _require(where, arrays, ("input_scale",) if _frozen_fp8_input(recipe) else ())
+    need = ("input_scale",) if _frozen_fp8_input(recipe) else ()
+    if recipe.granularity == "block" and recipe.is_nvfp4 and "kernel_scale" in arrays:
+      need += ("kernel_tensor_scale",)
+    _require(where, arrays, need)
     run = fp8_dot
   else:
     check_servable(where, recipe)

@@ -207,33 +207,11 @@ def check_recipe(owner: str, recipe, conv: bool = False) -> None:
                     f"{' or '.join(sorted(t.__name__ for t, p in _TABLE.items() if p.conv))}")
 
 
-def _not_served(recipe) -> str | None:
-  """Why the served products cannot reproduce a block recipe's forward, or None.
-
-  The served fp8 forward (``core/serve.py``) knows per-tensor, row-wise and
-  MXFP8 blocks along the last contracting axis; NVFP4 and the weight's 2-D
-  tiles quantize the forward's operands differently, and serving them as MX
-  would silently change the model.
-  """
-  if not isinstance(recipe, Fp8Recipe) or recipe.granularity != "block":
-    return None
-  if recipe.is_nvfp4:
-    return "NVFP4 (e2m1 codes, e4m3 block scales, a per-tensor scale) has no served product yet"
-  if recipe.kernel_2d_blocks:
-    return "kernel_2d_blocks=True (2-D weight tiles) has no served product yet"
-  return None
-
-
 def quantized_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe,
                              out_dtype=None, key: str = "dot"):
   """Runs ``recipe``'s quantized ``dot_general`` on ``module``'s state."""
   owner = type(module).__name__
   products_for(recipe, owner)
-  why = _not_served(recipe) if _MODE.get() is not None else None
-  if why:
-    # The words the serving products use for a recipe they cannot serve.
-    raise ValueError(f"{'/'.join(module.path) or '<root>'}: recipe={recipe!r} cannot be "
-                     f"served: {why}")
   return products_for(recipe, owner, _MODE.get()).dot_general(
       module, lhs, rhs, dimension_numbers, recipe, out_dtype, key)
 

@@ -107,9 +107,9 @@ def _fp8_states(module: nn.Module, recipe: Fp8Recipe):
 def _convert_fp8_dot(module, lhs, rhs, dimension_numbers, recipe, out_dtype, key):
   _check(module, recipe)
   y = dispatch.fp8_dot_general_on(module, lhs, rhs, dimension_numbers, recipe, out_dtype, key)
-  dn = dims.canonical_dn(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
-  _record(module, rhs, serve.fp8_record(recipe, jnp.asarray(rhs), dn[0][1],
-                                        *_fp8_states(module, recipe)))
+  (_, rc), (_, rb) = dims.canonical_dn(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
+  _record(module, rhs, serve.fp8_record(recipe, jnp.asarray(rhs), rc,
+                                        *_fp8_states(module, recipe), batch=rb))
   return y
 
 

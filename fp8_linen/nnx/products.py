@@ -226,8 +226,8 @@ def dot_general(module: nnx.Module, lhs, rhs, dimension_numbers, recipe, out_dty
   records what serving needs.
   """
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-  (_, rc), _ = dims.canonical_dn(dimension_numbers, lhs.ndim, rhs.ndim)
-  return _run(module, recipe, rhs, rc, conv=False,
+  (_, rc), (_, rb) = dims.canonical_dn(dimension_numbers, lhs.ndim, rhs.ndim)
+  return _run(module, recipe, rhs, rc, conv=False, batch=rb,
               served=lambda arrays, where: serve.served_dot(
                   lhs, rhs, dimension_numbers, recipe=recipe, arrays=arrays,
                   out_dtype=out_dtype, where=where),
@@ -372,11 +372,12 @@ def converting(model: nnx.Module):
     _CONVERTING.reset(token)
 
 
-def _run(module, recipe, rhs, contract, *, conv: bool, served, qat):
+def _run(module, recipe, rhs, contract, *, conv: bool, served, qat, batch=()):
   """One product of ``module``: served (a converted layer), QAT, or QAT and its record.
 
   ``served(arrays, where)`` runs the served product, ``qat()`` the QAT one;
-  ``contract`` are the right operand's contracting axes.
+  ``contract`` and ``batch`` are the right operand's contracting and batch
+  axes.
   """
   serving = getattr(module, "serving", None)
   if serving is not None:
@@ -386,15 +387,15 @@ def _run(module, recipe, rhs, contract, *, conv: bool, served, qat):
     return qat()
   serve.check_servable(conversion.path(module), recipe, conv)
   y = qat()
-  conversion.add(module, rhs, _record(module, recipe, rhs, contract, conv=conv))
+  conversion.add(module, rhs, _record(module, recipe, rhs, contract, conv=conv, batch=batch))
   return y
 
 
-def _record(module, recipe, rhs, contract, *, conv: bool) -> dict:
+def _record(module, recipe, rhs, contract, *, conv: bool, batch=()) -> dict:
   """What serving needs of one product of ``module`` (its trained state read as stored)."""
   if isinstance(recipe, Fp8Recipe):
     st = _fp8_states(module, recipe)
-    return serve.fp8_record(recipe, rhs, contract, st[0], st[1], conv=conv)
+    return serve.fp8_record(recipe, rhs, contract, st[0], st[1], conv=conv, batch=batch)
 
   def read(name):
     var = getattr(module, name, None)

@@ -901,7 +901,7 @@ def _nnx_step_case(name, what, recipe, expected) -> Case:
   return Case(name=name, what=what, build=build, expected=expected)
 
 
-def _served_case(name, what, recipe, expected) -> Case:
+def _served_case(name, what, recipe, expected, note=None, on_target=None) -> Case:
   def build(platform):
     import fp8_linen as fl  # pylint: disable=import-outside-toplevel
     model = nn.Sequential([fl.QDense(256, dtype=jnp.bfloat16, recipe=recipe), nn.relu,
@@ -913,7 +913,8 @@ def _served_case(name, what, recipe, expected) -> Case:
                                                        ** 2))(v))
       served, params = fl.convert(model, v, x)
     return served.apply, (params, jax.ShapeDtypeStruct(x.shape, x.dtype))
-  return Case(name=name, what=what, build=build, expected=expected)
+  return Case(name=name, what=what, build=build, expected=expected,
+              note=note or (lambda platform: ""), on_target=dict(on_target or {}))
 
 
 def _all(n: int, cls: str = "fp8"):
@@ -939,6 +940,9 @@ def cases() -> list[Case]:
   # Blackwell multiplies the blocks itself: cuDNN block-scaled dots for the
   # forward, dgrad and wgrad.
   on_b200 = lambda cls: {"b200": ({cls: 3}, "cuDNN block-scaled dots (forward, dgrad, wgrad)")}
+  # A served model runs the forward only: one block-scaled dot per layer, fed
+  # the stored weight codes and the input quantized in the same blocks.
+  served_b200 = lambda cls: {"b200": ({cls: 2}, "cuDNN block-scaled dots fed the stored codes")}
   general = lambda r: (lambda: fl.QDenseGeneral(features=(8, 32), dtype=bf16, recipe=r))
   einsum = lambda r: (lambda: fl.QEinsum(shape=(d, 8, 32), einsum_str="btd,dhk->bthk",
                                          dtype=bf16, recipe=r))
@@ -1004,6 +1008,10 @@ def cases() -> list[Case]:
                    _all(2, "int8")),
       _served_case("served-fp8", "fl.convert of 2 x QDense, fp8 delayed: served forward",
                    delayed, _all(2)),
+      _served_case("served-mx", "fl.convert of 2 x QDense, MXFP8: served forward", mx,
+                   _all(2, "bf16"), block_note("MXFP8"), served_b200("fp8")),
+      _served_case("served-nvfp4", "fl.convert of 2 x QDense, NVFP4: served forward", nv,
+                   _all(2, "bf16"), block_note("NVFP4"), served_b200("fp4")),
       _step_case("bf16-dense", "nn.Dense bf16 (control)", lambda: nn.Dense(d, dtype=bf16),
                  tokens, bf16, _all(3, "bf16")),
   ]

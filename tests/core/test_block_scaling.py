@@ -411,14 +411,19 @@ def test_qconv_refuses_block_recipes():
     conv.init(jax.random.key(0), jnp.ones((1, 6, 6, 16)))
 
 
-def test_convert_refuses_nvfp4_and_2d_tiles_with_the_serving_error():
-  x = jnp.asarray(_data(13, 4, 32, 8)[0])
-  for recipe, why in ((fl.nvfp4(), "NVFP4"), (dataclasses.replace(
-      fl.mx_block_scaling(), kernel_2d_blocks=True), "kernel_2d_blocks=True")):
-    model = fl.QDense(8, recipe=recipe)
+def test_convert_serves_nvfp4_and_2d_tiles_as_their_forward():
+  """Current scaling needs no history: even an untrained layer converts, served as evaluated."""
+  x = jnp.asarray(_data(13, 4, 40, 8)[0])
+  for recipe in (fl.nvfp4(), dataclasses.replace(fl.mx_block_scaling(), kernel_2d_blocks=True)):
+    model = fl.QDense(24, recipe=recipe)
     v = model.init(jax.random.key(0), x)
-    with pytest.raises(ValueError, match=f"cannot be served: {why}"):
-      fl.convert(model, v, x)
+    served, sp = fl.convert(model, v, x)
+
+    def frozen(v, x):
+      with fl.frozen_quantizers():
+        return model.apply(v, x)
+    np.testing.assert_array_equal(np.asarray(jax.jit(served.apply)(sp, x)),
+                                  np.asarray(jax.jit(frozen)(v, x)))
 
 
 class Stack(nn.Module):

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import fp8_linen as fl
+from fp8_linen.core import numerics
 from fp8_linen.testing import hlo as hlo_text
 
 RECIPES = {
@@ -26,6 +27,10 @@ RECIPES = {
     "fp8_current": fl.current_scaling(),
     "fp8_rowwise": fl.rowwise_scaling(),
     "fp8_mx": fl.mx_block_scaling(),
+    "fp8_mx_2d": dataclasses.replace(fl.mx_block_scaling(), kernel_2d_blocks=True),
+    "nvfp4": fl.nvfp4(),
+    "nvfp4_delayed": fl.nvfp4(scaling="delayed"),
+    "nvfp4_1d": fl.nvfp4(kernel_2d_blocks=False),
     "int8_ste_tensor": fl.IntRecipe(),
     "int8_ste_channel": fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel")),
     "int8_ste_group": fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="group", group_size=8)),
@@ -49,10 +54,19 @@ LAYERS = {
         (4, 32)),
 }
 
-# fp8 convolutions are per tensor; a group of the kernel's 3x3x32 contraction is not one axis.
-NOT_A_LAYER_RECIPE = {("QConv", "fp8_rowwise"), ("QConv", "fp8_mx"), ("QConv", "int8_ste_group")}
+# fp8 convolutions are per tensor (no row-wise or block scales); a group of the kernel's
+# 3x3x32 contraction is not one axis.
+NOT_A_LAYER_RECIPE = {("QConv", r) for r, recipe in RECIPES.items()
+                      if r in ("fp8_rowwise", "int8_ste_group")
+                      or getattr(recipe, "granularity", None) == "block"}
 
-STORED = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8, "int4": jnp.int4}
+STORED = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8, "int4": jnp.int4,
+          "fp4": jnp.float4_e2m1fn}
+
+
+def _stored(recipe: str) -> str:
+  return ("fp4" if recipe.startswith("nvfp4") else "fp8" if recipe.startswith("fp8") else
+          "int4" if recipe.startswith("int4") else "int8")
 
 
 def _train(model, v, xs):
@@ -150,9 +164,7 @@ def test_served_params_hold_codes_and_no_training_state(layer, recipe):
   kernels = {k: a for k, a in flat.items() if k.endswith("kernel")}
   assert len(kernels) == 1
   (kernel,) = kernels.values()
-  want = ("fp8" if recipe.startswith("fp8") else "int4" if recipe.startswith("int4")
-          else "int8")
-  assert kernel.dtype == STORED[want]
+  assert kernel.dtype == STORED[_stored(recipe)]
   qat_kernel = [a for k, a in _layer_params(v["params"]).items() if k.endswith("kernel")][0]
   assert kernel.shape == qat_kernel.shape
   names = {k.rsplit("/", 1)[-1] for k in flat}
@@ -223,6 +235,83 @@ def test_served_fp8_forward_feeds_fp8_codes_to_the_gemm_when_traced_for_gpu():
     text = jax.jit(served.apply).lower(sp, x).as_text()
   dots = [l for l in text.splitlines() if "dot_general" in l]
   assert len(dots) == 1 and dots[0].count("f8E4M3FN") >= 2, dots
+
+
+# ----------------------------------------------------------------------------
+# Block recipes (MXFP8, NVFP4): the forward's codes, on blocks that do not divide the axes
+
+BLOCK_RECIPES = ["fp8_mx", "fp8_mx_2d", "nvfp4", "nvfp4_delayed", "nvfp4_1d"]
+RAGGED = {
+    # K = 5 x 8 = 40 over two contracting axes (partial last block), N = 24 (partial tile)
+    "QDenseGeneral": (lambda r: fl.QDenseGeneral((2, 12), axis=(-2, -1), recipe=r), (4, 5, 8)),
+    # a batch axis on the weight: the (B, N, K) views of both operands have B = 3
+    "QEinsum": (lambda r: fl.QEinsum((3, 40, 8), "bhk,hkn->bhn", recipe=r), (4, 3, 40)),
+}
+
+
+@pytest.mark.parametrize("layer", list(RAGGED))
+@pytest.mark.parametrize("recipe", BLOCK_RECIPES)
+def test_block_recipes_are_served_bit_for_bit_on_ragged_blocks(layer, recipe):
+  mk, shape = RAGGED[layer]
+  model = mk(RECIPES[recipe])
+  v, x = _trained(model, shape)
+  served, sp = fl.convert(model, v, x)
+  serve, frozen = jax.jit(served.apply), _frozen(model)
+  for batch in (x, 10.0 * jax.random.normal(jax.random.key(8), shape)):
+    np.testing.assert_array_equal(np.asarray(serve(sp, batch)), np.asarray(frozen(v, batch)))
+  flat = _layer_params(sp["params"])
+  k = 40
+  bs = RECIPES[recipe].block_size
+  b, n = (3, 8) if layer == "QEinsum" else (1, 24)
+  # The weight's block scales: one per block of K for each (batch, output) row.
+  assert flat["kernel_scale"].shape == (b, n, -(-k // bs))
+  assert flat["kernel_scale"].dtype == (jnp.float8_e4m3fn if recipe.startswith("nvfp4")
+                                        else jnp.float8_e8m0fnu)
+  assert ("kernel_tensor_scale" in flat) == recipe.startswith("nvfp4")
+  assert ("input_scale" in flat) == (recipe == "nvfp4_delayed")
+
+
+def test_nvfp4_served_kernel_codes_are_the_forward_tile_rows():
+  """With 2-D tiles the stored codes are the tile codes: each 16 x 16 tile shares one scale."""
+  model = fl.QDense(32, recipe=RECIPES["nvfp4"])
+  v, x = _trained(model, (4, 64))
+  _, sp = fl.convert(model, v, x)
+  s = np.asarray(sp["params"]["kernel_scale"].astype(jnp.float32))[0]   # (N, K / 16)
+  assert s.shape == (32, 4)
+  np.testing.assert_array_equal(s, np.repeat(s[::16], 16, axis=0))
+  # The codes are the (N, K) weight's 16 x 16 tiles quantized with its per-tensor factor.
+  factor = sp["params"]["kernel_tensor_scale"][0] / 448.0
+  q, scales = numerics.block_quantize(v["params"]["kernel"].T, 16, jnp.float4_e2m1fn,
+                                      tensor_scale=factor, tile=True)
+  np.testing.assert_array_equal(np.asarray(sp["params"]["kernel"].T.astype(jnp.float32)),
+                                np.asarray(q.astype(jnp.float32)))
+  np.testing.assert_array_equal(s, np.asarray(scales.astype(jnp.float32)))
+
+
+def test_the_nvfp4_input_scale_is_frozen_with_delayed_scaling_and_measured_with_current():
+  """A batch 100x larger than training: delayed saturates (frozen factor), current follows it."""
+  err = {}
+  for name in ("nvfp4", "nvfp4_delayed"):
+    model = fl.QDense(8, recipe=RECIPES[name])
+    v, x = _trained(model, (4, 32))
+    served, sp = fl.convert(model, v, x)
+    big = 100.0 * x
+    exact = big @ v["params"]["kernel"] + v["params"]["bias"]
+    err[name] = float(jnp.max(jnp.abs(served.apply(sp, big) - exact)) / jnp.max(jnp.abs(exact)))
+  assert err["nvfp4"] < 0.2 < err["nvfp4_delayed"], err
+
+
+def test_nvfp4_served_weight_bytes_count_e2m1_codes_at_half_a_byte():
+  k, n = 128, 64
+  model = fl.QDense(n, recipe=RECIPES["nvfp4"])
+  v, x = _trained(model, (4, k))
+  _, sp = fl.convert(model, v, x)
+  p = sp["params"]
+  assert p["kernel"].dtype == jnp.float4_e2m1fn and p["kernel"].shape == (k, n)
+  assert fl.weight_bytes(p["kernel"]) == k * n // 2
+  scales = (k // 16) * n                   # one e4m3 byte per block of 16
+  assert fl.weight_bytes(p) == k * n // 2 + scales + 4 + 4 * n   # + tensor scale, f32 bias
+  assert fl.weight_bytes(p) / fl.weight_bytes(v["params"]) < 0.16
 
 
 # ----------------------------------------------------------------------------

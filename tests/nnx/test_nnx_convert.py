@@ -24,6 +24,8 @@ RECIPES = {
     "fp8_current": fl.current_scaling(),
     "fp8_rowwise": fl.rowwise_scaling(),
     "fp8_mx": fl.mx_block_scaling(),
+    "nvfp4": fl.nvfp4(),
+    "nvfp4_delayed": fl.nvfp4(scaling="delayed"),
     "int8_ste_minmax": fl.IntRecipe(kernel=_CHANNEL),
     "int8_ste_moving_average": fl.IntRecipe(
         input=fl.IntQuantConfig(observer="moving_average", momentum=0.9), kernel=_CHANNEL),
@@ -42,11 +44,14 @@ LAYERS = {
                (4, 32)),
     "Conv": (lambda r, rngs: fl.nnx.Conv(32, 8, (3, 3), recipe=r, rngs=rngs), (2, 6, 6, 32)),
 }
-# fp8 convolutions are per tensor; a group of the kernel's 3x3x32 contraction is not one axis.
+# fp8 convolutions are per tensor (no row-wise or block scales); a group of the kernel's
+# 3x3x32 contraction is not one axis.
 CASES = [(l, r) for l in LAYERS for r in RECIPES
-         if not (l == "Conv" and r in ("fp8_rowwise", "fp8_mx", "int8_ste_group"))]
+         if not (l == "Conv" and r in ("fp8_rowwise", "fp8_mx", "nvfp4", "nvfp4_delayed",
+                                       "int8_ste_group"))]
 
-STORED = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8, "int4": jnp.int4}
+STORED = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8, "int4": jnp.int4,
+          "fp4": jnp.float4_e2m1fn}
 TRAINING_ONLY = {"input_step", "kernel_step", "input_amax_history", "input_range",
                  "kernel_amax_history", "output_grad_amax_history"}
 
@@ -93,7 +98,8 @@ def test_served_model_equals_the_frozen_qat_model_bit_for_bit(layer, recipe):
 @pytest.mark.parametrize("layer,recipe", CASES)
 def test_served_layer_holds_codes_and_no_training_state(layer, recipe):
   model, served, _, _ = _converted(layer, recipe)
-  want = "fp8" if recipe.startswith("fp8") else "int4" if recipe.startswith("int4") else "int8"
+  want = ("fp4" if recipe.startswith("nvfp4") else "fp8" if recipe.startswith("fp8") else
+          "int4" if recipe.startswith("int4") else "int8")
   assert served.kernel[...].dtype == STORED[want]
   assert served.kernel[...].shape == model.kernel[...].shape
   names = set(_variables(served))
@@ -240,7 +246,7 @@ def test_orbax_saves_and_restores_the_served_state(tmp_path):
 
 
 @pytest.mark.parametrize("recipe,bound", [("int8_lsq", 0.26), ("int4_lsq_plus", 0.15),
-                                          ("fp8_delayed", 0.26)])
+                                          ("fp8_delayed", 0.26), ("nvfp4", 0.15)])
 def test_served_weight_bytes_against_the_float_model(recipe, bound):
   model = _mlp(RECIPES[recipe], width=512)
   x = _train(model, (4, 512))

@@ -69,3 +69,28 @@ def test_b200_decoder_block_projections_block_scaled_attention_math_bf16(
   # 6 projections (query, key, value, out, 2 MLP) x 3; q.k and p.v x 3 stay bf16.
   assert report.classes == {"fp4": 18, "bf16": 6}, report.summary()
   assert report.block_scaled_dots == 18
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_b200_served_forward_is_one_block_scaled_dot_per_layer_fed_the_stored_codes(
+    require_target, fmt):
+  """fl.convert of 2 x QDense: the forward only, each layer a cuDNN block-scaled dot.
+
+  The weight operand is the stored e4m3 / e2m1 codes (a parameter of the
+  served program, transposed to the dot's (N, K) but never dequantized), the
+  input is quantized in the forward's blocks.
+  """
+  require_target("b200")
+  report = targets.compile_case(f"served-{fmt}", "b200")
+  dtype, cls = FORMATS[fmt]
+  assert report.by_kind == {"cuDNN block-scaled": 2}, report.summary()
+  assert dict(report.custom_calls) == {hlo.BLOCK_SCALED_DOT_TARGET: 2}, report.summary()
+  assert [p.operands for p in report.product_list] == [(dtype, dtype)] * 2
+  assert report.classes == {cls: 2}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_h100_served_forward_emulates_the_blocks_in_bf16(require_target, fmt):
+  require_target("h100")
+  report = targets.compile_case(f"served-{fmt}", "h100")
+  assert report.block_scaled_dots == 0 and report.classes == {"bf16": 2}, report.summary()
