@@ -105,11 +105,23 @@ def child(target: str, d: int, arms: list[str], quick: bool) -> None:
     print("ROW " + json.dumps({"arm": arm, **row_of(r, r.estimate())}), flush=True)
 
 
-def _run_child(target: str, d: int, arms: list[str], quick: bool) -> dict:
-  """``{arm: row}``; an arm whose compile crashed the process gets ``{"error": ...}``."""
+def _run_child(target: str, d: int, arms: list[str], quick: bool, timeout: float) -> dict:
+  """``{arm: row}``; an arm whose compile crashed the process, or did not finish within
+  ``timeout`` seconds, gets ``{"error": ...}``."""
   cmd = [sys.executable, os.path.abspath(__file__), "--child", target, str(d), *arms]
   cmd += ["--quick"] if quick else []
-  out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  try:
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout)
+  except subprocess.TimeoutExpired as e:
+    stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    rows = {}
+    for line in stdout.splitlines():
+      if line.startswith("ROW "):
+        row = json.loads(line[4:])
+        rows[row.pop("arm")] = row
+    for arm in arms:
+      rows.setdefault(arm, {"error": f"compile did not finish within {timeout:.0f} s"})
+    return rows
   rows = {}
   for line in out.stdout.splitlines():
     if line.startswith("ROW "):
@@ -119,7 +131,7 @@ def _run_child(target: str, d: int, arms: list[str], quick: bool) -> dict:
   if missing and out.returncode != 0:
     if len(arms) > 1:  # find the arm that crashed; the others still get their row
       for arm in missing:
-        rows.update(_run_child(target, d, [arm], quick))
+        rows.update(_run_child(target, d, [arm], quick, timeout))
     else:
       tail = [l for l in out.stderr.splitlines() if "SIGSEGV" in l or "Error" in l]
       rows[arms[0]] = {"error": (tail[-1] if tail else f"exit {out.returncode}")[:200]}
@@ -219,6 +231,25 @@ def tables(payload: dict) -> str:
   return "\n".join(out)
 
 
+def _payload(args, results, t0, measured, *, complete: bool) -> dict:
+  """The JSON written for a run (``complete=False`` while targets remain)."""
+  import common  # pylint: disable=import-outside-toplevel
+  from fp8_linen.testing import estimate  # pylint: disable=import-outside-toplevel
+  return {
+      "device": DEVICE, "env": common.environment(), "seconds": time.perf_counter() - t0,
+      "model": {"what": "pre-LN decoder block (attention + GELU MLP), quantize_model with "
+                        "projection_rules(); train step returns loss, dL/dx and gradients",
+                "tokens": "2 x 64 (quick)" if args.quick else "4 x 2048",
+                "heads": "d/64 (quick)" if args.quick else "d/128", "mlp": "4 d",
+                "activations": "bfloat16", "params": "float32"},
+      "method": "estimate (compile only): per top-level kernel max(FLOPs/peak for its operand "
+                "class, bytes/HBM bandwidth) + a per-kernel floor, summed; collectives excluded",
+      "peaks": {t: {"flops": dict(estimate.PEAKS[t].flops), "hbm": estimate.PEAKS[t].hbm,
+                    "kernel_floor_s": estimate.PEAKS[t].kernel_floor,
+                    "source": estimate.PEAKS[t].source} for t in args.targets},
+      "results": results, "measured": measured, "complete": complete}
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--widths", nargs="+", type=int, default=list(WIDTHS))
@@ -228,6 +259,8 @@ def main(argv=None) -> dict:
   p.add_argument("--quick", action="store_true", help="a tiny block (smoke run)")
   p.add_argument("--out", default=os.path.join(HERE, "results", "estimate-targets.json"))
   p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+  p.add_argument("--child-timeout", type=float, default=1200,
+                 help="seconds one target and width may compile before its cells are given up")
   p.add_argument("--tables", metavar="JSON",
                  help="print the markdown tables of a results file and exit")
   args = p.parse_args(argv)
@@ -245,15 +278,16 @@ def main(argv=None) -> dict:
   os.environ["JAX_PLATFORMS"] = "cpu"
   sys.path.insert(0, HERE)
   import common  # pylint: disable=import-outside-toplevel
-  from fp8_linen.testing import estimate  # pylint: disable=import-outside-toplevel
   t0 = time.perf_counter()
   results = {}
   for target in args.targets:
     results[target] = {}
     for d in args.widths:
-      rows = _run_child(target, d, arms, args.quick)
+      rows = _run_child(target, d, arms, args.quick, args.child_timeout)
       _ratios(rows)
       results[target][str(d)] = rows
+      # What has compiled so far, so a long run that is stopped keeps its rows.
+      common.write_json_to(args.out, _payload(args, results, t0, None, complete=False))
       for arm in arms:
         row = rows.get(arm, {"error": "not compiled"})
         if "error" in row:
@@ -277,19 +311,7 @@ def main(argv=None) -> dict:
     measured = json.loads(lines[-1][9:]) if lines else {"error": out.stderr[-500:]}
   else:
     print(f"no GPU or TPU found (jax sees {kind!r}): estimates only, nothing timed")
-  payload = {
-      "device": DEVICE, "env": common.environment(), "seconds": time.perf_counter() - t0,
-      "model": {"what": "pre-LN decoder block (attention + GELU MLP), quantize_model with "
-                        "projection_rules(); train step returns loss, dL/dx and gradients",
-                "tokens": "2 x 64 (quick)" if args.quick else "4 x 2048",
-                "heads": "d/64 (quick)" if args.quick else "d/128", "mlp": "4 d",
-                "activations": "bfloat16", "params": "float32"},
-      "method": "estimate (compile only): per top-level kernel max(FLOPs/peak for its operand "
-                "class, bytes/HBM bandwidth) + a per-kernel floor, summed; collectives excluded",
-      "peaks": {t: {"flops": dict(estimate.PEAKS[t].flops), "hbm": estimate.PEAKS[t].hbm,
-                    "kernel_floor_s": estimate.PEAKS[t].kernel_floor,
-                    "source": estimate.PEAKS[t].source} for t in args.targets},
-      "results": results, "measured": measured}
+  payload = _payload(args, results, t0, measured, complete=True)
   common.write_json_to(args.out, payload)
   if measured and "device_kind" in measured:
     common.write_json("targets", {"device": measured["device_kind"], **payload},

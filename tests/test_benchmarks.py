@@ -272,6 +272,7 @@ def test_bench_targets_quick(tmp_path, capsys, require_target):
                      "--arms", "bf16", "fp8_delayed", "nvfp4", "--out", str(out)])
   saved = json.loads(out.read_text())
   assert saved["device"] == "estimate (compile only)" and saved["measured"] is None
+  assert saved["complete"]
   rows = saved["results"]["b200"]["256"]
   assert set(rows) == {"bf16", "fp8_delayed", "nvfp4"}
   assert rows["bf16"]["ratio_vs_bf16"] == 1.0 and rows["bf16"]["low_precision_products"] == 0
