@@ -226,6 +226,20 @@ def test_bad_recipe_names_config_key(tiny_cfg):
     dataclasses.replace(tiny_cfg, fp8_recipe={'input': {'bogus': 1}})
 
 
+@pytest.fixture
+def default_sigint():
+  """Python's default SIGINT handler for the test, the one before restored after.
+
+  The job replaces only the default handler (one a user or library installed
+  is kept), so a test of its Ctrl-C handling starts from the default.
+  """
+  # A test run a shell started in the background has SIGINT ignored (Python
+  # keeps that), and the job rightly leaves an ignored SIGINT alone.
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, previous)
+
+
 def _signal_at(monkeypatch, step):
   """Sends this process SIGINT while the batch of ``step`` is built."""
   real_build = tasks_lib.build_task
@@ -245,7 +259,8 @@ def _signal_at(monkeypatch, step):
 
 
 def test_ctrl_c_checkpoints_and_says_how_to_resume(tmp_path, monkeypatch,
-                                                   capsys):
+                                                   capsys, default_sigint):
+  del default_sigint
   out = str(tmp_path / 'run')
   args = ['--config', 'tiny', '--tasks', 'digits', '--arms', 'bf16', '--out',
           out]
