@@ -94,6 +94,7 @@ import jax.extend.core
 import jax.numpy as jnp
 
 from fp8_linen import interception
+from fp8_linen.core import settings
 from fp8_linen.core.dims import einsum_plan
 from fp8_linen.core.owg import OWG
 from fp8_linen.linen.conv import conv_kwargs_from
@@ -216,6 +217,7 @@ class _Session:
     self.rules = rules
     self.recipe = recipe
     self.hits = [0] * len(rules)
+    self.seen = 0  # products that reached a handler (0: nothing was traced)
     self.stack: list[_Frame] = []
     self.vocab_table = None  # (rows, sorted shape) of the largest nn.Embed table seen
     self.by_operands = any(r.operands != "any" for r in rules)
@@ -246,6 +248,10 @@ class _Session:
 
 
 _SESSION: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_qm_session", default=None)
+# The session's configuration, in JAX's jit cache keys: a function jitted
+# inside the model (nn.jit, a raw jax.jit) traced as float is traced again
+# when the model runs quantized, and the other way round.
+_QUANTIZING = settings.TraceSetting("quantize_model", default=None)
 _WARNED: set = set()
 _WARNED_LOCK = threading.Lock()
 
@@ -272,6 +278,7 @@ def _decide(op: str, lhs, rhs, problem: str | None = None):
   sess = _SESSION.get()
   if sess is None:
     return None, ("skipped", None)
+  sess.seen += 1
   if not sess.stack:
     return None, ("skipped", "it is called outside any module method, where no module can "
                   "hold its state")
@@ -487,10 +494,15 @@ def quantization(recipe=None, rules: Sequence[QuantizationRule] | None = None, *
   sess = _Session(rules, recipe or Fp8Recipe())
   token = _SESSION.set(sess)
   try:
-    with interception.intercept(_HANDLERS), nn.intercept_methods(_interceptor):
+    with (_QUANTIZING.set((sess.recipe, rules)), interception.intercept(_HANDLERS),
+          nn.intercept_methods(_interceptor)):
       yield
   finally:
     _SESSION.reset(token)
+  if not sess.seen:
+    # Nothing was traced in the block (every jitted part of the model was
+    # replayed from JAX's cache): no rule can be said to have matched nothing.
+    return
   report_unmatched(rules, sess.hits, on_unmatched, stacklevel=3,
                    what="fp8_linen.quantize_model: these rules matched no module op (check "
                         "the module paths, e.g. with model.tabulate)")

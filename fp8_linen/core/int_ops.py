@@ -239,17 +239,17 @@ def _observed(cfg, first, frozen, x, obs, chain):
 
 def _observed_fwd(cfg, first, frozen, x, obs, chain):
   new, s, z = observer_qparams(cfg, x, obs, frozen)
-  return (int_numerics.int_fake_quant(x, s, z, cfg.qmin, cfg.qmax), chain), (x, new, s, z)
+  return (int_numerics.int_fake_quant(x, s, z, cfg.qmin, cfg.qmax), chain), (x, obs, new, s, z)
 
 
 def _observed_bwd(cfg, first, frozen, res, cts):
   del frozen  # a frozen observer's "new" range is its old one
-  x, new, s, z = res
+  x, obs, new, s, z = res
   g, ct_chain = cts
   dx = _pass_inside(g, x.astype(jnp.float32) / s + z, cfg.qmin, cfg.qmax, x.dtype)
   # The range rides the same chain as fp8 state: the first use returns the
   # widest (elementwise max of [-min, max]) as the new state.
-  combined, chain_ct = owg.fold_chain(new, ct_chain, first)
+  combined, chain_ct = owg.fold_chain(new, ct_chain, first, like=obs)
   return dx, (jnp.zeros_like(new) if combined is None else combined), chain_ct
 
 

@@ -728,7 +728,7 @@ def _int_product_bwd(spec, res, cts):
   dw, drp = _role_grads(spec.w, g_wh, w, w_in, rparams, wh, spec.rhs_dtype)
   chain_ct = jnp.zeros_like(ct_chain)
   if spec.x.kind == "observer":
-    combined, chain_ct = owg.fold_chain(new, ct_chain, spec.first)
+    combined, chain_ct = owg.fold_chain(new, ct_chain, spec.first, like=lparams[0])
     d_range = jnp.zeros_like(new) if combined is None else combined
     dlp = (owg.match_varying(d_range, lparams[0], lax.pmax),)
     chain_ct = owg.match_varying(chain_ct, ct_chain, lax.pmax)
@@ -766,8 +766,8 @@ def run_product(recipe: IntRecipe, lhs, rhs, lc, rc, params_of, chained, run):
     rhs: the weight; ``rc`` its contracting axes.
     params_of: ``fn(role, x, contract_axes, cfg) -> (params, grad_scale)``
       (see :func:`operand_params`).
-    chained: ``fn(f) -> out`` that runs ``f(chain) -> (out, chain_out)`` on the
-      layer's observer chain.
+    chained: ``fn(f, state_leaf) -> out`` that runs ``f(chain) -> (out, chain_out)``
+      on the layer's observer chain (``state_leaf``: the observer range).
     run: ``fn(**kw) -> (out, chain_out)``: :func:`int_dot_general` or
       :func:`int_conv_general_dilated` with everything but the params bound.
   """
@@ -776,7 +776,7 @@ def run_product(recipe: IntRecipe, lhs, rhs, lc, rc, params_of, chained, run):
   kw = dict(kernel_params=rp, input_grad_scale=lg, kernel_grad_scale=rg)
   if recipe.input.learned:
     return run(input_params=lp, **kw)[0]
-  return chained(lambda chain: run(input_params=lp, chain=chain, **kw))
+  return chained(lambda chain: run(input_params=lp, chain=chain, **kw), lp[0])
 
 
 def _operands(recipe: IntRecipe, lc, rc, input_grad_scale, kernel_grad_scale, owner):

@@ -45,7 +45,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import math
 
@@ -55,7 +54,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jax.lax import conv_general_dilated as lax_conv_general_dilated
 from jax.lax import dot_general as lax_dot_general
 
-from fp8_linen.core import mesh
+from fp8_linen.core import mesh, settings
 
 __all__ = [
     "GEMMS",
@@ -82,8 +81,7 @@ __all__ = [
 
 GEMMS = ("fp8", "block", "bf16", "f32")
 
-_TARGET: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_target_backend",
-                                                         default=None)
+_TARGET = settings.TraceSetting("target_backend", default=None)
 
 
 @contextlib.contextmanager
@@ -115,11 +113,8 @@ def target_backend(backend: str, *, block_scaled: bool = False):
   if block_scaled and backend != "gpu":
     raise ValueError(f"target_backend: block_scaled=True needs backend='gpu' (block-scaled "
                      f"GEMMs are a Blackwell GPU's), got backend={backend!r}")
-  token = _TARGET.set((backend, block_scaled))
-  try:
+  with _TARGET.set((backend, block_scaled)):
     yield
-  finally:
-    _TARGET.reset(token)
 
 
 def current_backend() -> str:

@@ -38,7 +38,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from typing import NamedTuple
 
@@ -47,7 +46,7 @@ import jax.ad_checkpoint
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import lowering, numerics
+from fp8_linen.core import lowering, numerics, settings, uses
 from fp8_linen.recipes.fp8 import ScalingConfig
 
 __all__ = [
@@ -81,8 +80,7 @@ ROLES = ("input", "kernel", "output_grad")
 CHECKPOINT_NAME = "fp8_linen.fp8_residual"
 
 
-_FROZEN: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_frozen_quantizers",
-                                                         default=False)
+_FROZEN = settings.TraceSetting("frozen_quantizers", default=False)
 
 
 @contextlib.contextmanager
@@ -127,11 +125,8 @@ def frozen_quantizers(frozen: bool = True):
   """
   if not isinstance(frozen, bool):
     raise TypeError(f"frozen_quantizers: frozen={frozen!r} must be a bool")
-  token = _FROZEN.set(frozen)
-  try:
+  with _FROZEN.set(frozen):
     yield
-  finally:
-    _FROZEN.reset(token)
 
 
 def quantizers_frozen() -> bool:
@@ -187,13 +182,19 @@ def new_state(cfg: ScalingConfig, state: RoleState, observed_amax) -> RoleState:
   return RoleState(scale, numerics.roll_history(state.amax_history, a))
 
 
-def fold_chain(observed, ct_chain, first: bool):
+def fold_chain(observed, ct_chain, first: bool, like=None):
   """Folds this use's observation into the chain (see module doc).
+
+  Under ``vmap`` with a state that is not batched, the observations of the
+  batch's instances are max-reduced first (:func:`~fp8_linen.core.uses.fold_vmapped`):
+  one state observes the whole batch.
 
   Args:
     observed: this use's observation (any array the chain carries).
     ct_chain: cotangent of ``chain_out``: the max observation of later uses.
     first: whether this use is the first (the one that returns the state).
+    like: an array of the state the observation updates (tells whether the
+      state is batched under ``vmap``); ``None``: never batched.
 
   Returns:
     ``(combined, chain_ct)``: the elementwise max of all uses' observations
@@ -201,6 +202,8 @@ def fold_chain(observed, ct_chain, first: bool):
     this use's chain input.
   """
   combined = jnp.maximum(observed, ct_chain)
+  if like is not None:
+    combined = uses.fold_vmapped(combined, like)
   if first:
     return combined, jnp.zeros_like(ct_chain)
   return None, combined
@@ -241,7 +244,8 @@ def state_cotangents(cfgs, states, observed, ct_chain, first: bool, empty: bool 
     zeros for a later use) and the chain cotangent, each varying over the same
     ``shard_map`` axes as its primal.
   """
-  combined, chain_ct = fold_chain(numerics.finite_or_zero(jnp.stack(observed)), ct_chain, first)
+  combined, chain_ct = fold_chain(numerics.finite_or_zero(jnp.stack(observed)), ct_chain, first,
+                                  like=states[0].scale)
   if combined is None:
     cts = tuple(RoleState(jnp.zeros_like(s.scale), jnp.zeros_like(s.amax_history))
                 for s in states)

@@ -24,13 +24,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from typing import Callable
 
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fp8_linen.core import settings
 from fp8_linen.core.conv import fp8_conv_general_dilated
 from fp8_linen.core.dims import einsum_plan
 from fp8_linen.core.dot_general import fp8_dot_general
@@ -92,7 +92,7 @@ _TABLE: dict[type, Products] = {
 # :mod:`fp8_linen.linen.serving`, which fills these tables).
 MODES = ("convert", "serve")
 _MODE_TABLES: dict[str, dict[type, Products]] = {m: {} for m in MODES}
-_MODE: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_mode", default=None)
+_MODE = settings.TraceSetting("mode", default=None)
 
 
 @contextlib.contextmanager
@@ -100,11 +100,8 @@ def mode(name: str | None):
   """Runs every product of the block in mode ``name`` (``None``: training)."""
   if name is not None and name not in MODES:
     raise ValueError(f"dispatch.mode: name={name!r} must be None or one of {MODES}")
-  token = _MODE.set(name)
-  try:
+  with _MODE.set(name):
     yield
-  finally:
-    _MODE.reset(token)
 
 
 def current_mode() -> str | None:

@@ -95,7 +95,7 @@ def _lsq(module: nn.Module, role: str, view, axes, cfg: IntQuantConfig, n: int):
 
 
 def _observer_range(module: nn.Module, role: str):
-  rng = owg_value(module, f"{role}_range", jnp.zeros, (2,))
+  rng = owg_value(module, f"{role}_range", 0.0, (2,))
   if rng.shape != (2,):
     raise ValueError(f"{'/'.join(module.path)}: {role}_range has shape {rng.shape}, "
                      "expected (2,)")
@@ -138,7 +138,7 @@ def quantize_operand(module: nn.Module, role: str, x, contract_axes, cfg: IntQua
   if role == "input":
     rng = _observer_range(module, role)
     return chained(module, f"{key}/{role}_observer",
-                   lambda chain: int_ops.observed_fake_quant(x, rng, cfg=cfg, chain=chain))
+                   lambda chain: int_ops.observed_fake_quant(x, rng, cfg=cfg, chain=chain), rng)
   return int_ops.minmax_fake_quant(view, axes, cfg).reshape(x.shape)
 
 
@@ -146,7 +146,7 @@ def _int_product_on(module: nn.Module, lhs, rhs, lc, rc, recipe: IntRecipe, key:
   """Declares both operands' variables and runs ``run(**params)`` (an integer product)."""
   return int_product.run_product(
       recipe, lhs, rhs, lc, rc, functools.partial(operand_params, module),
-      lambda f: chained(module, f"{key}/input_observer", f), run)
+      lambda f, leaf: chained(module, f"{key}/input_observer", f, leaf), run)
 
 
 def int_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe: IntRecipe,

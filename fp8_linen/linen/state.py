@@ -24,9 +24,10 @@ import warnings
 from typing import Callable, Mapping
 
 import flax.linen as nn
-import jax.extend.core
+import jax
 import jax.numpy as jnp
 
+from fp8_linen.core import uses
 from fp8_linen.core.owg import OWG, ROLES, RoleState
 from fp8_linen.recipes.fp8 import ScalingConfig
 
@@ -56,8 +57,8 @@ def role_state(module: nn.Module, role: str, cfg: ScalingConfig) -> RoleState:
     ValueError: if stored variables do not have the shapes ``cfg`` asks for
       (e.g. a checkpoint written with another history length).
   """
-  scale = owg_value(module, f"{role}_scale", jnp.ones, (1,))
-  hist = owg_value(module, f"{role}_amax_history", jnp.zeros, (cfg.history_length,))
+  scale = owg_value(module, f"{role}_scale", 1.0, (1,))
+  hist = owg_value(module, f"{role}_amax_history", 0.0, (cfg.history_length,))
   where = "/".join(module.path) or "<root>"
   if scale.shape != (1,):
     raise ValueError(f"{where}: {role}_scale has shape {scale.shape}, expected (1,)")
@@ -69,16 +70,35 @@ def role_state(module: nn.Module, role: str, cfg: ScalingConfig) -> RoleState:
   return RoleState(scale, hist)
 
 
-def owg_value(module: nn.Module, name: str, init: Callable, shape: tuple) -> jnp.ndarray:
-  """The value of OWG variable ``name`` of ``module``, declared with ``init(shape)``.
+def owg_value(module: nn.Module, name: str, fill: float, shape: tuple) -> jnp.ndarray:
+  """The value of OWG variable ``name`` of ``module``, declared filled with ``fill``.
+
+  The initial value is a constant array, never a tracer: a layer first
+  called inside a raw ``jax.jit`` / ``jax.checkpoint`` in a module method
+  (MaxText wraps its decoder layers so) declares its state inside that trace,
+  and a traced initial value would leak out of it with the variables.
 
   When the variables have no such entry and the collection is not mutable
   (``apply`` with ``{'params': ...}`` only) the initial value is used instead of
   raising flax's ``ScopeCollectionNotFound``, with a warning.
+
+  Raises:
+    fp8_linen.core.uses.StateUseError: ``init`` runs the layer inside a lifted
+      transform that does not carry the OWG collection (``nn.scan``,
+      ``nn.vmap``, ``nn.RNN`` without it among their variable collections).
   """
-  if (module.has_variable(OWG, name) or module.is_mutable_collection(OWG)
-      or module.is_initializing()):
+  def init(shape, dtype):
+    with jax.ensure_compile_time_eval():  # a constant, never a tracer of this trace
+      return jnp.full(shape, fill, dtype)
+  if module.has_variable(OWG, name) or module.is_mutable_collection(OWG):
     return module.variable(OWG, name, init, shape, jnp.float32).value
+  if module.is_initializing():
+    raise uses.StateUseError(
+        f"fp8_linen: {'/'.join(module.path) or '<root>'} is initialised inside a lifted "
+        f"transform that does not carry the '{OWG}' collection, so its quantization state "
+        "would be lost. Add it to the transform's collections: a state per iteration "
+        "nn.scan(..., variable_axes={'params': 0, fl.OWG: 0}) (nn.RNN and nn.vmap take "
+        "variable_axes too), or one shared state variable_axes={fl.OWG: None} for nn.vmap.")
   warned = module.scope.root.__dict__.setdefault(_WARNED_ATTR, set())
   if tuple(module.scope.path) not in warned:  # once per module and apply
     warned.add(tuple(module.scope.path))
@@ -91,40 +111,31 @@ def owg_value(module: nn.Module, name: str, init: Callable, shape: tuple) -> jnp
   return init(shape, jnp.float32)
 
 
-def _trace_state():
-  return jax.extend.core.get_opaque_trace_state(convention="flax")
-
-
-def chained(module: nn.Module, key: str, fn):
+def chained(module: nn.Module, key: str, fn, state_leaf=None):
   """Runs ``fn(chain) -> (out, chain_out)``, linking uses of one state in a step.
 
   The first call for ``(module path, key)`` in an ``apply`` passes ``chain=None``
-  (it returns the state update); later calls in the same trace pass the
-  previous ``chain_out`` so their observations are folded (by max) into the
-  first use's update instead of being summed by autodiff.
+  (it returns the state update); later calls pass the previous ``chain_out``
+  so their observations are folded (by max) into the first use's update
+  instead of being summed by autodiff. Uses under ``vmap``, in nested traces
+  and inside loops are handled as :mod:`fp8_linen.core.uses` describes.
 
-  A use in a different JAX trace than the first (e.g. the same module called
-  inside and outside ``nn.remat``) cannot be linked; it then also returns a
-  state update, autodiff sums the two, and a warning says so.
+  Args:
+    module: the module that owns the state.
+    key: distinguishes several states of one module.
+    fn: the op, ``fn(chain) -> (out, chain_out)``.
+    state_leaf: one array of the state as the op reads it (tells where the
+      state lives relative to this call); ``None`` skips that check.
+
+  Raises:
+    fp8_linen.core.uses.StateUseError: the state's updates would be summed
+      (a loop over the layer with its state from outside the loop, or calls
+      in two traces that do not nest).
   """
-  store = module.scope.root.__dict__.setdefault(_CHAINS_ATTR, {})
-  slot = (tuple(module.scope.path), key)
-  trace = _trace_state()
-  prev = store.get(slot)
-  chain = None
-  if prev is not None:
-    prev_trace, prev_chain = prev
-    if prev_trace == trace:
-      chain = prev_chain
-    elif not module.is_initializing():
-      warnings.warn(
-          f"fp8_linen: {'/'.join(slot[0]) or '<root>'} is used in two different JAX traces "
-          "in one step (e.g. inside and outside a lifted transform); its fp8 state updates "
-          "cannot be linked and will be summed. Call it within one transform.",
-          stacklevel=3)
-  out, chain_out = fn(chain)
-  store[slot] = (trace, chain_out)
-  return out
+  chains = module.scope.root.__dict__.setdefault(_CHAINS_ATTR, uses.Chains())
+  where = "/".join(module.path) or "<root>"
+  return chains.run((tuple(module.scope.path), key), where, state_leaf, fn,
+                    initializing=module.is_initializing())
 
 
 def with_role_states(module: nn.Module, key: str, cfgs: Mapping[str, ScalingConfig],
@@ -142,4 +153,5 @@ def with_role_states(module: nn.Module, key: str, cfgs: Mapping[str, ScalingConf
     ``out``.
   """
   states = tuple(role_state(module, role, cfg) for role, cfg in cfgs.items())
-  return chained(module, key, lambda chain: op(states, chain))
+  return chained(module, key, lambda chain: op(states, chain),
+                 state_leaf=states[0].scale if states else None)

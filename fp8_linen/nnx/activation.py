@@ -85,8 +85,8 @@ class Quantizer(nnx.Module):
       return (xq, s), chain_out
 
     # The two roles are separate states, each chained over the uses in a step.
-    xq, s = chained(self, "activation_input", _q)
+    xq, s = chained(self, "activation_input", _q, st_in.scale)
     xq = name_fp8_residual(xq, self.checkpoint_name)
     return chained(self, "activation_output_grad",
                    lambda chain: dequantize(xq, s, *st_g, grad_cfg=rec.output_grad,
-                                            dtype=x.dtype, chain=chain))
+                                            dtype=x.dtype, chain=chain), st_g.scale)

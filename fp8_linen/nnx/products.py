@@ -29,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
@@ -38,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from fp8_linen.core import dims, int_numerics, int_ops, int_product, lowering, serve
+from fp8_linen.core import dims, int_numerics, int_ops, int_product, lowering, serve, settings
 from fp8_linen.core.conv import fp8_conv_general_dilated
 from fp8_linen.core.dims import conv_contract, einsum_plan
 from fp8_linen.core.dot_general import fp8_dot_general
@@ -49,8 +48,7 @@ from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 __all__ = ["declare", "einsum_kernel", "dot_general", "einsum", "conv", "calibrate",
            "check_recipe", "Serving", "converting"]
 
-_CALIBRATING: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_nnx_calibrating",
-                                                               default=False)
+_CALIBRATING = settings.TraceSetting("nnx_calibrating", default=False)
 
 
 def check_recipe(owner: str, recipe, conv: bool = False) -> None:
@@ -194,7 +192,7 @@ def _int_product(module, lhs, rhs, lc, rc, recipe: IntRecipe, key: str, run):
   """Runs ``run(**params)`` (an integer product) on ``module``'s variables."""
   return int_product.run_product(
       recipe, lhs, rhs, lc, rc, functools.partial(_operand_params, module),
-      lambda f: chained(module, f"{key}/input_observer", f), run)
+      lambda f, leaf: chained(module, f"{key}/input_observer", f, leaf), run)
 
 
 def _int_operand(module, role: str, x, contract_axes, cfg: IntQuantConfig | None, key: str):
@@ -208,7 +206,7 @@ def _int_operand(module, role: str, x, contract_axes, cfg: IntQuantConfig | None
   if role == "input":
     rng = module.input_range[...]
     return chained(module, f"{key}/{role}_observer",
-                   lambda chain: int_ops.observed_fake_quant(x, rng, cfg=cfg, chain=chain))
+                   lambda chain: int_ops.observed_fake_quant(x, rng, cfg=cfg, chain=chain), rng)
   return int_ops.minmax_fake_quant(view, axes, cfg).reshape(x.shape)
 
 
@@ -241,7 +239,7 @@ def _qat_dot_general(module, lhs, rhs, dimension_numbers, recipe, out_dtype, key
     st = _fp8_states(module, recipe)
     return chained(module, key, lambda chain: fp8_dot_general(
         lhs, rhs, dimension_numbers, input_state=st[0], kernel_state=st[1],
-        output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain))
+        output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain), st[0].scale)
   check_recipe(type(module).__name__, recipe)
   (lc, rc), _ = dimension_numbers
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
@@ -293,7 +291,7 @@ def _qat_conv(module, lhs, rhs, conv_kwargs, recipe, out_dtype, key):
     st = _fp8_states(module, recipe)
     return chained(module, key, lambda chain: fp8_conv_general_dilated(
         lhs, rhs, **conv_kwargs, input_state=st[0], kernel_state=st[1],
-        output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain))
+        output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain), st[0].scale)
   check_recipe(type(module).__name__, recipe)
   dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, conv_kwargs["dimension_numbers"])
   l_contract, r_contract = conv_contract(lhs.ndim, rhs.ndim, dn)
@@ -352,8 +350,7 @@ class _Conversion:
         **record, **serve.kernel_check(None if kernel is None else 0, kernel, rhs)}
 
 
-_CONVERTING: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_nnx_converting",
-                                                             default=None)
+_CONVERTING = settings.TraceSetting("nnx_converting", default=None)
 
 
 @contextlib.contextmanager
@@ -365,11 +362,8 @@ def converting(model: nnx.Module):
   """
   conversion = _Conversion({id(m): "/".join(str(p) for p in path)
                             for path, m in nnx.iter_modules(model)})
-  token = _CONVERTING.set(conversion)
-  try:
+  with _CONVERTING.set(conversion):
     yield conversion.records
-  finally:
-    _CONVERTING.reset(token)
 
 
 def _run(module, recipe, rhs, contract, *, conv: bool, served, qat, batch=()):
@@ -411,8 +405,5 @@ def calibrate(model: nnx.Module, *args, **kwargs) -> None:
   the activations it sees, as the Linen layers do at ``init``. Other state is
   left as it was.
   """
-  token = _CALIBRATING.set(True)
-  try:
+  with _CALIBRATING.set(True):
     model(*args, **kwargs)
-  finally:
-    _CALIBRATING.reset(token)

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import weakref
 
-import jax.extend.core
 import jax.numpy as jnp
 from flax import nnx
 
+from fp8_linen.core import uses
 from fp8_linen.core.owg import OWG, ROLES, RoleState
 from fp8_linen.recipes.fp8 import ScalingConfig
 
@@ -106,34 +106,32 @@ def read_role(module: nnx.Module, role: str, cfg: ScalingConfig) -> RoleState:
   return RoleState(scale, hist)
 
 
-def _trace_state():
-  return jax.extend.core.get_opaque_trace_state(convention="flax")
-
-
-# module -> {key: (trace, chain_out)}. Held outside the module (weakly, so it
-# goes with the module: NNX transforms run on fresh copies of the module, which
-# disappear with their trace) so no chain value ever becomes module state.
+# module -> its chains. Held outside the module (weakly, so it goes with the
+# module: NNX transforms run on fresh copies of the module, which disappear
+# with their trace) so no chain value ever becomes module state.
 _CHAINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def chained(module: nnx.Module, key: str, fn):
-  """Runs ``fn(chain) -> (out, chain_out)``, linking uses of one state in a trace.
+def chained(module: nnx.Module, key: str, fn, state_leaf=None):
+  """Runs ``fn(chain) -> (out, chain_out)``, linking uses of one state in a step.
 
-  The first call for ``(module, key)`` in a JAX trace passes ``chain=None`` (it
-  returns the state update); later calls in the same trace pass the previous
-  ``chain_out``, so their observations are folded (by max) into the first use's
-  update instead of being summed by autodiff.
+  The first call for ``(module, key)`` passes ``chain=None`` (it returns the
+  state update); later calls pass the previous ``chain_out``, so their
+  observations are folded (by max) into the first use's update instead of
+  being summed by autodiff. Uses under ``vmap``, in nested traces and inside
+  loops are handled as :mod:`fp8_linen.core.uses` describes.
 
-  A use in another trace than the previous one (the same module object called
-  inside and outside ``nnx.remat`` in one step) cannot be linked; its update is
-  then summed with the other. Call a layer within one transform per step.
+  Args:
+    module: the layer that owns the state.
+    key: distinguishes several states of one layer.
+    fn: the op, ``fn(chain) -> (out, chain_out)``.
+    state_leaf: one array of the state as the op reads it; ``None`` skips
+      the loop check.
+
+  Raises:
+    fp8_linen.core.uses.StateUseError: the state's updates would be summed.
   """
-  store = _CHAINS.setdefault(module, {})
-  trace = _trace_state()
-  prev = store.get(key)
-  chain = None
-  if prev is not None and prev[0] == trace:
-    chain = prev[1]
-  out, chain_out = fn(chain)
-  store[key] = (trace, chain_out)
-  return out
+  chains = _CHAINS.get(module)
+  if chains is None:
+    chains = _CHAINS[module] = uses.Chains()
+  return chains.run(key, type(module).__name__, state_leaf, fn)
