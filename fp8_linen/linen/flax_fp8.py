@@ -81,6 +81,7 @@ FLAX_OPS: dict[str, tuple[str, str]] = {**FLAX_DOT_OPS,
                                         "Fp8Einsum": ("float8_e4m3fn", "float8_e5m2")}
 # Ops that honour their e4m3_dtype / e5m2_dtype fields.
 _DTYPE_FIELDS = ("Fp8DotGeneralOp", "NANOOFp8DotGeneralOp")
+_FNUZ = ("float8_e4m3fnuz", "float8_e5m2fnuz")
 
 _STATE_NAMES = tuple(f"{r}_{k}" for r in ROLES for k in ("scale", "amax_history"))
 _FLAX_NAME = re.compile(r"^(" + "|".join(FLAX_OPS) + r")_(\d+)$")
@@ -169,6 +170,9 @@ def flax_fp8_recipe(op: Any = "Fp8DirectDotGeneralOp", *,
     raise ValueError(f"flax_fp8_recipe: amax_history_length={length!r} must be an int >= 1")
   cfg = lambda dtype: ScalingConfig(dtype=dtype, scaling="delayed", history_length=int(length),
                                     amax_compute_algo="max", margin=0)
+  if (e4m3 in _FNUZ) != (e5m2 in _FNUZ):
+    raise ValueError(f"flax_fp8_recipe: op={op!r} quantizes to {e4m3}/{e5m2}, a mix of fnuz "
+                     "and non-fnuz formats that fp8_linen's recipes do not support")
   return Fp8Recipe(input=cfg(e4m3), kernel=cfg(e4m3), output_grad=cfg(e5m2))
 
 
