@@ -231,6 +231,46 @@ def test_train_state_keeps_continuing_like_flax(how):
          for k, a in want.items()})
 
 
+class ContinuationVariantsTest(chex.TestCase):
+  """The automatic continuation traces the same under jit as eagerly."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_continuation_equals_flax_next_step(self):
+    op = fp8_ops.Fp8DirectDotGeneralOp
+    model, v, x, ct = exact_checkpoint(op, seed=2)
+    ours = our_net(fl.flax_fp8_recipe(op, amax_history_length=L))
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      got = self.variant(lambda v, x, ct: step(ours, v, x, ct))(v, x, ct)
+    chex.assert_trees_all_equal(got, step(model, v, x, ct))
+
+
+def test_shared_layer_continuing_flax_state_records_the_max_not_the_sum():
+  # flax's op, used twice in a step, returns two state "gradients" that
+  # jax.grad adds; fl.Fp8DotGeneral links the uses, also on flax's state.
+  class Twice(nn.Module):
+    dg: object
+
+    @nn.compact
+    def __call__(self, x):
+      dense = nn.Dense(16, use_bias=False, dot_general_cls=self.dg)
+      return dense(dense(x) * 0.0 + 3.0 * x)
+
+  x = jnp.ones((2, 16))
+  flax_model = Twice(functools.partial(fp8_ops.Fp8DirectDotGeneralOp, amax_history_length=L))
+  v = flax_model.init(jax.random.key(0), x)
+  v = train(flax_model, v, [(x, jnp.ones((2, 16)))])
+  ours = Twice(functools.partial(fl.Fp8DotGeneral,
+                                 recipe=fl.flax_fp8_recipe(amax_history_length=L)))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    _, g, _ = step(ours, v, x, jnp.ones((2, 16)))
+  h = g[OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"]
+  assert float(h[0]) == 3.0  # the max of the two uses' amaxes (1 and 3), not 4
+  _, g_f, _ = step(flax_model, v, x, jnp.ones((2, 16)))
+  assert float(g_f[OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"][0]) == 4.0
+
+
 @pytest.mark.parametrize("op", OPS, ids=lambda o: o.__name__)
 def test_random_training_run_first_step_scale_within_one_ulp(op):
   # A realistic checkpoint: random data, SGD on the kernel, history 8. flax
