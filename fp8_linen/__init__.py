@@ -32,7 +32,8 @@ from fp8_linen.core.owg import (
 from fp8_linen.core.qdq import dequantize, quantize
 from fp8_linen.linen.activation import Fp8Activation, fp8_activation
 from fp8_linen.linen.conv import QConv
-from fp8_linen.linen.dense import Fp8DotGeneral, QDense, QDenseGeneral, QEinsum
+from fp8_linen.linen.dense import Fp8DotGeneral, Fp8Einsum, QDense, QDenseGeneral, QEinsum
+from fp8_linen.linen.flax_fp8 import FlaxFp8Report, flax_fp8_recipe, from_flax_fp8
 from fp8_linen.linen import serving as _serving  # registers the convert/serve products
 from fp8_linen.linen.dispatch import (
     Products,
@@ -132,6 +133,7 @@ __all__ = [
     "frozen_quantizers",
     # Linen layers
     "Fp8DotGeneral",
+    "Fp8Einsum",
     "QDense",
     "QDenseGeneral",
     "QEinsum",
@@ -166,4 +168,8 @@ __all__ = [
     "all_finite",
     "resize_histories",
     "load_float_state",
+    # coming from flax's own fp8 ops (flax.linen.fp8_ops)
+    "from_flax_fp8",
+    "flax_fp8_recipe",
+    "FlaxFp8Report",
 ]

@@ -293,11 +293,22 @@ def _history_length(history_length, role: str) -> int:
   return int(n)
 
 
+# flax's dot-general fp8 ops (fp8_linen.linen.flax_fp8.FLAX_DOT_OPS; a test keeps
+# them equal): fl.Fp8DotGeneral continues their state in place, in flax's
+# history order, which cutting from the end would get wrong.
+_FLAX_DOT_OPS = ("Fp8DirectDotGeneralOp", "Fp8DotGeneralOp", "NANOOFp8DotGeneralOp")
+
+
 def _resize(tree, history_length, fill: float):
   def one(path, x):
     key = _name(path[-1]) if path else ""
     if not key.endswith(_HISTORY):
       return x
+    if any(_name(k).rpartition("_")[0] in _FLAX_DOT_OPS for k in path[:-1]):
+      raise ValueError(
+          f"resize_histories: {_path(path)} is a flax fp8 op's state, whose history is in "
+          "flax's order (index 1 the oldest); convert and resize it with "
+          "fl.from_flax_fp8(variables, recipe)")
     n = _history_length(history_length, key[:-len(_HISTORY)])
     x = jnp.asarray(x)
     if x.shape[0] >= n:

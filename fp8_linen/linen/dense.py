@@ -4,7 +4,8 @@ Each layer keeps its flax twin's arguments and ``params`` tree and runs its
 product through :mod:`fp8_linen.linen.dispatch`, so every recipe works in it.
 The fp8 state lives in the ``_overwrite_with_gradient`` collection at the
 layer's own path. :class:`Fp8DotGeneral` serves flax's ``dot_general_cls``
-injection point instead (state in a child scope).
+injection point instead (state in a child scope), and :class:`Fp8Einsum` the
+einsum hooks of flax's attention (``qk_attn_weights_einsum_cls``, ...).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -26,10 +27,11 @@ from flax.linen import module as nn_module
 from fp8_linen.core.dims import einsum_plan
 from fp8_linen.linen.dispatch import (check_recipe, quantized_dot_general_on,
                                       quantized_einsum_on)
+from fp8_linen.linen.flax_fp8 import continue_flax_state, flax_state_beside
 from fp8_linen.linen.seam import Seam
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
-__all__ = ["Fp8DotGeneral", "QDense", "QDenseGeneral", "QEinsum"]
+__all__ = ["Fp8DotGeneral", "Fp8Einsum", "QDense", "QDenseGeneral", "QEinsum"]
 
 
 def _check_inputs(owner: str, inputs) -> jnp.ndarray:
@@ -55,13 +57,26 @@ def _layer_dot_general(lhs, rhs, dimension_numbers, precision=None,
 class Fp8DotGeneral(nn.Module):
   """A quantized ``dot_general`` with its own state, for flax's injection points.
 
-  Pass it as ``dot_general_cls`` to ``nn.Dense``/``nn.DenseGeneral``/``nn.Einsum``
+  Pass it as ``dot_general_cls`` to ``nn.Dense`` or ``nn.DenseGeneral``
   (``functools.partial(Fp8DotGeneral, recipe=...)`` to choose a recipe). The
   state lives in this submodule's scope (``Dense_0/Fp8DotGeneral_0/...``).
+  flax 0.12's ``nn.Einsum`` has no ``dot_general_cls``: use
+  :class:`QEinsum` in its place, and :class:`Fp8Einsum` for the einsum hooks
+  of ``nn.MultiHeadDotProductAttention``.
+
+  **Continuing flax's fp8 state.** In place of flax's
+  ``Fp8DirectDotGeneralOp`` / ``Fp8DotGeneralOp`` / ``NANOOFp8DotGeneralOp``
+  it continues a checkpoint they wrote: with no state of its own
+  (``Fp8DotGeneral_<n>``) and the op's state beside it
+  (``Fp8DirectDotGeneralOp_<n>``, ...), it reads and writes that state, in
+  flax's history order, and warns once saying so; the first step quantizes
+  with the trained scales. :func:`~fp8_linen.from_flax_fp8` moves such a
+  state to this module's own path once (see :mod:`fp8_linen.linen.flax_fp8`).
 
   Attributes:
     recipe: any recipe in :mod:`fp8_linen.linen.dispatch`'s table
-      (:class:`~fp8_linen.Fp8Recipe` by default).
+      (:class:`~fp8_linen.Fp8Recipe` by default, which is flax's
+      ``Fp8DirectDotGeneralOp`` recipe: delayed, max of a 1024-long history).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -78,8 +93,57 @@ class Fp8DotGeneral(nn.Module):
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
     del precision  # fp8 GEMMs run at DEFAULT precision (fast accumulation).
     check_recipe("Fp8DotGeneral", self.recipe)
+    found = flax_state_beside(self)
+    if found is not None:
+      return continue_flax_state(self, found, lhs, rhs, dimension_numbers, self.recipe,
+                                 out_dtype=preferred_element_type)
     return quantized_dot_general_on(self, lhs, rhs, dimension_numbers, self.recipe,
                                     out_dtype=preferred_element_type)
+
+
+class Fp8Einsum(nn.Module):
+  """A quantized two-operand einsum with its own state: flax's ``Fp8Einsum``, every recipe.
+
+  Called as flax's ``nn.Fp8Einsum`` is, ``(eqn, lhs, rhs, precision=None,
+  preferred_element_type=None)``, so it is the module to pass as
+  ``qk_attn_weights_einsum_cls`` / ``attn_weights_value_einsum_cls`` to
+  ``nn.MultiHeadDotProductAttention``. ``lhs`` is the ``input`` role and
+  ``rhs`` the ``kernel`` role (in attention both are activations: they are
+  quantized and differentiated alike); ``lhs`` is cast to ``rhs``'s dtype,
+  as flax does. The equation runs as one quantized ``dot_general``
+  (:func:`~fp8_linen.quantized_einsum_on`; ellipses and broadcast size-1
+  axes allowed). The state keeps flax's names in this module's scope
+  (``Fp8Einsum_<n>/<role>_scale``, ``<role>_amax_history``); a flax
+  ``Fp8Einsum`` checkpoint is converted once with
+  :func:`~fp8_linen.from_flax_fp8` (histories newest first).
+
+  Attributes:
+    recipe: any recipe in :mod:`fp8_linen.linen.dispatch`'s table (fp8
+      delayed, current, row-wise, MX, NVFP4; integer STE, LSQ).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import fp8_linen as fl
+    >>> attn = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8,
+    ...     qk_attn_weights_einsum_cls=fl.Fp8Einsum, attn_weights_value_einsum_cls=fl.Fp8Einsum)
+    >>> v = attn.init(jax.random.key(0), jnp.ones((1, 5, 8)))
+    >>> sorted(v[fl.OWG])
+    ['Fp8Einsum_0', 'Fp8Einsum_1']
+  """
+
+  recipe: Any = Fp8Recipe()
+
+  @nn.compact
+  def __call__(self, eqn: str, lhs, rhs, precision=None, preferred_element_type=None):
+    del precision  # fp8 GEMMs run at DEFAULT precision (fast accumulation).
+    check_recipe("Fp8Einsum", self.recipe)
+    if not isinstance(eqn, str):
+      raise TypeError(f"Fp8Einsum: eqn={eqn!r} must be an einsum equation string")
+    rhs = _check_inputs("Fp8Einsum (rhs)", rhs)
+    # flax's Fp8Einsum computes in the right operand's dtype (its "weight").
+    lhs = _check_inputs("Fp8Einsum (lhs)", lhs).astype(rhs.dtype)
+    return quantized_einsum_on(self, eqn.replace(" ", ""), lhs, rhs, self.recipe,
+                               out_dtype=preferred_element_type or rhs.dtype)
 
 
 class QDense(nn.Dense):

@@ -1,7 +1,8 @@
 """fp8 and integer quantization-aware training for Flax NNX.
 
 Layers (drop-ins for their ``flax.nnx`` twins): :class:`Linear`,
-:class:`LinearGeneral`, :class:`Einsum`, :class:`Conv`; the activation
+:class:`LinearGeneral`, :class:`Einsum`, :class:`Conv`; :class:`Fp8Einsum` (an einsum of
+two activations, flax's ``Fp8Einsum`` call); the activation
 :class:`Quantizer`. Their state is :class:`QuantState`; it leaves a step as
 its gradient and :class:`Optimizer` writes it back (see :mod:`.training`).
 :func:`quantize_model` swaps a float NNX model's layers for these;
@@ -21,7 +22,7 @@ Example:
 from fp8_linen.core.owg import frozen_quantizers
 from fp8_linen.nnx.activation import Quantizer
 from fp8_linen.nnx.conversion import convert
-from fp8_linen.nnx.layers import Conv, Einsum, Linear, LinearGeneral
+from fp8_linen.nnx.layers import Conv, Einsum, Fp8Einsum, Linear, LinearGeneral
 from fp8_linen.nnx.products import calibrate
 from fp8_linen.nnx.quantize import quantize_model
 from fp8_linen.nnx.state import DIFF, QuantState
@@ -32,6 +33,7 @@ __all__ = [
     "LinearGeneral",
     "Einsum",
     "Conv",
+    "Fp8Einsum",
     "Quantizer",
     "QuantState",
     "DIFF",

@@ -38,7 +38,7 @@ from fp8_linen.nnx import products
 from fp8_linen.recipes.fp8 import Fp8Recipe
 from fp8_linen.recipes.integer import IntRecipe
 
-__all__ = ["Linear", "LinearGeneral", "Einsum", "Conv"]
+__all__ = ["Linear", "LinearGeneral", "Einsum", "Conv", "Fp8Einsum"]
 
 # The layer whose __call__ is running, read by the injected product functions
 # (module-level functions keep the layers' static attributes hashable).
@@ -263,3 +263,60 @@ class Conv(nnx.Conv):
     inputs = _check_floating("Conv", inputs)
     with _running(self):
       return super().__call__(inputs, *args, **kwargs)
+
+
+class Fp8Einsum(nnx.Module):
+  """A quantized two-operand einsum of two activations: the NNX twin of :class:`fp8_linen.Fp8Einsum`.
+
+  Called as flax's ``nn.Fp8Einsum`` is, ``(eqn, lhs, rhs, precision=None,
+  preferred_element_type=None)``, e.g. as the ``qk_attn_weights_einsum`` /
+  ``attn_weights_value_einsum`` of ``flax.linen.dot_product_attention``
+  inside an NNX module's ``__call__``. ``lhs`` is the ``input`` role and
+  ``rhs`` the ``kernel`` role; ``lhs`` is cast to ``rhs``'s dtype, as flax
+  does. The state is :class:`~fp8_linen.nnx.QuantState` under the Linen
+  names (``input_scale``, ``input_amax_history``, ...), declared here, so
+  it trains with :class:`~fp8_linen.nnx.Optimizer` like every NNX layer.
+
+  Every recipe whose state can be declared before the first call works: fp8
+  (delayed, current, row-wise, MX) and integer with an STE kernel quantizer
+  (an LSQ/LSQ+ *input* step is a ``(1,)`` placeholder that
+  :func:`~fp8_linen.nnx.calibrate` initialises). A learned (LSQ/LSQ+)
+  *kernel* quantizer's step has the shape of ``rhs``, unknown until the first
+  call, and is refused with a ``ValueError``.
+
+  Args:
+    recipe: an :class:`~fp8_linen.Fp8Recipe` (default) or
+      :class:`~fp8_linen.IntRecipe`.
+    use_running_average: quantize with the recorded state only (frozen
+      quantizers; ``model.eval()`` sets it).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> qk = fl.nnx.Fp8Einsum()
+    >>> qk('bqhd,bkhd->bhqk', jnp.ones((1, 3, 2, 4)), jnp.ones((1, 5, 2, 4))).shape
+    (1, 2, 3, 5)
+  """
+
+  def __init__(self, *, recipe: Any = Fp8Recipe(), use_running_average: bool = False):
+    products.check_recipe("Fp8Einsum", recipe)
+    if isinstance(recipe, IntRecipe) and recipe.kernel is not None and recipe.kernel.learned:
+      raise ValueError(
+          f"Fp8Einsum: recipe's kernel quantizer is learned ({recipe.kernel.estimator}); its "
+          "step has the shape of the right operand, which an NNX module declares before its "
+          "first call and an einsum of two activations does not know; use an STE kernel "
+          "quantizer (kernel=fl.IntQuantConfig(estimator='ste')), or fl.nnx.Einsum for a "
+          "weight")
+    self.recipe = recipe
+    self.use_running_average = use_running_average
+    products.declare(self, recipe, None, None)
+
+  def __call__(self, eqn: str, lhs, rhs, precision=None, preferred_element_type=None):
+    del precision  # fp8 GEMMs run at DEFAULT precision (fast accumulation).
+    if not isinstance(eqn, str):
+      raise TypeError(f"Fp8Einsum: eqn={eqn!r} must be an einsum equation string")
+    rhs = _check_floating("Fp8Einsum (rhs)", rhs)
+    lhs = _check_floating("Fp8Einsum (lhs)", lhs).astype(rhs.dtype)
+    with _running(self):
+      return products.einsum(self, eqn.replace(" ", ""), lhs, rhs, self.recipe,
+                             out_dtype=preferred_element_type or rhs.dtype)
