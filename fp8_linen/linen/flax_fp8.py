@@ -476,7 +476,8 @@ def continue_flax_state(module: nn.Module, found: tuple[str, str], lhs, rhs, dim
     st = _flax_states(h, recipe, op)
     return chained(h, key, lambda chain: fp8_dot_general(
         lhs, rhs, dimension_numbers, input_state=st[0], kernel_state=st[1],
-        output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain))
+        output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain),
+        state_leaf=st[0].scale)
 
   return holder(run)
 
