@@ -434,9 +434,11 @@ _HANDLERS = {"jax.lax.dot_general": _dot_general, "jax.numpy.einsum": _einsum,
 
 def _interceptor(next_fun, args, kwargs, context):
   sess = _SESSION.get()
-  if sess is None or context.method_name == "setup":
-    return next_fun(*args, **kwargs)
   module = context.module
+  if sess is None or context.method_name == "setup" or module.scope is None:
+    # An unbound module's method (a model overriding ``init`` and calling its
+    # own helpers before binding) has no path and no state: not a product site.
+    return next_fun(*args, **kwargs)
   sess.stack.append(_new_frame(sess.stack, module))
   try:
     out = next_fun(*args, **kwargs)

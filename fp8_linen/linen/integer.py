@@ -65,14 +65,16 @@ def _lsq_params(module: nn.Module, role: str, view, axes, cfg: IntQuantConfig):
                                               for i, d in enumerate(view.shape))
   red = tuple(range(view.ndim)) if role == "input" else axes
 
-  def _init_step(_):
+  def _init_step(_, shape):
     if cfg.estimator == "lsq":
       s = int_numerics.lsq_init_step(view, red, cfg.qmax)
     else:
       s, _b = int_numerics.lsq_plus_init(view, red, cfg.qmin, cfg.qmax)
     return jnp.reshape(s, shape)
 
-  step = module.param(f"{role}_step", _init_step)
+  # The shape is passed as flax's initializers take it: code that wraps
+  # nn.Module.param (gemma requires a shape) sees an ordinary declaration.
+  step = module.param(f"{role}_step", _init_step, shape)
   if step.shape != shape:
     raise ValueError(f"{'/'.join(module.path)}: {role}_step has shape {step.shape}, the "
                      f"recipe ({cfg.granularity}) asks for {shape}")
@@ -81,7 +83,8 @@ def _lsq_params(module: nn.Module, role: str, view, axes, cfg: IntQuantConfig):
     return (as_view(step),)
   offset = module.param(
       f"{role}_offset",
-      lambda _: jnp.reshape(int_numerics.lsq_plus_init(view, red, cfg.qmin, cfg.qmax)[1], shape))
+      lambda _, shape: jnp.reshape(
+          int_numerics.lsq_plus_init(view, red, cfg.qmin, cfg.qmax)[1], shape), shape)
   return as_view(step), as_view(offset)
 
 
