@@ -173,7 +173,7 @@ class _Frame:
   """
 
   __slots__ = ("module", "counts", "own_used", "kind", "anchor", "anchor_path", "base",
-               "path", "trace")
+               "entry", "shared", "trace")
 
   def __init__(self, module, kind, *, anchor=None, anchor_path=(), base=()):
     self.module = module
@@ -181,16 +181,50 @@ class _Frame:
     self.own_used = False
     self.kind = kind
     self.anchor, self.anchor_path, self.base = anchor, tuple(anchor_path), tuple(base)
-    rel = self.base + tuple(module.path)
-    self.path = "/".join(self.anchor_path + rel if kind == "nested" else tuple(module.path))
+    self.entry = tuple(module.path)
+    # nn.share_scope: the module runs on another module's scope (gemma's gated
+    # MLP runs two Einsum children on the MLP's). Its products keep their state
+    # in a child named after the module, so two modules never share a state.
+    path = tuple(module.scope.path)
+    name = module.name
+    child = isinstance(module.parent, nn.Module)  # not the root of an apply (nested or not)
+    self.shared = (name,) if (child and name and (not path or path[-1] != name)) else ()
     self.trace = _trace_state()
 
+  def live(self) -> tuple:
+    """Names below the module's path at which its code runs now.
+
+    MaxText's ``ToLinen`` extends the Linen scope's path in place while each
+    NNX submodule runs (``decoder/layers_0/mlp/wi_0``): products then keep
+    their state, and rules see them, at that submodule's path, not numbered
+    in call order at the bridge's.
+    """
+    now = tuple(self.module.scope.path)
+    n = len(self.entry)
+    return now[n:] if len(now) > n and now[:n] == self.entry else ()
+
+  @property
+  def path(self) -> str:
+    rel = self.base + self.entry
+    names = self.anchor_path + rel if self.kind == "nested" else self.entry
+    return "/".join(names + self.shared + self.live())
+
   def home(self):
-    """The scope that holds this module's own state."""
+    """The scope that holds this module's own state (at its live sub-path)."""
+    below = self.shared + self.live()
     if self.kind == "own":
-      return self.module.scope
+      scope = self.module.scope
+      if not below:
+        return scope
+      now, scope.path = scope.path, self.entry  # push from the path the variables live at
+      try:
+        for name in below:
+          scope = scope.push(name, reuse=True)
+      finally:
+        self.module.scope.path = now
+      return scope
     scope = self.anchor
-    for name in self.base + tuple(self.module.path):
+    for name in self.base + self.entry + below:
       scope = scope.push(name, reuse=True)
     return scope
 
@@ -314,11 +348,12 @@ def _run(frame: _Frame, op: str, fn):
   """Runs ``fn(module)`` on the module's own state or on a per-call-site child."""
   with jax.named_scope(MARKERS["quantized"]):
     module = frame.module
-    if isinstance(module, _OWN_STATE_LAYERS) and not frame.own_used:
+    below = frame.shared + frame.live()
+    if isinstance(module, _OWN_STATE_LAYERS) and not frame.own_used and not below:
       frame.own_used = True
       return fn(module) if frame.kind == "own" else _Holder(parent=frame.home())(fn)
-    i = frame.counts.get(op, 0)
-    frame.counts[op] = i + 1
+    i = frame.counts.get((below, op), 0)
+    frame.counts[(below, op)] = i + 1
     child = frame.home().push(f"{op}_{i}", reuse=True)
     return _Holder(parent=child)(fn)
 
@@ -337,6 +372,8 @@ def _dot_general(orig, lhs, rhs, dimension_numbers, precision=None,
                       preferred_element_type=preferred_element_type, **kwargs)
   problem = ("it passes out_sharding (explicit sharding is not supported by the quantized "
              "product)" if kwargs.get("out_sharding") is not None else None)
+  if not _contracts(dimension_numbers):
+    return _unquantized("dot_general", ("excluded", None), call)
   target, status = _decide("dot_general", lhs, rhs, problem)
   if target is None:
     return _unquantized("dot_general", status, call)
@@ -362,7 +399,17 @@ def _einsum_problem(subscripts, operands, kwargs) -> str | None:
   return None
 
 
+def _contracts(dimension_numbers) -> bool:
+  """Whether a product contracts any axis (one that does not is a broadcast multiply)."""
+  (lc, _), _ = dimension_numbers
+  return bool(tuple(lc))
+
+
 def _einsum_product(op: str, equation: str, lhs, rhs, kwargs, call, problem=None):
+  if problem is None and not _contracts(
+      einsum_plan(equation, jnp.shape(lhs), jnp.shape(rhs)).dimension_numbers):
+    # '...k,k->...k' (MaxText's RMSNorm scale): an elementwise multiply, not a GEMM.
+    return _unquantized(op, ("excluded", None), call)
   target, status = _decide(op, lhs, rhs, problem)
   if target is None:
     return _unquantized(op, status, call)

@@ -98,3 +98,85 @@ def test_quantized_model_trains_under_raw_checkpoint_of_each_layer():
   np.testing.assert_allclose(np.asarray(hist[:3]), float(jnp.max(jnp.abs(X))), rtol=1e-6)
   report = qm.product_report(state.params, X)
   assert report.counts == {"quantized": 4}
+
+
+class _Einsum(nn.Module):
+  """gemma's ``_layers.Einsum``: a named weight and a raw ``jnp.einsum``."""
+
+  shape: tuple
+  weight_name: str
+
+  @nn.compact
+  def __call__(self, eqn, x):
+    w = self.param(self.weight_name, nn.initializers.normal(), self.shape)
+    return jnp.einsum(eqn, x, w)
+
+
+class GatedMlp(nn.Module):
+  """gemma's ``FeedForward``: two Einsum children share the MLP's scope (nn.share_scope)."""
+
+  @nn.compact
+  def __call__(self, x):
+    gating = _Einsum((8, 16), "gating_einsum")
+    nn.share_scope(self, gating)
+    linear = _Einsum((16, 8), "linear")
+    nn.share_scope(self, linear)
+    return linear("...H,HF->...F", jax.nn.gelu(gating("...F,FH->...H", x)))
+
+
+def test_modules_sharing_a_scope_keep_one_state_each():
+  qm = fl.quantize_model(GatedMlp(), fl.delayed_scaling(history_length=4))
+  v = qm.init(jax.random.key(0), X)
+  assert sorted(v["params"]) == ["gating_einsum", "linear"]  # the params tree is untouched
+  assert sorted(v[fl.OWG]) == ["_Einsum_0", "_Einsum_1"]
+  grads = jax.grad(lambda p: jnp.sum(qm.apply(p, X) ** 2))(v)[fl.OWG]
+  first = grads["_Einsum_0"]["einsum_0"]["input_amax_history"]
+  second = grads["_Einsum_1"]["einsum_0"]["input_amax_history"]
+  assert float(first[0]) == pytest.approx(float(jnp.max(jnp.abs(X))))
+  assert float(second[0]) != pytest.approx(float(first[0]))  # its own tensor: gelu(x @ w)
+  paths = {p.scope for p in qm.product_report(v, X).products}
+  assert qm.product_report(v, X).counts == {"quantized": 2}, paths
+
+
+class PathMutatingBridge(nn.Module):
+  """MaxText's ``ToLinen``: the scope's path is extended in place while a submodule runs."""
+
+  @nn.compact
+  def __call__(self, x):
+    outs = []
+    for name, width in (("router", 4), ("head", 6)):
+      w = self.param(f"{name}_w", nn.initializers.normal(), (8, width))
+      old = self.scope.path
+      self.scope.path = old + ("decoder", name)
+      try:
+        outs.append(jnp.einsum("bf,fo->bo", x, w))
+      finally:
+        self.scope.path = old
+    return outs
+
+
+def test_state_and_rules_follow_a_path_extended_in_place():
+  qm = fl.quantize_model(PathMutatingBridge(), fl.delayed_scaling(history_length=4), rules=[
+      fl.QuantizationRule(module_path=".*router", quantize=False),
+      fl.QuantizationRule(module_path=".*")])
+  v = qm.init(jax.random.key(0), X)
+  assert list(v[fl.OWG]) == ["decoder"] and list(v[fl.OWG]["decoder"]) == ["head"]
+  assert list(v[fl.OWG]["decoder"]["head"]) == ["einsum_0"]
+  assert qm.product_report(v, X).counts == {"quantized": 1, "excluded": 1}
+
+
+def test_an_elementwise_einsum_is_not_quantized():
+  """MaxText's RMSNorm applies its scale as jnp.einsum('...k,k->...k'): no axis contracted."""
+
+  class RmsNorm(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+      y = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+      return nn.Dense(4)(jnp.einsum("...k,k->...k", y, scale))
+
+  qm = fl.quantize_model(RmsNorm(), fl.delayed_scaling())
+  v = qm.init(jax.random.key(0), X)
+  assert qm.product_report(v, X).counts == {"quantized": 1, "excluded": 1}
+  assert list(v[fl.OWG]) == ["Dense_0"]
