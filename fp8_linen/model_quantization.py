@@ -271,6 +271,28 @@ class _Session:
       return {"weight", "embedding"}
     return {"weight"}
 
+  def note_tables(self, module, args, kwargs) -> None:
+    """Records the vocabulary table if ``module``'s method looked up token ids in it.
+
+    A table is an embedding by what it does, not by its class: an ``nn.Embed``,
+    or any module holding a 2-D parameter whose method took integer ids
+    (gemma's ``Embedder.encode``, MaxText's ``Embed``). The vocabulary is the
+    table with the most rows (position and token-type tables are smaller);
+    only its shape marks a logits head that multiplies it.
+    """
+    params = module.variables.get("params", {})
+    if isinstance(module, nn.Embed):
+      tables = [params.get("embedding")]
+    elif any(jnp.issubdtype(jnp.result_type(a), jnp.integer)
+             for a in jax.tree.leaves((args, kwargs)) if hasattr(a, "dtype")):
+      tables = [v for v in params.values() if not isinstance(v, Mapping)]
+    else:
+      return
+    for table in tables:
+      shape = jnp.shape(nn.meta.unbox(table)) if table is not None else ()
+      if len(shape) == 2 and (self.vocab_table is None or shape[0] > self.vocab_table[0]):
+        self.vocab_table = (shape[0], tuple(sorted(shape)))
+
   def recipe_for(self, frame: _Frame, op: str, lhs, rhs):
     kinds = self.operand_kinds(frame, lhs, rhs) if self.by_operands else set()
     for i, rule in enumerate(self.rules):
@@ -491,14 +513,8 @@ def _interceptor(next_fun, args, kwargs, context):
     out = next_fun(*args, **kwargs)
   finally:
     sess.stack.pop()
-  if sess.by_operands and isinstance(module, nn.Embed):
-    table = module.variables.get("params", {}).get("embedding")
-    if table is not None:
-      # The vocabulary is the table with the most rows (position and token-type
-      # tables are smaller); only its shape marks a logits head.
-      shape = jnp.shape(nn.meta.unbox(table))
-      if sess.vocab_table is None or shape[0] > sess.vocab_table[0]:
-        sess.vocab_table = (shape[0], tuple(sorted(shape)))
+  if sess.by_operands:
+    sess.note_tables(module, args, kwargs)
   return out
 
 

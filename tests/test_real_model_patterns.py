@@ -180,3 +180,33 @@ def test_an_elementwise_einsum_is_not_quantized():
   v = qm.init(jax.random.key(0), X)
   assert qm.product_report(v, X).counts == {"quantized": 1, "excluded": 1}
   assert list(v[fl.OWG]) == ["Dense_0"]
+
+
+class OwnEmbedder(nn.Module):
+  """gemma's ``Embedder``: a raw table param, ``encode`` gathers, ``decode`` is a tied head."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    table = self.param("input_embedding", nn.initializers.normal(), (32, 8))
+    return table[tokens]
+
+  def decode(self, x):
+    return jnp.dot(x, self.variables["params"]["input_embedding"].T)
+
+
+class TiedLm(nn.Module):
+
+  def setup(self):
+    self.embedder = OwnEmbedder()
+    self.mlp = nn.Dense(8)
+
+  def __call__(self, tokens):
+    return self.embedder.decode(self.mlp(self.embedder(tokens)))
+
+
+def test_projection_rules_find_a_tied_head_by_what_it_computes():
+  tokens = jnp.arange(6).reshape(2, 3)
+  qm = fl.quantize_model(TiedLm(), fl.delayed_scaling(), rules=fl.projection_rules())
+  v = qm.init(jax.random.key(0), tokens)
+  assert list(v[fl.OWG]) == ["mlp"]  # the head (a jnp.dot with the table) stays in float
+  assert qm.product_report(v, tokens).counts == {"quantized": 1, "excluded": 1}
