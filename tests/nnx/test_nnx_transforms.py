@@ -129,3 +129,37 @@ def test_evaluation_in_a_loop_does_not_raise():
   model.eval()
   y = nnx.jit(_scan_broadcast)(model, X)
   chex.assert_shape(y, X.shape)
+
+
+def test_nnx_model_in_a_linen_bridge_trains_with_train_state():
+  from flax.nnx import bridge  # pylint: disable=import-outside-toplevel
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+
+  class Net(nnx.Module):
+
+    def __init__(self, rngs):
+      self.a = fl.nnx.Linear(8, 8, recipe=R, rngs=rngs)
+      self.b = fl.nnx.Linear(8, 4, recipe=R, rngs=rngs)
+
+    def __call__(self, x):
+      return self.b(self.a(x))
+
+  class Outer(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return bridge.ToLinen(Net, args=())(x)
+
+  model = Outer()
+  v = model.init(jax.random.key(0), X)
+  state = fl.TrainState.create(apply_fn=model.apply, params=v, tx=optax.sgd(0.0))
+
+  @jax.jit
+  def step(state):
+    g = jax.grad(lambda p: jnp.mean(state.apply_fn(p, X) ** 2))(state.params)
+    return state.apply_gradients(grads=g)
+
+  for _ in range(STEPS):
+    state = step(state)
+  hist = np.asarray(state.params[fl.OWG]["ToLinen_0"]["a"]["input_amax_history"])
+  np.testing.assert_allclose(hist, np.full_like(hist, AMAX), rtol=1e-6)
