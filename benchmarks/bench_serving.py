@@ -42,8 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import fp8_linen as fl  # noqa: E402
-from fp8_linen.testing import gpu_compile  # noqa: E402
 from fp8_linen.testing import hlo as hlo_text  # noqa: E402
+from fp8_linen.testing import targets  # noqa: E402
+from fp8_linen.testing.compile import compile_for  # noqa: E402
 
 _SIZES = {"full": {"d": 512, "blocks": 2, "batches": (1, 64)},
           "quick": {"d": 64, "blocks": 1, "batches": (1, 8)}}
@@ -104,9 +105,9 @@ def gpu_gemms(hlo: str) -> list[str]:
 
 def h100_products(apply, params, x) -> dict | None:
   """What XLA:GPU compiles the served forward to, on a compile-only H100 (None if unavailable)."""
-  if not gpu_compile.availability():
+  if not targets.availability("h100"):
     return None
-  report = gpu_compile.compile_for_h100(apply, params, x)
+  report = compile_for("h100", apply, params, x)
   return {"gemms": gpu_gemms(report.hlo), "fp8_gemms": report.fp8_gemms,
           "all_gemms": report.gemms, "other_dots": report.other_dots}
 
