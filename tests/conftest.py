@@ -12,6 +12,16 @@ needs is not installed (the CUDA plugin for GPU targets, libtpu for TPU ones:
 (CI sets it); any other reason a target cannot compile (wrong plugin or libtpu
 version, no ``ptxas``, ``JAX_PLATFORMS`` set to another platform) fails them
 with that reason.
+
+Run in parallel (``python -m pytest -n auto``, ``--dist loadgroup`` from
+pyproject), a program compiled for a target is kept by the process that
+compiled it (``fp8_linen.testing.cases.compile_case``): JAX's persistent
+compilation cache writes compile-only programs but cannot load them back
+(jax 0.10: "PjRtCompiler must be constructed with a Client"), so it cannot
+share them between processes. Tests that read the same program therefore run
+in one process: every test parametrized by ``target`` joins that target's
+``xdist_group`` (see :func:`pytest_collection_modifyitems`), and a module
+whose tests share another cache names its group itself.
 """
 
 import os
@@ -23,6 +33,16 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
 import pytest  # noqa: E402
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist files each test under its groups
+def pytest_collection_modifyitems(items):
+  """Puts a test parametrized by ``target`` in that target's ``xdist_group``."""
+  for item in items:
+    callspec = getattr(item, "callspec", None)
+    target = callspec.params.get("target") if callspec is not None else None
+    if isinstance(target, str) and item.get_closest_marker("xdist_group") is None:
+      item.add_marker(pytest.mark.xdist_group(target))
 
 
 def targets_required() -> bool:

@@ -36,6 +36,9 @@ from fp8_linen.testing import hlo
 from fp8_linen.testing.cases import DecoderBlock
 from fp8_linen.testing.train_step import make_train_step, train_step_inputs
 
+# With -n, in one process: each step is compiled once (col.fsdp_step, _shard_map_reduces).
+pytestmark = pytest.mark.xdist_group("collectives")
+
 DEPTHS = (4, 16)
 CODES = {"u8", "s8", "f8e4m3fn", "f8e5m2"}
 

@@ -35,6 +35,9 @@ ROWWISE = fl.rowwise_scaling()
 D = 256
 TOKENS = (128, D)
 
+# With -n, in the process that compiles the H100 cases (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("h100")
+
 
 @pytest.fixture(autouse=True)
 def _needs_h100(h100):

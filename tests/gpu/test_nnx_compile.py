@@ -7,7 +7,12 @@ QuantState (``fl.nnx.DIFF``) and return the loss, dL/dx and the gradients
 scaling), compiled once per run without a GPU.
 """
 
+import pytest
+
 from fp8_linen.testing import cases
+
+# With -n, in the process that compiles the H100 cases (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("h100")
 
 
 def test_nnx_linear_three_fp8_gemms(h100):

@@ -20,6 +20,9 @@ from fp8_linen.testing.compile import compile_for
 RECIPES = {"int8": fl.int8_lsq(), "int4": fl.int4_lsq_plus(), "fp8": fl.Fp8Recipe()}
 SERVED_CASES = {"int8": "served-int8", "fp8": "served-fp8"}  # int8 LSQ, fp8 delayed
 
+# With -n, in the process that compiles the H100 cases (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("h100")
+
 
 def _served(recipe):
   model = nn.Sequential([fl.QDense(256, recipe=recipe), nn.relu, fl.QDense(128, recipe=recipe)])

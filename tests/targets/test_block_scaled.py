@@ -21,6 +21,7 @@ FORMATS = {"mx": ("f8e4m3fn", "fp8"), "nvfp4": ("f4e2m1fn", "fp4")}
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.xdist_group("b200")  # reads cases.compile_case(..., "b200")
 def test_b200_runs_forward_dgrad_and_wgrad_as_block_scaled_dots(require_target, layer, fmt):
   require_target("b200")
   report = cases.compile_case(f"{layer}-{fmt}", "b200")
@@ -33,6 +34,7 @@ def test_b200_runs_forward_dgrad_and_wgrad_as_block_scaled_dots(require_target, 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.xdist_group("h100")  # reads cases.compile_case(..., "h100")
 def test_h100_emulates_the_blocks_in_bf16(require_target, layer, fmt):
   require_target("h100")
   report = cases.compile_case(f"{layer}-{fmt}", "h100")
@@ -73,6 +75,7 @@ def test_b200_decoder_block_projections_block_scaled_attention_math_bf16(
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.xdist_group("b200")  # reads cases.compile_case(..., "b200")
 def test_b200_served_forward_is_one_block_scaled_dot_per_layer_fed_the_stored_codes(
     require_target, fmt):
   """fl.convert of 2 x QDense: the forward only, each layer a cuDNN block-scaled dot.
@@ -91,6 +94,7 @@ def test_b200_served_forward_is_one_block_scaled_dot_per_layer_fed_the_stored_co
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.xdist_group("h100")  # reads cases.compile_case(..., "h100")
 def test_h100_served_forward_emulates_the_blocks_in_bf16(require_target, fmt):
   require_target("h100")
   report = cases.compile_case(f"served-{fmt}", "h100")
