@@ -28,10 +28,12 @@ Notes:
   ``fl.target_backend(target.platform, block_scaled=target.block_scaled_gemms)``,
   exactly the forms a user of that target gets (on the B200, block recipes
   as block-scaled GEMMs).
-* JAX's persistent compilation cache does not serve these programs: it writes
-  an entry for a compile-only topology but cannot load it back without a
-  device client (jax 0.10). Reuse a report within a process instead
-  (:func:`fp8_linen.testing.cases.compile_case`).
+* JAX's persistent compilation cache cannot serve these programs: it would
+  write an entry for a compile-only topology but cannot load it back without
+  a device client (jax 0.10: "PjRtCompiler must be constructed with a
+  Client"), and a later compile of the same program would warn and compile
+  again. :func:`compile_for` keeps them out of it; reuse a report within a
+  process instead (:func:`fp8_linen.testing.cases.compile_case`).
 
 Example:
   >>> import fp8_linen as fl
@@ -201,6 +203,18 @@ class CompileReport(hlo.ProductCounts):
             f"temp {self.temp_bytes / 2**20:.1f} MiB")
 
 
+@contextlib.contextmanager
+def _kept_out_of_persistent_cache():
+  """No compile in this block writes to JAX's persistent compilation cache (it would not load)."""
+  name = "jax_persistent_cache_min_compile_time_secs"
+  before = getattr(jax.config, name)
+  jax.config.update(name, float("inf"))
+  try:
+    yield
+  finally:
+    jax.config.update(name, before)
+
+
 def _traced_for(t: Target):
   """``fl.target_backend`` of what runs on ``t`` (a B200: block-scaled GEMMs)."""
   return target_backend(t.platform, block_scaled=t.block_scaled_gemms)
@@ -240,7 +254,8 @@ def compile_for(target: str | Target, fn: Callable, *args,
   t0 = time.perf_counter()
   with _traced_for(t) if trace_as_target else contextlib.nullcontext():
     lowered = jax.jit(fn).lower(*abstract_on(args, mesh))
-  compiled = lowered.compile(compiler_options=options or None)
+  with _kept_out_of_persistent_cache():
+    compiled = lowered.compile(compiler_options=options or None)
   seconds = time.perf_counter() - t0
   return _report(t, compiled.as_text(), compiled.memory_analysis(), seconds, options)
 
