@@ -71,7 +71,7 @@ class Stack(nn.Module):
 def _float_arm(d, blocks, dtype):
   model = Stack(d, blocks, dense=lambda f, name: nn.Dense(f, dtype=dtype, param_dtype=dtype,
                                                           name=name))
-  v = model.init(jax.random.key(0), jnp.ones((1, d), dtype))
+  v = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, d), dtype))
   return model, v, dtype
 
 
@@ -79,9 +79,10 @@ def _served_arm(d, blocks, recipe):
   model = Stack(d, blocks, dense=lambda f, name: fl.QDense(f, recipe=recipe, name=name))
   keys = jax.random.split(jax.random.key(0), 4)
   calib = [jax.random.normal(k, (16, d)) for k in keys[:3]]
-  v = model.init(keys[3], calib[0])
+  v = jax.jit(model.init)(keys[3], calib[0])  # one compile, not one per op
+  grad = jax.jit(jax.grad(lambda v, x: jnp.sum(model.apply(v, x) ** 2)))
   for x in calib:  # QAT steps that fill the fp8 histories (params unchanged)
-    v = fl.merge_owg(v, jax.grad(lambda v, x: jnp.sum(model.apply(v, x) ** 2))(v, x))
+    v = fl.merge_owg(v, grad(v, x))
   served, sp = fl.convert(model, v, calib[0])
   return served, sp, jnp.float32
 
