@@ -137,10 +137,12 @@ def _served_case(name, what, recipe, expected, note=None, on_target=None) -> Cas
     model = nn.Sequential([fl.QDense(256, dtype=jnp.bfloat16, recipe=recipe), nn.relu,
                            fl.QDense(128, dtype=jnp.bfloat16, recipe=recipe)])
     x = jax.random.normal(jax.random.key(0), (64, 128), jnp.bfloat16)
+    # Compiled rather than run op by op: eagerly, every primitive of the block
+    # recipes' init and gradient compiles on its own (half a minute for NVFP4).
     with target_backend(platform):
-      v = model.init(jax.random.key(1), x)
-      v = fl.merge_owg(v, jax.grad(lambda v: jnp.sum(model.apply(v, x).astype(jnp.float32)
-                                                       ** 2))(v))
+      v = jax.jit(model.init)(jax.random.key(1), x)
+      v = fl.merge_owg(v, jax.jit(jax.grad(
+          lambda v: jnp.sum(model.apply(v, x).astype(jnp.float32) ** 2)))(v))
       served, params = fl.convert(model, v, x)
     return served.apply, (params, jax.ShapeDtypeStruct(x.shape, x.dtype))
   return Case(name=name, what=what, build=build, expected=expected,
@@ -248,6 +250,16 @@ def cases() -> list[Case]:
 
 
 @functools.lru_cache(maxsize=None)
+def _built(case_name: str, platform: str) -> tuple:
+  """``(fn, args)`` of a case for a platform, built once per process.
+
+  The targets of one platform (the H100 and the B200) compile the same
+  function: a served case trains and converts its model only once for them.
+  """
+  return {c.name: c for c in cases()}[case_name].build(platform)
+
+
+@functools.lru_cache(maxsize=None)
 def compile_case(case_name: str, target: str) -> CompileReport:
   """The :class:`~fp8_linen.testing.compile.CompileReport` of one case on one target.
 
@@ -262,10 +274,9 @@ def compile_case(case_name: str, target: str) -> CompileReport:
     fp8_linen.testing.targets.TargetUnavailable: when the target cannot
       compile here.
   """
-  case = {c.name: c for c in cases()}[case_name]
   t = get_target(target)
   use_cpu_platform()
-  fn, args = case.build(t.platform)
+  fn, args = _built(case_name, t.platform)
   return compile_for(t, fn, *args)
 
 
