@@ -230,9 +230,8 @@ def compile_for(target: str | Target, fn: Callable, *args,
       :class:`~fp8_linen.testing.targets.Target`.
     fn: the function to compile.
     *args: pytrees of arrays or ``ShapeDtypeStruct``. Leaves carrying a
-      ``NamedSharding`` on a
-      :func:`~fp8_linen.testing.targets.target_mesh` of this target keep it; the
-      others are replicated.
+      ``NamedSharding`` on a :func:`~fp8_linen.testing.targets.target_mesh`
+      of this target keep it; the others are replicated.
     compiler_options: XLA options (default: :data:`GPU_COMPILER_OPTIONS` on a
       GPU, none on a TPU).
     trace_as_target: trace under ``fl.target_backend(target.platform,
@@ -244,7 +243,8 @@ def compile_for(target: str | Target, fn: Callable, *args,
 
   Raises:
     fp8_linen.testing.targets.TargetUnavailable: when the target cannot
-      compile here (the reason says why). Errors of XLA itself (e.g. a failed compile) propagate.
+      compile here (the reason says why). Errors of XLA itself (e.g. a
+      failed compile) propagate.
   """
   t = get_target(target)
   use_cpu_platform()
