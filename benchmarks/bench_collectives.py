@@ -4,7 +4,7 @@ The model is the issue's stack (``fp8_linen.testing.collectives.stack``):
 ``depth`` dense layers of 1024 features, bf16 activations and float32
 parameters, every kernel sharded ``P('fsdp', None)`` over all devices and the
 batch (1024 rows) over the same axis. The step is the one that proves a
-layer (``targets.make_train_step``: loss, dL/dx and every gradient, the new
+layer (``fp8_linen.testing.train_step``: loss, dL/dx and every gradient, the new
 fp8 state included). Arms: ``nn.Dense`` bf16, ``fl.QDense`` fp8 delayed and
 current scaling, int8 STE (channel weights). Depth 4 and 16, on:
 
@@ -150,7 +150,7 @@ def main(argv=None) -> dict:
              "model": {"layers": "nn.Dense / fl.QDense, bf16 activations, float32 params",
                        "width": args.width, "tokens": 1024, "depths": args.depths,
                        "sharding": "kernels P('fsdp', None), batch P('fsdp'), state P()",
-                       "step": "loss, dL/dx and every gradient (targets.make_train_step)"},
+                       "step": "loss, dL/dx and every gradient (train_step.make_train_step)"},
              "arms": {"bf16": "nn.Dense(dtype=bf16)", "fp8_delayed": "fl.QDense, delayed_scaling()",
                       "fp8_current": "fl.QDense, current_scaling()",
                       "int8": "fl.QDense, IntRecipe (STE, channel weights)"},

@@ -1,11 +1,11 @@
 """fp8 products and planned memory of training steps compiled for an H100, without a GPU.
 
-Every model's training step (``gpu_compile.make_train_step``: loss
+Every model's training step (``fp8_linen.testing.train_step``: loss
 ``sum(y * r)`` with a random cotangent ``r`` passed as an argument; it returns
 the loss, dL/dx and the gradients of all variables, so forward, dgrad and wgrad
 of every layer stay in the program; the fp8 scales and histories are jit
 arguments) is compiled for one H100 SXM by XLA:GPU through the CUDA plugin's
-compile-only topology (``fp8_linen.testing.gpu_compile``). Nothing runs. Per
+compile-only topology (``fp8_linen.testing.compile``). Nothing runs. Per
 arm it records fp8 products / all products (cuBLASLt fp8 GEMMs, cuDNN fp8
 convolutions; Triton GEMMs are switched off because nothing can be autotuned
 without a device) and ``compiled.memory_analysis()``: temp (XLA's peak of
@@ -59,7 +59,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import fp8_linen as fl  # noqa: E402
-from fp8_linen.testing import gpu_compile  # noqa: E402
+from fp8_linen.testing import targets  # noqa: E402
+from fp8_linen.testing.compile import GPU_COMPILER_OPTIONS, compile_train_step  # noqa: E402
 
 DEVICE = "H100 (compile only)"
 """How the figures' device is named in the JSON and the README."""
@@ -258,8 +259,8 @@ def run_section(section: str, sizes: dict) -> dict:
   rows = {}
   for name, model, expected, what in arms:
     try:
-      report = gpu_compile.compile_train_step(model, shape, jnp.bfloat16)
-    except gpu_compile.GpuCompileUnavailable:
+      report = compile_train_step(model, shape, jnp.bfloat16, target="h100")
+    except targets.TargetUnavailable:
       raise
     except Exception as e:  # pylint: disable=broad-except  # a failed compile is a result
       rows[name] = {"what": what, "failed": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
@@ -306,11 +307,11 @@ def main(argv=None) -> dict | None:
                  help="folder for h100-compile.json (default: benchmarks/results)")
   args = p.parse_args(argv)
   try:
-    gpu_compile.use_cpu_platform()
-  except gpu_compile.GpuCompileUnavailable as e:
+    targets.use_cpu_platform()
+  except targets.TargetUnavailable as e:
     print(f"skipped: deviceless H100 compile unavailable: {e}")
     return None
-  available = gpu_compile.availability()
+  available = targets.availability("h100")
   if not available:
     print(f"skipped: deviceless H100 compile unavailable: {available.reason}")
     return None
@@ -322,8 +323,8 @@ def main(argv=None) -> dict | None:
       "benchmark": "h100_compile", "device": DEVICE,
       "target": "one NVIDIA H100 SXM (XLA's h100_sxm.txtpb: compute capability 9.0, cuDNN 9.8, "
                 "CUDA 12.8), compile-only topology of the CUDA PJRT plugin; nothing ran",
-      "compiler_options": dict(gpu_compile.DEFAULT_COMPILER_OPTIONS),
-      "step": "gpu_compile.make_train_step: loss = sum(y * r) with random r as an argument; "
+      "compiler_options": dict(GPU_COMPILER_OPTIONS),
+      "step": "fp8_linen.testing.train_step.make_train_step: loss = sum(y * r) with random r as an argument; "
               "returns loss, dL/dx and the gradients of all variables (fwd + dgrad + wgrad); "
               "no optimizer update",
       "memory": "compiled.memory_analysis(): temp = XLA's peak of temporary buffers; "

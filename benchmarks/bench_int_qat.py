@@ -16,7 +16,7 @@ reported as a ratio to the bf16 ``nn.Dense`` baseline. Arms:
 
 qwix and AQT come with the ``bench`` extra; an arm whose library is missing is
 recorded as such. With ``--h100 N`` every arm's step is also compiled for an
-H100 (deviceless, ``fp8_linen.testing.gpu_compile``): its s8 GEMMs and planned
+H100 (deviceless, ``fp8_linen.testing.compile``): its s8 GEMMs and planned
 temporary memory. Residual bytes: ``print_saved_residuals`` of the layer
 (inputs and parameters the backward reads included, fp8/int state excluded);
 ``temp`` is the planned temporary memory of the jitted step.
@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import fp8_linen as fl  # noqa: E402
-from fp8_linen.testing import gpu_compile  # noqa: E402
+from fp8_linen.testing import targets  # noqa: E402
+from fp8_linen.testing.compile import compile_train_step  # noqa: E402
 
 _BF16 = dict(compute_dtype="bfloat16")
 OURS = {
@@ -90,14 +91,14 @@ def arms_for(n: int) -> tuple[dict, list]:
 
 def h100_rows(n: int) -> dict:
   """Each arm's train step compiled for an H100 (no GPU needed): products and temp memory."""
-  available = gpu_compile.availability()
+  available = targets.availability("h100")
   if not available:
     return {"unavailable": available.reason}
   arms, missing = arms_for(n)
   rows = {"device": "H100 (compile only)", "tokens": 2 * n, "width": n,
           **{k: {"missing": True} for k in missing}}
   for k, m in arms.items():
-    r = gpu_compile.compile_train_step(m, (2 * n, n), jnp.bfloat16)
+    r = compile_train_step(m, (2 * n, n), jnp.bfloat16, target="h100")
     rows[k] = {"int8_gemms": r.int8_gemms, "fp8_products": r.fp8_products,
                "products": r.products, "temp_bytes": r.temp_bytes}
     print(f"H100 (compile only) n={n} {k:>16}: {r.summary()}", flush=True)
@@ -116,8 +117,8 @@ def main(argv=None) -> dict:
   args = ap.parse_args(argv)
   if args.h100:
     try:  # before any JAX backend starts
-      gpu_compile.use_cpu_platform()
-    except gpu_compile.GpuCompileUnavailable as e:
+      targets.use_cpu_platform()
+    except targets.TargetUnavailable as e:
       print(f"no H100 compile: {e}")
       args.h100 = None
   out = {"meta": {**common.environment(), "device": common.device_name(),

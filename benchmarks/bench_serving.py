@@ -42,8 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import fp8_linen as fl  # noqa: E402
-from fp8_linen.testing import gpu_compile  # noqa: E402
 from fp8_linen.testing import hlo as hlo_text  # noqa: E402
+from fp8_linen.testing import targets  # noqa: E402
+from fp8_linen.testing.compile import compile_for  # noqa: E402
 
 _SIZES = {"full": {"d": 512, "blocks": 2, "batches": (1, 64)},
           "quick": {"d": 64, "blocks": 1, "batches": (1, 8)}}
@@ -70,7 +71,7 @@ class Stack(nn.Module):
 def _float_arm(d, blocks, dtype):
   model = Stack(d, blocks, dense=lambda f, name: nn.Dense(f, dtype=dtype, param_dtype=dtype,
                                                           name=name))
-  v = model.init(jax.random.key(0), jnp.ones((1, d), dtype))
+  v = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, d), dtype))
   return model, v, dtype
 
 
@@ -78,9 +79,10 @@ def _served_arm(d, blocks, recipe):
   model = Stack(d, blocks, dense=lambda f, name: fl.QDense(f, recipe=recipe, name=name))
   keys = jax.random.split(jax.random.key(0), 4)
   calib = [jax.random.normal(k, (16, d)) for k in keys[:3]]
-  v = model.init(keys[3], calib[0])
+  v = jax.jit(model.init)(keys[3], calib[0])  # one compile, not one per op
+  grad = jax.jit(jax.grad(lambda v, x: jnp.sum(model.apply(v, x) ** 2)))
   for x in calib:  # QAT steps that fill the fp8 histories (params unchanged)
-    v = fl.merge_owg(v, jax.grad(lambda v, x: jnp.sum(model.apply(v, x) ** 2))(v, x))
+    v = fl.merge_owg(v, grad(v, x))
   served, sp = fl.convert(model, v, calib[0])
   return served, sp, jnp.float32
 
@@ -104,9 +106,9 @@ def gpu_gemms(hlo: str) -> list[str]:
 
 def h100_products(apply, params, x) -> dict | None:
   """What XLA:GPU compiles the served forward to, on a compile-only H100 (None if unavailable)."""
-  if not gpu_compile.availability():
+  if not targets.availability("h100"):
     return None
-  report = gpu_compile.compile_for_h100(apply, params, x)
+  report = compile_for("h100", apply, params, x)
   return {"gemms": gpu_gemms(report.hlo), "fp8_gemms": report.fp8_gemms,
           "all_gemms": report.gemms, "other_dots": report.other_dots}
 

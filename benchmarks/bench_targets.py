@@ -5,7 +5,7 @@ d_model 1024, 4096 and 8192; 8192 tokens = batch 4 x sequence 2048; heads of
 128; MLP 4 x d_model; bf16 activations, float32 parameters) each recipe is
 applied by ``fl.quantize_model(block, recipe, rules=fl.projection_rules())``
 (the projections quantized, the attention math in bf16, as users train) and
-its training step (``targets.make_train_step``: loss, dL/dx and all
+its training step (``fp8_linen.testing.train_step``: loss, dL/dx and all
 gradients) is compiled for every one-device target: H100, B200, TPU v5e, v6e
 and TPU7x (``fp8_linen.testing.targets``; no GPU or TPU needed). Per arm:
 
@@ -73,8 +73,8 @@ def model(arm: str, d: int, heads: int):
   """The block for one arm: unmodified (bf16) or quantized by path rules."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import fp8_linen as fl  # pylint: disable=import-outside-toplevel
-  from fp8_linen.testing import targets  # pylint: disable=import-outside-toplevel
-  block = targets.DecoderBlock(num_heads=heads, qkv_features=d, mlp=4 * d, dtype=jnp.bfloat16)
+  from fp8_linen.testing.cases import DecoderBlock  # pylint: disable=import-outside-toplevel
+  block = DecoderBlock(num_heads=heads, qkv_features=d, mlp=4 * d, dtype=jnp.bfloat16)
   r = recipe(arm)
   return block if r is None else fl.quantize_model(block, r, rules=fl.projection_rules())
 
@@ -98,10 +98,10 @@ def child(target: str, d: int, arms: list[str], quick: bool) -> None:
   """Compiles the arms for one target and width; one JSON line per arm on stdout."""
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from fp8_linen.testing import targets  # pylint: disable=import-outside-toplevel
+  from fp8_linen.testing.compile import compile_train_step  # pylint: disable=import-outside-toplevel
   shape, heads = _shape(d, quick)
   for arm in arms:
-    r = targets.compile_train_step(model(arm, d, heads), shape, jnp.bfloat16, target=target)
+    r = compile_train_step(model(arm, d, heads), shape, jnp.bfloat16, target=target)
     print("ROW " + json.dumps({"arm": arm, **row_of(r, r.estimate())}), flush=True)
 
 
@@ -160,7 +160,8 @@ def measure(widths, arms, reps: int, quick: bool) -> dict:
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   sys.path.insert(0, HERE)
   import common  # pylint: disable=import-outside-toplevel
-  from fp8_linen.testing import estimate, hlo, targets  # pylint: disable=import-outside-toplevel
+  from fp8_linen.testing import estimate, hlo  # pylint: disable=import-outside-toplevel
+  from fp8_linen.testing.train_step import make_train_step  # pylint: disable=import-outside-toplevel
   kind = jax.devices()[0].device_kind
   peaks = estimate.PEAKS.get(KINDS.get(kind, ""))
   result = {"device_kind": kind, "estimated_with": KINDS.get(kind), "widths": {}}
@@ -172,7 +173,7 @@ def measure(widths, arms, reps: int, quick: bool) -> dict:
       x = jax.random.normal(jax.random.key(i), shape, jnp.bfloat16)
       v = m.init(jax.random.key(0), x)
       r = jax.random.normal(jax.random.key(1), shape, jnp.float32)
-      step = jax.jit(targets.make_train_step(m))
+      step = jax.jit(make_train_step(m))
       compiled = step.lower(v, x, r).compile()
       rows[arm] = {}
       if peaks is not None:

@@ -7,8 +7,8 @@ train step (:func:`make_train_step`) returns the loss and ``dL/dx`` with the new
 state, so forward, dgrad and wgrad of every layer all run; the variables (fp8
 scales and histories included) are jit arguments.
 
-The scripts import the public API (``fp8_linen``,
-``fp8_linen.testing.gpu_compile``) and this module only.
+The scripts import the public API (``fp8_linen``, ``fp8_linen.testing``) and
+this module only.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ import numpy as np
 import optax
 
 import fp8_linen as fl
-from fp8_linen.testing import gpu_compile
+from fp8_linen.testing import hlo
+from fp8_linen.testing.compile import CompileReport
+from fp8_linen.testing.train_step import make_train_step as make_grads_step
 
 # Both spellings: HLO's (s8, u32) and jaxpr's (i8, u32) as print_saved_residuals writes them.
 _DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1,
@@ -151,17 +153,17 @@ def memory_stats(compiled) -> dict | None:
 def gpu_products(hlo_text: str) -> dict:
   """fp8 products among all products of optimized XLA:GPU HLO (``compiled.as_text()``).
 
-  The counting is :func:`fp8_linen.testing.gpu_compile.count_products`, the
+  The counting is :func:`fp8_linen.testing.hlo.count_products`, the
   same on a real GPU and in the deviceless H100 compile.
   """
-  c = gpu_compile.count_products(hlo_text)
+  c = hlo.count_products(hlo_text)
   return {"fp8_products": c.fp8_products, "products": c.products, "fp8_gemms": c.fp8_gemms,
           "gemms": c.gemms, "fp8_convs": c.fp8_convs, "convs": c.convs,
           "fp8_triton_gemms": c.fp8_triton_gemms, "triton_gemms": c.triton_gemms,
           "other_dots": c.other_dots}
 
 
-def compile_report_row(report: gpu_compile.GpuCompileReport) -> dict:
+def compile_report_row(report: CompileReport) -> dict:
   """The JSON row of a deviceless compile: product counts and planned memory."""
   return {"fp8_products": report.fp8_products, "products": report.products,
           "fp8_gemms": report.fp8_gemms, "gemms": report.gemms, "fp8_convs": report.fp8_convs,
@@ -185,7 +187,8 @@ def make_train_step(model) -> Callable:
   argument, and the step returns the loss and ``dL/dx`` as well as the new
   state: a step that returned only the updated variables would let XLA delete
   the forward GEMM and never compute dgrad (1 product per layer timed instead
-  of 3). The gradient part is :func:`gpu_compile.make_train_step`, the step the
+  of 3). The gradient part is
+  :func:`fp8_linen.testing.train_step.make_train_step`, the step the
   deviceless H100 compile counts products in; here the optimizer update and the
   fp8 state merge (``TrainState.apply_gradients``) follow.
 
@@ -193,7 +196,7 @@ def make_train_step(model) -> Callable:
     model: anything with ``apply(variables, x)``; ``state.params`` holds its
       whole variables dict.
   """
-  grads_step = gpu_compile.make_train_step(model)
+  grads_step = make_grads_step(model)
 
   def step(state, x, r):
     loss, dx, grads = grads_step(state.params, x, r)

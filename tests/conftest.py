@@ -12,17 +12,56 @@ needs is not installed (the CUDA plugin for GPU targets, libtpu for TPU ones:
 (CI sets it); any other reason a target cannot compile (wrong plugin or libtpu
 version, no ``ptxas``, ``JAX_PLATFORMS`` set to another platform) fails them
 with that reason.
+
+CPU programs are shared through one persistent compilation cache for the run.
+Run in parallel (``python -m pytest -n auto``, ``--dist loadgroup`` from
+pyproject), a program compiled for a target is kept only by the process that
+compiled it (``fp8_linen.testing.cases.compile_case``): JAX's persistent
+compilation cache cannot load compile-only programs back (jax 0.10:
+"PjRtCompiler must be constructed with a Client"), so it cannot share them
+between processes. Tests that read the same program therefore run
+in one process: every test parametrized by ``target`` joins that target's
+``xdist_group`` (see :func:`pytest_collection_modifyitems`), and a module
+whose tests share another cache names its group itself.
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One persistent compilation cache for the whole run, shared by the xdist
+# workers and the subprocesses tests start (they inherit the variable): many
+# tests compile the same CPU programs from new closures (another seed, the
+# same model in another test), which only a cache keyed by the program itself
+# finds. Made by the first process to load this file, removed when it ends.
+_OWN_CACHE_DIR = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _OWN_CACHE_DIR = tempfile.mkdtemp(prefix="fp8_linen-tests-jax-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE_DIR
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+  del config
+  if _OWN_CACHE_DIR is not None:
+    shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist files each test under its groups
+def pytest_collection_modifyitems(items):
+  """Puts a test parametrized by ``target`` in that target's ``xdist_group``."""
+  for item in items:
+    callspec = getattr(item, "callspec", None)
+    target = callspec.params.get("target") if callspec is not None else None
+    if isinstance(target, str) and item.get_closest_marker("xdist_group") is None:
+      item.add_marker(pytest.mark.xdist_group(target))
 
 
 def targets_required() -> bool:

@@ -106,32 +106,25 @@ def test_run_all_quick_keeps_results(tmp_path):
       os.path.join(run_all.RESULTS_DIR, "h100-compile.json"),)
 
 
-def _h100_compile_or_skip():
-  from fp8_linen.testing import gpu_compile
-  available = gpu_compile.availability()
-  if not available:
-    pytest.skip(f"deviceless H100 compile unavailable: {available.reason}")
-  return gpu_compile
-
-
-def test_timed_step_keeps_three_fp8_products_per_layer():
+def test_timed_step_keeps_three_fp8_products_per_layer(require_target):
   # The step every timing benchmark runs must keep forward, dgrad and wgrad: a
   # step returning only the variables' gradients compiles to 1 product per layer.
-  gpu_compile = _h100_compile_or_skip()
+  require_target("h100")
   import jax
   import jax.numpy as jnp
   import optax
 
   import fp8_linen as fl
+  from fp8_linen.testing.compile import compile_for
   common = _load("common")
   model = fl.QDense(128, dtype=jnp.bfloat16)
   x = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
-  with gpu_compile.gpu_tracing():
+  with fl.target_backend("gpu"):
     state = jax.eval_shape(
         lambda: fl.TrainState.create(apply_fn=model.apply, tx=optax.sgd(1e-3), params=model.init(
             jax.random.key(0), jnp.zeros(x.shape, x.dtype))))
-  report = gpu_compile.compile_for_h100(common.make_train_step(model), state, x,
-                                        jax.ShapeDtypeStruct((64, 128), jnp.bfloat16))
+  report = compile_for("h100", common.make_train_step(model), state, x,
+                       jax.ShapeDtypeStruct((64, 128), jnp.bfloat16))
   assert (report.fp8_gemms, report.gemms) == (3, 3), report.summary()
 
 
@@ -162,8 +155,8 @@ def test_bench_dense_tiny(tmp_path):
   assert list(tmp_path.glob("*-dense.json"))
 
 
-def test_bench_h100_compile_quick(tmp_path):
-  _h100_compile_or_skip()
+def test_bench_h100_compile_quick(tmp_path, require_target):
+  require_target("h100")
   bh = _load("bench_h100_compile")
   payload = bh.main(["--quick", "--only", "mlp", "--out-dir", str(tmp_path)])
   saved = json.loads((tmp_path / "h100-compile.json").read_text())
@@ -184,9 +177,8 @@ def test_scripts_import_only_the_public_api():
   # compile, and the shared helpers in common.py (bench_transformer also runs
   # the main job's model, fp8_linen_job).
   import ast
-  allowed_ours = {"fp8_linen", "fp8_linen.testing.gpu_compile", "fp8_linen.testing",
-                  "fp8_linen.testing.hlo", "fp8_linen.testing.targets",
-                  "fp8_linen.testing.estimate", "fp8_linen.testing.collectives",
+  allowed_ours = {"fp8_linen", "fp8_linen.testing", *(f"fp8_linen.testing.{m}" for m in (
+      "hlo", "estimate", "targets", "train_step", "compile", "cases", "collectives")),
                   "fp8_linen_job", "common", "plot_results"}
   for path in sorted(pathlib.Path(BENCH_DIR).glob("*.py")):
     tree = ast.parse(path.read_text())

@@ -32,7 +32,12 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import fp8_linen as fl
 import fp8_linen.nnx as fnnx
 from fp8_linen.testing import collectives as col
-from fp8_linen.testing import hlo, targets
+from fp8_linen.testing import hlo
+from fp8_linen.testing.cases import DecoderBlock
+from fp8_linen.testing.train_step import make_train_step, train_step_inputs
+
+# With -n, in one process: each step is compiled once (col.fsdp_step, _shard_map_reduces).
+pytestmark = pytest.mark.xdist_group("collectives")
 
 DEPTHS = (4, 16)
 CODES = {"u8", "s8", "f8e4m3fn", "f8e5m2"}
@@ -172,14 +177,14 @@ def _kernel_shapes(tree):
 def _linen_gathers(model, x_shape, axis_type):
   """The kernel-shaped arrays the model's FSDP step gathers."""
   mesh = _mesh(axis_type)
-  v, x, r = targets.train_step_inputs(model, x_shape, platform="cpu")
+  v, x, r = train_step_inputs(model, x_shape, platform="cpu")
   shapes = _kernel_shapes(v)
   put = lambda spec, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
   v = jax.tree_util.tree_map_with_path(lambda p, a: put(_fsdp_spec(p, a), a), v)
   x = put(P("fsdp"), x)
   r = jax.tree.map(lambda a: put(P("fsdp"), a), r)
   with jax.set_mesh(mesh), fl.target_backend("cpu"):
-    text = jax.jit(targets.make_train_step(model)).lower(v, x, r).compile().as_text()
+    text = jax.jit(make_train_step(model)).lower(v, x, r).compile().as_text()
   return _kernel_gathers(text, shapes)
 
 
@@ -190,7 +195,7 @@ LAYERS = {
                                      recipe=r), (16, 4, 256)),
     "qconv": (lambda r: fl.QConv(64, (3, 3), dtype=BF16, recipe=r), (16, 8, 8, 64)),
     "decoder-block": (lambda r: fl.quantize_model(
-        targets.DecoderBlock(num_heads=4, qkv_features=128, mlp=256, dtype=BF16), r,
+        DecoderBlock(num_heads=4, qkv_features=128, mlp=256, dtype=BF16), r,
         rules=fl.projection_rules()), (8, 16, 128)),
 }
 
@@ -224,7 +229,7 @@ def test_logically_partitioned_parameters_are_gathered_as_codes():
     xs = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("fsdp")))
     r = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
     with jax.set_mesh(mesh), fl.target_backend("cpu"):
-      text = jax.jit(targets.make_train_step(model)).lower(v, xs, r).compile().as_text()
+      text = jax.jit(make_train_step(model)).lower(v, xs, r).compile().as_text()
   gathers = _kernel_gathers(text, {(256, 256)})
   assert len(gathers) == 2 and all(dtype in CODES for dtype, _ in gathers), gathers
 

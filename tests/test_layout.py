@@ -91,3 +91,35 @@ def test_public_names_are_explicit():
     assert hasattr(fl, name), name
   # no submodule is re-exported under a public name, except the NNX layer namespace
   assert [n for n in fl.__all__ if type(getattr(fl, n)).__name__ == "module"] == ["nnx"]
+
+
+# fp8_linen.testing, one idea per module: each imports only the ones before it.
+TESTING_ORDER = ["hlo", "estimate", "targets", "train_step", "compile", "cases", "cli",
+                 "collectives"]
+
+
+def _testing_imports(path: pathlib.Path):
+  """The fp8_linen.testing modules ``path`` imports (``from fp8_linen.testing import x``: x)."""
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      names = ([f"{node.module}.{a.name}" for a in node.names]
+               if node.module == "fp8_linen.testing" else [node.module])
+    else:
+      continue
+    for name in names:
+      parts = name.split(".")
+      if parts[:2] == ["fp8_linen", "testing"] and len(parts) > 2:
+        yield parts[2]
+
+
+def test_testing_modules_import_only_earlier_ones():
+  folder = PKG / "testing"
+  assert sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__") == sorted(
+      TESTING_ORDER)
+  bad = [f"testing/{name}.py imports testing.{imported}"
+         for i, name in enumerate(TESTING_ORDER)
+         for imported in _testing_imports(folder / f"{name}.py")
+         if imported not in TESTING_ORDER[:i]]
+  assert not bad, "\n".join(bad)

@@ -85,7 +85,9 @@ MESHES = [("dp", AxisType.Explicit), ("fsdp", AxisType.Explicit), ("tp", AxisTyp
 
 @pytest.mark.parametrize("parallel,axis_type", MESHES,
                          ids=[f"{p}-{t.name.lower()}" for p, t in MESHES])
-@pytest.mark.parametrize("name", sorted(MODELS))
+# With -n, a model's meshes run in one process: its one-device reference (_reference) runs once.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(f"meshes-{n}"))
+                                  for n in sorted(MODELS)])
 def test_every_op_on_a_mesh_matches_one_device(name, parallel, axis_type):
   assert jax.device_count() == 8
   model, v, x, (loss1, g1) = _reference(name)

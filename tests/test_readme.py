@@ -17,6 +17,9 @@ from flax import nnx
 
 import fp8_linen as fl
 
+# With -n, in one process: a snippet runs once (_run) for every test that reads it.
+pytestmark = pytest.mark.xdist_group("readme")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README] + sorted((ROOT / "docs").glob("*.md"))
@@ -106,7 +109,7 @@ def test_quantize_model_snippet_follows_its_rules():
 def test_readme_names_the_two_commands():
   text = README.read_text()
   assert 'pip install ".[job]" && python -m fp8_linen' in text
-  assert 'pip install ".[test]" && python -m pytest' in text
+  assert 'pip install ".[test]" && python -m pytest -n auto' in text
 
 
 def test_served_model_snippet_stores_int8_and_matches_qat():

@@ -1,17 +1,33 @@
-"""Testing helpers that need no accelerator.
+"""Compile-only proofs: what XLA multiplies, moves and plans for accelerators this machine lacks.
 
-:mod:`fp8_linen.testing.gpu_compile` compiles a training step for an NVIDIA
-H100 on a machine without a GPU (a compile-only CUDA topology) and counts the
-fp8 cuBLASLt GEMMs and cuDNN convolutions XLA selected. It needs the optional
-``jax-cuda12-plugin`` (at jaxlib's exact version) and ``ptxas``
-(``nvidia-cuda-nvcc-cu12``); see that module.
+One idea per module, each importing only those above it:
 
-The submodule is imported lazily (``python -m fp8_linen.testing.gpu_compile``
-must be able to run it as ``__main__``).
+* :mod:`~fp8_linen.testing.hlo`: reads optimized HLO text: products and the
+  dtypes that feed them, collectives, per-kernel FLOPs and bytes.
+* :mod:`~fp8_linen.testing.estimate`: a step-time estimate (compile only)
+  from those kernels and published peaks.
+* :mod:`~fp8_linen.testing.targets`: the targets (H100, B200, TPU v5e/v6e/7x,
+  8 x H100, a 2x2 TPU v6e slice), whether each can compile here and why not,
+  and meshes of their compile-only devices.
+* :mod:`~fp8_linen.testing.train_step`: the step that proves a layer (loss,
+  ``dL/dx`` and every gradient, a random cotangent, variables as arguments).
+* :mod:`~fp8_linen.testing.compile`: ``compile_for`` / ``compile_train_step``
+  and the ``CompileReport`` they return.
+* :mod:`~fp8_linen.testing.cases`: the cases every target is checked on
+  (``DecoderBlock`` among them), what each must multiply, and
+  ``compile_case`` (once per process).
+* :mod:`~fp8_linen.testing.cli`: ``python -m fp8_linen.testing.cli``, the
+  table of every case on every target (the README's accelerator table).
+* :mod:`~fp8_linen.testing.collectives`: what a sharded (FSDP) step moves.
+
+GPU targets need the optional CUDA plugin (at jaxlib's exact version) and
+``ptxas``; TPU targets libtpu: the ``fp8_linen[targets]`` extra. Submodules
+are imported on first use, so ``import fp8_linen.testing`` costs nothing and
+``python -m fp8_linen.testing.cli`` runs its module as ``__main__`` once.
 
 Example:
   >>> from fp8_linen import testing
-  >>> testing.gpu_compile.FP8_GEMM_TARGET
+  >>> testing.hlo.FP8_GEMM_TARGET
   '__cublas$lt$matmul$f8'
 """
 
@@ -19,7 +35,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["gpu_compile"]
+__all__ = ["hlo", "estimate", "targets", "train_step", "compile", "cases", "cli", "collectives"]
 
 
 def __getattr__(name: str):

@@ -3,7 +3,7 @@
 A 1024-wide stack of bf16 dense layers (``nn.Dense``, or ``fl.QDense`` with a
 recipe), its kernels sharded ``P('fsdp', None)`` over every device of a mesh
 and its batch over the same axis (FSDP), compiled as the step that proves a
-layer (:func:`~fp8_linen.testing.targets.make_train_step`: loss, ``dL/dx``
+layer (:func:`~fp8_linen.testing.train_step.make_train_step`: loss, ``dL/dx``
 and every gradient) on the 8-device CPU mesh or for a multi-device target
 (``'h100x8'``, ``'tpu-v6e-2x2'``). :func:`fsdp_step` reads, per step:
 
@@ -38,6 +38,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from fp8_linen.core.lowering import target_backend
 from fp8_linen.testing import hlo
 from fp8_linen.testing import targets as targets_lib
+from fp8_linen.testing.compile import compile_for
+from fp8_linen.testing.train_step import make_train_step, train_step_inputs
 
 __all__ = ["ARMS", "CPU_MESH", "DEVICES", "StepCollectives", "recipe", "stack", "fsdp_step",
            "state_all_reduces", "extra_all_reduces"]
@@ -184,7 +186,7 @@ def fsdp_step(arm: str, depth: int, where: str = CPU_MESH, *, width: int = 1024,
     raise ValueError(f"axis_type={axis_type!r} must be 'auto' or 'explicit'")
   mesh, platform = _mesh(where, axis_type)
   model = stack(arm, depth, width)
-  v, x, r = targets_lib.train_step_inputs(model, (tokens, width), platform=platform)
+  v, x, r = train_step_inputs(model, (tokens, width), platform=platform)
 
   def place(path, a):
     kernel = jax.tree_util.keystr(path).endswith("['kernel']")
@@ -194,7 +196,7 @@ def fsdp_step(arm: str, depth: int, where: str = CPU_MESH, *, width: int = 1024,
   v = jax.tree_util.tree_map_with_path(place, v)
   x, r = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P("fsdp")))
           for a in (x, r))
-  step = targets_lib.make_train_step(model)
+  step = make_train_step(model)
   if not with_state:
     full = step
     step = lambda v, x, r: (lambda out: (out[0], out[1], out[2]["params"]))(full(v, x, r))
@@ -204,7 +206,7 @@ def fsdp_step(arm: str, depth: int, where: str = CPU_MESH, *, width: int = 1024,
         text = jax.jit(step).lower(v, x, r).compile().as_text()
       device = DEVICES[CPU_MESH]
     else:
-      report = targets_lib.compile_for(where, step, v, x, r)
+      report = compile_for(where, step, v, x, r)
       text, device = report.hlo, DEVICES.get(where, targets_lib.get_target(where).description)
   found = hlo.collectives(hlo.parse(text))
   every = [c for c in found if not c.conditional]

@@ -1,4 +1,4 @@
-"""Setup of the deviceless H100 compile tests (``fp8_linen.testing.gpu_compile``).
+"""Setup of the deviceless H100 compile tests (``fp8_linen.testing.targets``' ``h100``).
 
 The ``h100`` fixture is the root conftest's ``require_target('h100')``: these
 tests skip only when the CUDA plugin is not installed (the `targets` extra),
@@ -8,10 +8,8 @@ reason for anything else.
 
 import pytest
 
-from fp8_linen.testing import gpu_compile
-
 
 @pytest.fixture(scope="session")
 def h100(require_target):
-  require_target("h100")
-  return gpu_compile
+  """The ``h100`` :class:`~fp8_linen.testing.targets.Target`, once it can compile here."""
+  return require_target("h100")

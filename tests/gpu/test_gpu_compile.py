@@ -3,16 +3,17 @@
 Every step returns the loss, dL/dx and the gradients of all variables, so each
 quantized layer has three products: forward, dgrad and wgrad. Its loss is
 ``sum(y * r)`` with a random cotangent ``r`` passed as an argument, and the
-variables (params, fp8 scales and amax histories) are jit arguments. Recipes
-say ``gemm='fp8'`` (the direct fp8 GEMM form a GPU traces) and the step is
-traced under ``gpu_compile.gpu_tracing()``.
+variables (params, fp8 scales and amax histories) are jit arguments
+(``fp8_linen.testing.train_step``); the step is traced as a GPU traces it.
+A step that is one of ``fp8_linen.testing.cases`` is read from
+``cases.compile_case`` (compiled once per run, shared with tests/targets);
+the others are compiled here.
 
 What passing proves: XLA:GPU selected cuBLASLt fp8 GEMMs
 (``__cublas$lt$matmul$f8``) / cuDNN fp8 convolutions for those products, i.e.
 their inputs are fp8. Not speed.
 """
 
-import dataclasses
 import functools
 import os
 import subprocess
@@ -23,15 +24,19 @@ import jax.numpy as jnp
 import pytest
 
 import fp8_linen as fl
-from fp8_linen.testing import gpu_compile
+from fp8_linen.testing import cases
+from fp8_linen.testing.compile import compile_train_step
 
-# The default gemm='auto': compile_for_h100 traces for a GPU (fl.target_backend('gpu')),
+# The default gemm='auto': compile_train_step traces for a GPU (fl.target_backend('gpu')),
 # so these are exactly the recipes a GPU user gets.
 DELAYED = fl.Fp8Recipe()
 CURRENT = fl.current_scaling()
 ROWWISE = fl.rowwise_scaling()
 D = 256
 TOKENS = (128, D)
+
+# With -n, in the process that compiles the H100 cases (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("h100")
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +46,12 @@ def _needs_h100(h100):
 
 
 def compile_step(model, x=TOKENS, dtype=jnp.bfloat16, **kw):
-  return gpu_compile.compile_train_step(model, x, dtype, **kw)
+  return compile_train_step(model, x, dtype, target="h100", **kw)
+
+
+def case_step(name):
+  """The H100 program of the case ``name`` (a bf16 model; see ``fp8_linen.testing.cases``)."""
+  return cases.compile_case(name, "h100")
 
 
 def assert_all_fp8(report, products):
@@ -55,23 +65,21 @@ def assert_all_fp8(report, products):
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", [DELAYED, CURRENT, ROWWISE], ids=["delayed", "current", "rowwise"])
+@pytest.mark.parametrize("recipe", ["delayed", "current", "rowwise"])
 def test_qdense_three_fp8_gemms(recipe):
-  r = compile_step(fl.QDense(D, recipe=recipe))
+  r = case_step(f"qdense-{recipe}")
   assert (r.fp8_gemms, r.gemms) == (3, 3), r.summary()
   assert_all_fp8(r, 3)
 
 
 def test_qdensegeneral_3d_kernel():
-  layer = fl.QDenseGeneral(features=(8, 32), recipe=DELAYED)  # kernel (256, 8, 32)
-  r = compile_step(layer, (4, 32, D))
+  r = case_step("qdensegeneral")  # kernel (256, 8, 32)
   assert (r.fp8_gemms, r.gemms) == (3, 3), r.summary()
   assert_all_fp8(r, 3)
 
 
 def test_qeinsum():
-  layer = fl.QEinsum(shape=(D, 8, 32), einsum_str="btd,dhk->bthk", recipe=DELAYED)
-  r = compile_step(layer, (4, 32, D))
+  r = case_step("qeinsum")  # 'btd,dhk->bthk'
   assert_all_fp8(r, 3)
 
 
@@ -87,17 +95,13 @@ def test_fp8_activation_around_a_dense():
   assert_all_fp8(r, 3)
 
 
-@pytest.mark.parametrize("depth", [2, 3])
-def test_mlp_fp8_gemms_scale_with_depth(depth):
-  layers = []
-  for _ in range(depth):
-    layers += [fl.QDense(D, recipe=DELAYED), nn.gelu]
-  r = compile_step(nn.Sequential(layers[:-1]))
-  assert_all_fp8(r, 3 * depth)
+@pytest.mark.parametrize("depth,case", [(1, "qdense-delayed"), (3, "mlp-3")])
+def test_mlp_fp8_gemms_scale_with_depth(depth, case):
+  assert_all_fp8(case_step(case), 3 * depth)  # QDense layers with a gelu between
 
 
 def test_bf16_dense_control_has_no_fp8():
-  r = compile_step(nn.Dense(D, dtype=jnp.bfloat16))
+  r = case_step("bf16-dense")  # nn.Dense(256, dtype=bfloat16)
   assert r.fp8_products == 0, r.summary()
   assert r.gemms == 3, r.summary()
 
@@ -109,7 +113,7 @@ def test_mx_block_scaling_is_an_emulation():
   bf16 GEMMs on exactly dequantized operands: 0 fp8 products is the correct
   figure (the memory win is real, the fp8-GEMM speed-up is not).
   """
-  r = compile_step(fl.QDense(D, recipe=fl.mx_block_scaling()))
+  r = case_step("qdense-mx")
   assert (r.fp8_products, r.gemms) == (0, 3), r.summary()
 
 
@@ -120,7 +124,7 @@ def test_triton_route_counts_fp8_dots():
 
 
 def test_memory_figures():
-  r = compile_step(fl.QDense(D, recipe=DELAYED))
+  r = case_step("qdense-delayed")
   assert r.temp_bytes > 0 and r.argument_bytes > 0 and r.output_bytes > 0, r
   # The parameters' gradients, dL/dx and the new fp8 state are outputs.
   assert r.output_bytes >= D * D * 4 + TOKENS[0] * D * 2, r
@@ -141,7 +145,7 @@ def test_qconv_forward_dgrad_and_wgrad_are_fp8():
   f32/bf16. (Today: 1 of 3, the backward convolutions get dequantized f32
   operands.)
   """
-  r = compile_step(fl.QConv(64, (3, 3), recipe=DELAYED), (8, 16, 16, 64))
+  r = case_step("qconv")  # QConv(64, (3, 3)) on (8, 16, 16, 64)
   assert r.fp8_convs == r.convs, f"not every convolution is fp8: {r.summary()}"
   assert r.fp8_convs >= 2, f"forward + dgrad fp8 convolutions expected: {r.summary()}"
   assert r.fp8_gemms == r.gemms and r.other_dots == 0, r.summary()
@@ -162,9 +166,11 @@ def test_decoder_block_through_quantize_model(dtype):
   two MLP layers) x 3 = 24. float32 fails today: XLA reports "A cycle is
   detected ... get-tuple-element(%cublas-gemm...), index=1".
   """
-  block = gpu_compile.DecoderBlock(num_heads=8, qkv_features=128, mlp=512, dtype=dtype)
-  model = fl.quantize_model(block, DELAYED)
-  r = compile_step(model, (2, 64, 128), dtype or jnp.float32)
+  if dtype == jnp.bfloat16:
+    r = case_step("block-fp8")  # this block in bfloat16 through quantize_model
+  else:
+    block = cases.DecoderBlock(num_heads=8, qkv_features=128, mlp=512, dtype=dtype)
+    r = compile_step(fl.quantize_model(block, DELAYED), (2, 64, 128), jnp.float32)
   assert_all_fp8(r, 24)
 
 
@@ -263,9 +269,9 @@ def _python(code, **env):
 
 
 def test_unavailable_with_another_platform_says_why():
-  out = _python("from fp8_linen.testing import gpu_compile as g\n"
-                "print('REASON:', g.availability().reason)\n"
-                "try:\n  g.use_cpu_platform()\nexcept g.GpuCompileUnavailable as e:\n"
+  out = _python("from fp8_linen.testing import targets as t\n"
+                "print('REASON:', t.availability('h100').reason)\n"
+                "try:\n  t.use_cpu_platform()\nexcept t.TargetUnavailable as e:\n"
                 "  print('RAISED:', e)\n", JAX_PLATFORMS="cuda")
   assert "REASON: jax.config.jax_platforms='cuda', not 'cpu'" in out.stdout, out
   assert "RAISED: jax.config.jax_platforms='cuda'" in out.stdout, out
@@ -273,22 +279,9 @@ def test_unavailable_with_another_platform_says_why():
 
 def test_unavailable_after_backends_started_says_why():
   out = _python("import jax.numpy as jnp\n(jnp.ones(2) + 1).block_until_ready()\n"
-                "from fp8_linen.testing import gpu_compile as g\ng.use_cpu_platform()\n"
-                "print('REASON:', g.availability().reason)\n")
+                "from fp8_linen.testing import targets as t\nt.use_cpu_platform()\n"
+                "print('REASON:', t.availability('h100').reason)\n")
   assert "not registered in this process" in out.stdout, out
-
-
-def test_cli_prints_the_table():
-  out = subprocess.run(
-      [sys.executable, "-m", "fp8_linen.testing.gpu_compile", "--case", "qdense-delayed",
-       "--case", "bf16-dense"],
-      capture_output=True, text=True, timeout=300,
-      env={k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"})
-  assert out.returncode == 0, out
-  rows = {tuple(line.split()[:2]): line.split() for line in out.stdout.splitlines()
-          if line.strip()}
-  assert rows[("qdense-delayed", "h100")][2] == "3/3", out.stdout
-  assert rows[("bf16-dense", "h100")][2] == "0/3", out.stdout
 
 
 # ----------------------------------------------------------------------------
@@ -296,12 +289,15 @@ def test_cli_prints_the_table():
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", [fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel")),
-                                    fl.int8_lsq()], ids=["ste", "lsq"])
+@pytest.mark.parametrize("recipe", ["ste", "lsq"])
 def test_integer_qat_forward_is_an_int8_gemm(recipe):
-  r = compile_step(fl.QDense(D, recipe=recipe))
+  r = case_step(f"qdense-int8-{recipe}")
   assert (r.int8_gemms, r.products, r.fp8_products) == (1, 3, 0), r.summary()
-  r = compile_step(fl.QEinsum(shape=(D, 4, D // 4), einsum_str="td,dhk->thk", recipe=recipe))
+  if recipe == "lsq":
+    r = case_step("qeinsum-int8-lsq")  # 'td,dhk->thk'
+  else:
+    ste = fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel"))
+    r = compile_step(fl.QEinsum(shape=(D, 4, D // 4), einsum_str="td,dhk->thk", recipe=ste))
   assert (r.int8_gemms, r.products) == (1, 3), r.summary()
 
 

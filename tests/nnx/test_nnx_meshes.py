@@ -21,6 +21,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import fp8_linen as fl
 import fp8_linen.nnx as fnnx
 
+# With -n, in one process: the one-device run (_single) is trained once.
+pytestmark = pytest.mark.xdist_group("nnx-meshes")
+
 
 class Mlp(nnx.Module):
 

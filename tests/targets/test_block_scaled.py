@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 
 import fp8_linen as fl
-from fp8_linen.testing import hlo, targets
+from fp8_linen.testing import cases, hlo, targets
+from fp8_linen.testing.compile import compile_for, compile_train_step
 
 LAYERS = ["qdense", "qdensegeneral", "qeinsum"]
 FORMATS = {"mx": ("f8e4m3fn", "fp8"), "nvfp4": ("f4e2m1fn", "fp4")}
@@ -20,9 +21,10 @@ FORMATS = {"mx": ("f8e4m3fn", "fp8"), "nvfp4": ("f4e2m1fn", "fp4")}
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.xdist_group("b200")  # reads cases.compile_case(..., "b200")
 def test_b200_runs_forward_dgrad_and_wgrad_as_block_scaled_dots(require_target, layer, fmt):
   require_target("b200")
-  report = targets.compile_case(f"{layer}-{fmt}", "b200")
+  report = cases.compile_case(f"{layer}-{fmt}", "b200")
   dtype, cls = FORMATS[fmt]
   assert report.by_kind == {"cuDNN block-scaled": 3}, report.summary()
   assert dict(report.custom_calls) == {hlo.BLOCK_SCALED_DOT_TARGET: 3}, report.summary()
@@ -32,9 +34,10 @@ def test_b200_runs_forward_dgrad_and_wgrad_as_block_scaled_dots(require_target, 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.xdist_group("h100")  # reads cases.compile_case(..., "h100")
 def test_h100_emulates_the_blocks_in_bf16(require_target, layer, fmt):
   require_target("h100")
-  report = targets.compile_case(f"{layer}-{fmt}", "h100")
+  report = cases.compile_case(f"{layer}-{fmt}", "h100")
   assert report.block_scaled_dots == 0 and report.low_precision == 0, report.summary()
   assert [p.operands for p in report.product_list] == [("bf16", "bf16")] * 3
 
@@ -45,7 +48,7 @@ def test_a_blackwell_with_an_older_cudnn_is_traced_as_emulation(require_target):
   old = targets.B200_TARGET_CONFIG.replace("minor: 10 patch: 0", "minor: 8 patch: 0")
   t = targets.custom_gpu_target(old)
   assert not t.block_scaled_gemms and targets.get_target("b200").block_scaled_gemms
-  report = targets.compile_train_step(fl.QDense(256, dtype=jnp.bfloat16, recipe=fl.nvfp4()),
+  report = compile_train_step(fl.QDense(256, dtype=jnp.bfloat16, recipe=fl.nvfp4()),
                                       (128, 256), target=t)
   assert report.block_scaled_dots == 0 and report.classes == {"bf16": 3}, report.summary()
 
@@ -53,9 +56,9 @@ def test_a_blackwell_with_an_older_cudnn_is_traced_as_emulation(require_target):
 @pytest.mark.parametrize("recipe", [fl.mx_block_scaling(), fl.nvfp4()], ids=["mx", "nvfp4"])
 def test_b200_nnx_linear_is_three_block_scaled_dots(require_target, recipe):
   require_target("b200")
-  case = targets._nnx_step_case("nnx", "", recipe, None)  # pylint: disable=protected-access
+  case = cases._nnx_step_case("nnx", "", recipe, None)  # pylint: disable=protected-access
   fn, args = case.build("gpu")
-  report = targets.compile_for("b200", fn, *args)
+  report = compile_for("b200", fn, *args)
   assert report.by_kind == {"cuDNN block-scaled": 3}, report.summary()
 
 
@@ -63,15 +66,16 @@ def test_b200_decoder_block_projections_block_scaled_attention_math_bf16(
     require_target):
   """NVFP4 on the projections by rule; the attention math stays in the model's bf16."""
   require_target("b200")
-  block = targets.DecoderBlock(dtype=jnp.bfloat16)
+  block = cases.DecoderBlock(dtype=jnp.bfloat16)
   model = fl.quantize_model(block, fl.nvfp4(), rules=fl.projection_rules())
-  report = targets.compile_train_step(model, (2, 64, 128), target="b200")
+  report = compile_train_step(model, (2, 64, 128), target="b200")
   # 6 projections (query, key, value, out, 2 MLP) x 3; q.k and p.v x 3 stay bf16.
   assert report.classes == {"fp4": 18, "bf16": 6}, report.summary()
   assert report.block_scaled_dots == 18
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.xdist_group("b200")  # reads cases.compile_case(..., "b200")
 def test_b200_served_forward_is_one_block_scaled_dot_per_layer_fed_the_stored_codes(
     require_target, fmt):
   """fl.convert of 2 x QDense: the forward only, each layer a cuDNN block-scaled dot.
@@ -81,7 +85,7 @@ def test_b200_served_forward_is_one_block_scaled_dot_per_layer_fed_the_stored_co
   input is quantized in the forward's blocks.
   """
   require_target("b200")
-  report = targets.compile_case(f"served-{fmt}", "b200")
+  report = cases.compile_case(f"served-{fmt}", "b200")
   dtype, cls = FORMATS[fmt]
   assert report.by_kind == {"cuDNN block-scaled": 2}, report.summary()
   assert dict(report.custom_calls) == {hlo.BLOCK_SCALED_DOT_TARGET: 2}, report.summary()
@@ -90,7 +94,8 @@ def test_b200_served_forward_is_one_block_scaled_dot_per_layer_fed_the_stored_co
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.xdist_group("h100")  # reads cases.compile_case(..., "h100")
 def test_h100_served_forward_emulates_the_blocks_in_bf16(require_target, fmt):
   require_target("h100")
-  report = targets.compile_case(f"served-{fmt}", "h100")
+  report = cases.compile_case(f"served-{fmt}", "h100")
   assert report.block_scaled_dots == 0 and report.classes == {"bf16": 2}, report.summary()

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from fp8_linen.testing import estimate, hlo, targets
+from fp8_linen.testing import estimate, hlo
+from fp8_linen.testing.compile import compile_for, compile_train_step
 
 N = 8192
 
@@ -58,7 +59,7 @@ def test_large_gemm_estimates_match_the_published_peaks(require_target, target, 
                                                          high):
   require_target(target)
   fn, args = _gemm(dtype, out)
-  report = targets.compile_for(target, fn, *args)
+  report = compile_for(target, fn, *args)
   assert len(report.product_list) == 1, report.summary()
   ms = report.estimate().seconds * 1e3
   assert low < ms < high, (ms, [(t.kernel.name, t.seconds) for t in report.estimate().kernels])
@@ -82,9 +83,8 @@ def test_delayed_scaling_first_step_branch_is_not_in_the_estimate(require_target
   import flax.linen as nn
   import jax.numpy as jnp
   import fp8_linen as fl
-  from fp8_linen.testing import targets
   model = nn.Sequential([fl.QDense(1024), fl.QDense(1024)])
-  r = targets.compile_train_step(model, (4096, 1024), jnp.bfloat16, target="h100")
+  r = compile_train_step(model, (4096, 1024), jnp.bfloat16, target="h100")
   ks = r.kernel_list
   assert any(k.branch is not None for k in ks)
   est = estimate.estimate(ks, estimate.PEAKS["h100"])

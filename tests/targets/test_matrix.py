@@ -2,7 +2,7 @@
 
 Each case is a training step that returns the loss, dL/dx and the gradients
 of all variables (or a served forward), compiled once per target for the
-whole session (``targets.compile_case``): the CLI, these tests and the README
+whole session (``cases.compile_case``): the CLI, these tests and the README
 table read the same programs. What passing proves: in the program XLA builds
 for that accelerator, the products' operands have the dtypes the case claims
 (fp8 recipes: every product f8 x f8; integer recipes: an s8 x s8 forward and
@@ -13,21 +13,21 @@ Not speed.
 
 import pytest
 
-from fp8_linen.testing import targets
+from fp8_linen.testing import cases, targets
 
-CASES = {c.name: c for c in targets.cases()}
+CASES = {c.name: c for c in cases.cases()}
 PAIRS = [(c, t) for c in CASES for t in targets.SINGLE_DEVICE]
 
 
 def compiled(require_target, case, target):
   require_target(target)
-  return targets.compile_case(case, target)
+  return cases.compile_case(case, target)
 
 
 @pytest.mark.parametrize("case,target", PAIRS, ids=[f"{c}-{t}" for c, t in PAIRS])
 def test_case_multiplies_what_it_claims(require_target, case, target):
   report = compiled(require_target, case, target)
-  assert targets.check(CASES[case], report) is None, report.summary()
+  assert cases.check(CASES[case], report) is None, report.summary()
 
 
 @pytest.mark.parametrize("target", ["tpu-v5e", "tpu-v6e", "tpu7x"])

@@ -8,6 +8,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fp8_linen as fl
 from fp8_linen.testing import targets
+from fp8_linen.testing.compile import compile_for
+from fp8_linen.testing.train_step import make_train_step, train_step_inputs
 
 D = 1024
 
@@ -17,7 +19,7 @@ def _fsdp_step(target):
   t = targets.get_target(target)
   mesh = targets.target_mesh(t, axis_names=("fsdp",))
   model = nn.Sequential([fl.QDense(D, dtype=jnp.bfloat16), fl.QDense(D, dtype=jnp.bfloat16)])
-  v, x, r = targets.train_step_inputs(model, (t.devices * 128, D), platform=t.platform)
+  v, x, r = train_step_inputs(model, (t.devices * 128, D), platform=t.platform)
 
   def place(path, a):
     spec = P("fsdp", None) if jax.tree_util.keystr(path).endswith("['kernel']") else P()
@@ -26,7 +28,7 @@ def _fsdp_step(target):
   v = jax.tree_util.tree_map_with_path(place, v)
   x, r = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P("fsdp")))
           for a in (x, r))
-  return targets.compile_for(t, targets.make_train_step(model), v, x, r)
+  return compile_for(t, make_train_step(model), v, x, r)
 
 
 @pytest.mark.parametrize("target", ["h100x8", "tpu-v6e-2x2"])

@@ -1,7 +1,7 @@
 """The accelerator tables of the README and docs/accelerators.md are what the programs show.
 
 The "what it multiplies" table is compared cell by cell with the compiled
-programs (``targets.markdown_cell``: it also fails a cell whose case does not
+programs (``cli.markdown_cell``: it also fails a cell whose case does not
 hold on that target). The estimate tables are compared with
 ``benchmarks/results/estimate-targets.json``, the file the benchmark wrote.
 """
@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from fp8_linen.testing import targets
+from fp8_linen.testing import cases, cli, targets
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", ROOT / "docs" / "accelerators.md"]
-CASES = {c.name: c for c in targets.cases()}
+CASES = {c.name: c for c in cases.cases()}
 BY_DESCRIPTION = {t.description: t.name for t in targets.TARGETS.values()}
 
 
@@ -60,7 +60,7 @@ def test_tables_cover_every_one_device_target():
 def test_cell_is_what_the_compiled_program_multiplies(require_target, page, case, target, cell):
   del page
   require_target(target)
-  assert cell == targets.markdown_cell(CASES[case], target)
+  assert cell == cli.markdown_cell(CASES[case], target)
 
 
 def test_estimate_tables_are_the_benchmark_output():

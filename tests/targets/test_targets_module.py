@@ -1,8 +1,4 @@
-"""The targets module itself: names, reasons a target cannot compile, meshes and the CLI."""
-
-import os
-import subprocess
-import sys
+"""The targets module itself: names, reasons a target cannot compile, and meshes."""
 
 import pytest
 
@@ -54,32 +50,3 @@ def test_tpu7x_target_is_one_tensorcore(require_target):
   require_target("tpu7x")
   (device,) = targets.target_mesh("tpu7x").devices.flat
   assert device.device_kind == "TPU7x" and device.core_on_chip == 0
-
-
-def _cli(*args):
-  return subprocess.run([sys.executable, "-m", "fp8_linen.testing.targets", *args],
-                        capture_output=True, text=True, timeout=600,
-                        env={k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"})
-
-
-def test_cli_lists_targets_and_cases():
-  out = _cli("--list")
-  assert out.returncode == 0, out
-  assert "target tpu7x" in out.stdout and "case   qconv" in out.stdout
-
-
-def test_cli_prints_one_row_per_case_and_target(require_target, tmp_path):
-  require_target("h100")
-  require_target("tpu-v5e")
-  out = _cli("--target", "h100", "--target", "tpu-v5e", "--case", "qdense-delayed",
-             "--json", str(tmp_path / "rows.json"))
-  assert out.returncode == 0, out
-  rows = {tuple(line.split()[:2]): line.split() for line in out.stdout.splitlines()[2:]}
-  assert rows[("qdense-delayed", "h100")][2:5] == ["3/3", "cuBLASLt", "fp8"], out.stdout
-  assert rows[("qdense-delayed", "tpu-v5e")][2:5] == ["3/3", "MXU", "f8"], out.stdout
-  assert '"target": "tpu-v5e"' in (tmp_path / "rows.json").read_text()
-
-
-def test_cli_rejects_unknown_names():
-  out = _cli("--target", "v7x")
-  assert out.returncode == 2 and "unknown target(s) ['v7x']" in out.stderr

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from fp8_linen.testing import targets
+from fp8_linen.testing.compile import compile_for
 
 N = 4096
 DTYPES = {"bf16": jnp.bfloat16, "e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2,
@@ -29,7 +29,7 @@ def _cycles(target, name):
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=out)
 
   spec = jax.ShapeDtypeStruct((N, N), dt)
-  report = targets.compile_for(target, gemm, spec, spec)
+  report = compile_for(target, gemm, spec, spec)
   (k,) = [k for k in report.kernel_list if k.is_product]
   return k.xla_cycles
 

@@ -1,0 +1,93 @@
+"""The training step that proves a layer's products, and its abstract inputs.
+
+A compiled program shows which products run in low precision only if XLA
+keeps all three products of every layer (forward, dgrad, wgrad) and cannot
+fold the gradient's cast away. :func:`make_train_step` builds that step: it
+returns the loss, ``dL/dx`` and the gradients of all variables, its loss is
+``sum(y * r)`` with a random cotangent ``r`` passed as an argument (a plain
+``sum()`` makes the cotangent all ones, and XLA folds the gradient's fp8 cast
+away), and the variables (parameters, fp8 scales, amax histories) are
+arguments, never constants. :func:`train_step_inputs` gives its arguments as
+``ShapeDtypeStruct`` s, so nothing is run to build them.
+
+Example:
+  >>> import jax
+  >>> import fp8_linen as fl
+  >>> from fp8_linen.testing import train_step
+  >>> model = fl.QDense(16)
+  >>> variables, x, r = train_step.train_step_inputs(model, (4, 8))
+  >>> x.shape, r.shape, str(r.dtype)
+  ((4, 8), (4, 16), 'float32')
+  >>> loss, dx, grads = jax.eval_shape(train_step.make_train_step(model), variables, x, r)
+  >>> dx.shape, sorted(grads)
+  ((4, 8), ['_overwrite_with_gradient', 'params'])
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from fp8_linen.core.lowering import target_backend
+
+__all__ = ["make_train_step", "train_step_inputs"]
+
+
+def make_train_step(model) -> Callable:
+  """The step that proves a model's products: ``step(variables, x, r) -> (loss, dx, grads)``.
+
+  ``loss = sum(y * r)`` over the output leaves with ``r`` a random cotangent
+  passed as an argument (not foldable by XLA); ``dx = dL/dx`` keeps the
+  forward and dgrad products alive, ``grads`` (all variable collections: the
+  params' gradients and the new fp8 state) the wgrad. For a non-floating ``x``
+  (e.g. tokens) ``dx`` is None.
+
+  Args:
+    model: anything with ``apply(variables, x)`` (a Linen module or
+      :func:`fp8_linen.quantize_model`'s wrapper).
+
+  Returns:
+    The (unjitted) step function.
+  """
+  def loss_fn(variables, x, r):
+    y = model.apply(variables, x)
+    return sum(jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32))
+               for a, b in zip(jax.tree.leaves(y), jax.tree.leaves(r)))
+
+  def step(variables, x, r):
+    if jnp.issubdtype(jnp.result_type(x), jnp.floating):
+      loss, (grads, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1))(variables, x, r)
+    else:
+      (loss, grads), dx = jax.value_and_grad(loss_fn)(variables, x, r), None
+    return loss, dx, grads
+
+  return step
+
+
+def train_step_inputs(model, x, dtype=None, platform: str = "gpu"):
+  """Abstract ``(variables, x, r)`` for :func:`make_train_step`'s step.
+
+  Args:
+    model: anything with ``init(rng, x)`` and ``apply(variables, x)``.
+    x: the input: a shape tuple, an array or a ``ShapeDtypeStruct``.
+    dtype: the input dtype when ``x`` is a shape (default bfloat16).
+    platform: the backend to trace ``init`` for (the variables do not depend
+      on it today; the forms traced do).
+
+  Returns:
+    ``(variables, x, r)`` as ``ShapeDtypeStruct`` pytrees; ``r`` has the
+    output's shapes, in float32.
+  """
+  if isinstance(x, (tuple, list)):
+    x = jax.ShapeDtypeStruct(tuple(x), dtype or jnp.bfloat16)
+  else:
+    x = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  zeros = lambda s: jnp.zeros(s.shape, s.dtype)
+  with target_backend(platform):
+    variables = jax.eval_shape(lambda s: model.init(jax.random.key(0), zeros(s)), x)
+    y = jax.eval_shape(lambda v, s: model.apply(v, zeros(s)), variables, x)
+  r = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), y)
+  return variables, x, r
+
