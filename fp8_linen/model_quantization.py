@@ -94,7 +94,7 @@ import jax.extend.core
 import jax.numpy as jnp
 
 from fp8_linen import interception
-from fp8_linen.core import settings
+from fp8_linen.core import settings, uses
 from fp8_linen.core.dims import einsum_plan
 from fp8_linen.core.owg import OWG
 from fp8_linen.linen.conv import conv_kwargs_from
@@ -341,6 +341,9 @@ def _decide(op: str, lhs, rhs, problem: str | None = None):
   frame = sess.stack[-1]
   if not (_floating(lhs) and _floating(rhs)):
     return None, ("excluded", None)
+  if uses.in_kernel():
+    return None, ("skipped", "it is a tile product inside a Pallas kernel (the kernel's own "
+                  "computation, which holds no quantization state)")
   if op == "conv" and isinstance(frame.module, nn.ConvLocal):
     return None, ("skipped", "nn.ConvLocal has no quantized form")
   recipe = sess.recipe_for(frame, op, lhs, rhs)

@@ -40,14 +40,18 @@ def test_model_overriding_init_quantizes():
   assert qm.product_report(v, X).counts == {"quantized": 2}
 
 
-def test_lsq_declares_its_steps_through_a_patched_param(monkeypatch):
-  """gemma patches ``nn.Module.param`` process-wide and requires a shape."""
+@pytest.mark.parametrize("inside_context", [False, True])
+def test_lsq_declares_its_steps_through_a_patched_param(monkeypatch, inside_context):
+  """gemma patches ``nn.Module.param`` process-wide: a shape is required and a dtype is
+  forwarded to the initializer (positionally, or as ``dtype=bf16`` inside its context)."""
   original = nn.Module.param
   calls = []
 
-  def param_with_shape(self, name, init_fn, shape, *init_args, **kwargs):
+  def param_with_shape(self, name, init_fn, shape, dtype=None, **kwargs):
     calls.append((name, tuple(shape)))
-    return original(self, name, init_fn, shape, *init_args, **kwargs)
+    if inside_context:
+      return original(self, name, init_fn, shape, **kwargs, dtype=jnp.bfloat16)
+    return original(self, name, init_fn, shape, dtype, **kwargs)
 
   monkeypatch.setattr(nn.Module, "param", param_with_shape)
   for recipe in (fl.int8_lsq(), fl.int4_lsq_plus()):
@@ -57,6 +61,7 @@ def test_lsq_declares_its_steps_through_a_patched_param(monkeypatch):
     names = {n for n, _ in calls}
     assert {"input_step", "kernel_step"} <= names
     assert ("kernel_step", v["params"]["kernel_step"].shape) in calls
+    assert v["params"]["kernel_step"].dtype == jnp.float32  # a learned step stays float32
     y = layer.apply(v, X)
     assert y.shape == (4, 4) and bool(jnp.all(jnp.isfinite(y)))
 
@@ -210,3 +215,28 @@ def test_projection_rules_find_a_tied_head_by_what_it_computes():
   v = qm.init(jax.random.key(0), tokens)
   assert list(v[fl.OWG]) == ["mlp"]  # the head (a jnp.dot with the table) stays in float
   assert qm.product_report(v, tokens).counts == {"quantized": 1, "excluded": 1}
+
+
+def test_products_inside_a_pallas_kernel_are_not_quantized():
+  """MaxText's megablox grouped GEMM: tile products inside a Pallas kernel (interpreted off TPU)."""
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+
+  def kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = jnp.dot(x_ref[...], w_ref[...])
+
+  class Experts(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      w = self.param("w", nn.initializers.normal(), (8, 8))
+      y = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4, 8), x.dtype),
+                         interpret=True)(x, w)
+      return nn.Dense(8)(y)
+
+  qm = fl.quantize_model(Experts(), fl.delayed_scaling())
+  with pytest.warns(UserWarning, match="inside a Pallas kernel"):
+    v = qm.init(jax.random.key(0), X)
+  assert list(v[fl.OWG]) == ["Dense_0"]
+  counts = qm.product_report(v, X).counts
+  assert counts["quantized"] == 1 and "skipped" in counts, counts
+  assert qm.apply(v, X).shape == (4, 8)

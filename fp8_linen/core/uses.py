@@ -50,7 +50,8 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jax.extend.core import find_top_trace
 
-__all__ = ["LOOPS", "StateUseError", "transforms_between", "differentiated", "under_vmap",
+__all__ = ["LOOPS", "StateUseError", "transforms_between", "in_kernel", "differentiated",
+           "under_vmap",
            "fold_vmapped", "check_use", "Chains"]
 
 # What JAX's tracers call the transforms that run one traced body several times
@@ -108,6 +109,21 @@ def transforms_between(value) -> tuple[str, ...]:
   """
   traces, _ = _stack_to(value)
   return tuple(_kind(t) for t in traces if type(t).__name__ not in ("EvalTrace",))
+
+
+def in_kernel() -> bool:
+  """Whether the code traced now is the body of a Pallas kernel.
+
+  A kernel's products are tile products of a computation someone else owns
+  (MaxText's megablox grouped GEMM): they can hold no state and must not be
+  quantized.
+  """
+  t = find_top_trace(())
+  while t is not None:
+    if _kind(t).startswith(("pallas", "kernel")):
+      return True
+    t = _parent(t)
+  return False
 
 
 def differentiated(value) -> bool:

@@ -65,7 +65,8 @@ def _lsq_params(module: nn.Module, role: str, view, axes, cfg: IntQuantConfig):
                                               for i, d in enumerate(view.shape))
   red = tuple(range(view.ndim)) if role == "input" else axes
 
-  def _init_step(_, shape):
+  def _init_step(_, shape, dtype=None):
+    del dtype  # a learned step stays float32, whatever dtype a wrapper asks for
     if cfg.estimator == "lsq":
       s = int_numerics.lsq_init_step(view, red, cfg.qmax)
     else:
@@ -83,7 +84,7 @@ def _lsq_params(module: nn.Module, role: str, view, axes, cfg: IntQuantConfig):
     return (as_view(step),)
   offset = module.param(
       f"{role}_offset",
-      lambda _, shape: jnp.reshape(
+      lambda _, shape, dtype=None: jnp.reshape(
           int_numerics.lsq_plus_init(view, red, cfg.qmin, cfg.qmax)[1], shape), shape)
   return as_view(step), as_view(offset)
 
