@@ -242,6 +242,29 @@ def explicit_spec(x):
   return sharding, parts
 
 
+def in_context(x):
+  """``x`` typed for the mesh code runs on now (``x`` itself where it already is).
+
+  A state closed over by a ``shard_map`` body (MaxText runs its MoE layers
+  in one) keeps the type of the mesh outside, whose axes are not the body's
+  manual ones; JAX then refuses any operation that copies its type
+  (``ones_like``). Read there, it is resharded as replicated on the body's
+  mesh (a no-op on its values, and on its cotangent).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import lowering
+    >>> lowering.in_context(jnp.ones((1,))).shape
+    (1,)
+  """
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = jax.sharding.get_abstract_mesh()
+  if (not isinstance(sharding, NamedSharding) or sharding.mesh.empty or mesh.empty
+      or sharding.mesh == mesh or AxisType.Manual not in tuple(mesh.axis_types)):
+    return x
+  return jax.sharding.reshard(x, PartitionSpec())
+
+
 def reshard_like(t, ref):
   """``t`` with ``ref``'s sharding on an explicit mesh (``t`` itself elsewhere).
 

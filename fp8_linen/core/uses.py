@@ -47,10 +47,12 @@ from typing import Any, Callable, Hashable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.extend.core import find_top_trace
 
-__all__ = ["LOOPS", "StateUseError", "transforms_between", "in_kernel", "differentiated",
+__all__ = ["LOOPS", "StateUseError", "transforms_between", "constant", "in_kernel",
+           "differentiated",
            "under_vmap",
            "fold_vmapped", "check_use", "Chains"]
 
@@ -109,6 +111,22 @@ def transforms_between(value) -> tuple[str, ...]:
   """
   traces, _ = _stack_to(value)
   return tuple(_kind(t) for t in traces if type(t).__name__ not in ("EvalTrace",))
+
+
+def constant(shape, fill: float, dtype):
+  """An array of ``shape`` filled with ``fill`` that is never a tracer.
+
+  A quantization state declared while a transform traces a layer (inside a
+  raw ``jax.checkpoint``, ``jax.lax.scan`` or ``jax.shard_map`` in a module
+  method) is stored with the variables and must not be a tracer of that
+  transform, or it leaks out of it. Outside any transform it is a
+  ``jax.Array``; inside one a NumPy array (every JAX operation is traced
+  there, even a constant's creation: ``shard_map`` has no outer evaluation
+  to escape to), which becomes a ``jax.Array`` wherever a transform returns it.
+  """
+  if type(find_top_trace(())).__name__ == "EvalTrace":
+    return jnp.full(shape, fill, dtype)
+  return np.full(shape, fill, np.dtype(dtype))
 
 
 def in_kernel() -> bool:

@@ -99,7 +99,7 @@ def _lsq(module: nn.Module, role: str, view, axes, cfg: IntQuantConfig, n: int):
 
 
 def _observer_range(module: nn.Module, role: str):
-  rng = owg_value(module, f"{role}_range", 0.0, (2,))
+  rng = lowering.in_context(owg_value(module, f"{role}_range", 0.0, (2,)))
   if rng.shape != (2,):
     raise ValueError(f"{'/'.join(module.path)}: {role}_range has shape {rng.shape}, "
                      "expected (2,)")

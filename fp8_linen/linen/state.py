@@ -24,10 +24,9 @@ import warnings
 from typing import Callable, Mapping
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
-from fp8_linen.core import uses
+from fp8_linen.core import lowering, uses
 from fp8_linen.core.owg import OWG, ROLES, RoleState
 from fp8_linen.recipes.fp8 import ScalingConfig
 
@@ -67,7 +66,7 @@ def role_state(module: nn.Module, role: str, cfg: ScalingConfig) -> RoleState:
         f"{where}: {role}_amax_history has shape {hist.shape} but the recipe asks for "
         f"history_length={cfg.history_length}; load a checkpoint written with the same recipe "
         "or resize the histories: fl.resize_histories(variables, recipe) (or TrainState)")
-  return RoleState(scale, hist)
+  return RoleState(lowering.in_context(scale), lowering.in_context(hist))
 
 
 def owg_value(module: nn.Module, name: str, fill: float, shape: tuple) -> jnp.ndarray:
@@ -88,8 +87,7 @@ def owg_value(module: nn.Module, name: str, fill: float, shape: tuple) -> jnp.nd
       ``nn.vmap``, ``nn.RNN`` without it among their variable collections).
   """
   def init(shape, dtype):
-    with jax.ensure_compile_time_eval():  # a constant, never a tracer of this trace
-      return jnp.full(shape, fill, dtype)
+    return uses.constant(shape, fill, dtype)
   if module.has_variable(OWG, name) or module.is_mutable_collection(OWG):
     return module.variable(OWG, name, init, shape, jnp.float32).value
   if module.is_initializing():

@@ -185,7 +185,7 @@ def _lsq(module, role: str, view, axes, cfg: IntQuantConfig, n: int):
 def _operand_params(module, role: str, x, contract_axes, cfg: IntQuantConfig):
   return int_product.operand_params(
       role, x, contract_axes, cfg, lsq_params=functools.partial(_lsq_params, module),
-      observer_range=lambda: module.input_range[...])
+      observer_range=lambda: lowering.in_context(module.input_range[...]))
 
 
 def _int_product(module, lhs, rhs, lc, rc, recipe: IntRecipe, key: str, run):
@@ -204,7 +204,7 @@ def _int_operand(module, role: str, x, contract_axes, cfg: IntQuantConfig | None
     n = int_ops.lsq_elements(x, view, axes, role)
     return _lsq(module, role, view, axes, cfg, n).reshape(x.shape)
   if role == "input":
-    rng = module.input_range[...]
+    rng = lowering.in_context(module.input_range[...])
     return chained(module, f"{key}/{role}_observer",
                    lambda chain: int_ops.observed_fake_quant(x, rng, cfg=cfg, chain=chain), rng)
   return int_ops.minmax_fake_quant(view, axes, cfg).reshape(x.shape)

@@ -31,7 +31,7 @@ import weakref
 import jax.numpy as jnp
 from flax import nnx
 
-from fp8_linen.core import uses
+from fp8_linen.core import lowering, uses
 from fp8_linen.core.owg import OWG, ROLES, RoleState
 from fp8_linen.recipes.fp8 import ScalingConfig
 
@@ -103,7 +103,7 @@ def read_role(module: nnx.Module, role: str, cfg: ScalingConfig) -> RoleState:
         f"{type(module).__name__}: {role}_amax_history has shape {hist.shape} but the recipe "
         f"asks for history_length={cfg.history_length}; load state written with the same "
         "recipe or resize the histories")
-  return RoleState(scale, hist)
+  return RoleState(lowering.in_context(scale), lowering.in_context(hist))
 
 
 # module -> its chains. Held outside the module (weakly, so it goes with the
