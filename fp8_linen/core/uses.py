@@ -306,6 +306,10 @@ class Chains:
     self._last[slot] = (weakref.ref(current), chain_out)
     return out
 
+  def held(self) -> list:
+    """The chain values kept for the next use of each slot (to check none is a leaked tracer)."""
+    return [chain for _, chain in self._last.values()]
+
 
 def _encloses(outer, inner) -> bool:
   """Whether trace ``outer`` is ``inner`` or one of its parents."""
