@@ -35,7 +35,7 @@ def _assert_concrete(model):
   for v in _quant_values(model):
     assert isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer), type(v)
   for chains in nnx_state._CHAINS.values():
-    for _, chain in chains.values():
+    for _, chain in chains._last.values():
       assert not isinstance(chain, jax.core.Tracer)
 
 
