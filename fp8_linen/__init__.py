@@ -34,13 +34,11 @@ from fp8_linen.linen.activation import Fp8Activation, fp8_activation
 from fp8_linen.linen.conv import QConv
 from fp8_linen.linen.dense import Fp8DotGeneral, Fp8Einsum, QDense, QDenseGeneral, QEinsum
 from fp8_linen.linen.flax_fp8 import FlaxFp8Report, flax_fp8_recipe, from_flax_fp8
-from fp8_linen.linen import serving as _serving  # registers the convert/serve products
-from fp8_linen.linen.dispatch import (
-    Products,
+from fp8_linen.families import RecipeFamily, register_recipe
+from fp8_linen.linen.access import (
     quantized_conv_on,
     quantized_dot_general_on,
     quantized_einsum_on,
-    register_recipe,
 )
 from fp8_linen.model_quantization import (
     QuantizationRule,
@@ -140,7 +138,7 @@ __all__ = [
     "QConv",
     "Fp8Activation",
     "fp8_activation",
-    "Products",
+    "RecipeFamily",
     "register_recipe",
     "quantized_dot_general_on",
     "quantized_einsum_on",
