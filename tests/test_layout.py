@@ -3,11 +3,15 @@
 recipes -> core -> families -> {linen, nnx} -> {model_quantization,
 conversion, training, monitor} -> ``__init__``; core and families never import
 flax, training never imports linen, and no module imports the job or anything
-above it.
+above it. ``import fp8_linen`` leaves ``flax.nnx`` unimported, and nothing
+fills a table of ours on import.
 """
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 import flax.linen as nn
 
@@ -94,3 +98,41 @@ def test_public_names_are_explicit():
     assert hasattr(fl, name), name
   # no submodule is re-exported under a public name, except the NNX layer namespace
   assert [n for n in fl.__all__ if type(getattr(fl, n)).__name__ == "module"] == ["nnx"]
+
+
+def _run(code: str) -> str:
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=PKG.parent, env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=True)
+  return out.stdout.strip()
+
+
+def test_import_leaves_flax_nnx_unimported():
+  # flax.linen itself does not import flax.nnx; fp8_linen must not either.
+  assert _run("import sys, flax.linen; print('flax.nnx' in sys.modules)") == "False"
+  assert _run("import sys, fp8_linen; print('flax.nnx' in sys.modules)") == "False"
+  assert _run("import sys, fp8_linen as fl; fl.nnx.Linear; "
+              "print('flax.nnx' in sys.modules)") == "True"
+  # An NNX user's flax.nnx is already imported: fl.nnx comes with fp8_linen, and the
+  # bridge maps the Linen state collection to QuantState from the start.
+  assert _run("from flax import nnx; import fp8_linen as fl; "
+              f"print(nnx.variablelib.VariableTypeCache['{fl.OWG}'].__name__)") == "QuantState"
+
+
+def _module_level_calls(path: pathlib.Path):
+  for node in ast.parse(path.read_text()).body:
+    for sub in ast.walk(node):
+      if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+        break
+      if isinstance(sub, ast.Call):
+        fn = sub.func
+        yield fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+
+
+def test_no_module_fills_a_table_on_import():
+  # The recipe table is written out in families/table.py: no module registers into it
+  # when imported (so what runs never depends on which modules happened to be imported).
+  bad = [f"{path.relative_to(PKG)} calls {name} at import" for path in PKG.rglob("*.py")
+         for name in _module_level_calls(path) if name in ("register_recipe", "register_mode")]
+  assert not bad, bad
+  from fp8_linen.families import table
+  assert set(table.registered()) == {fl.Fp8Recipe, fl.IntRecipe}
