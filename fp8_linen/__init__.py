@@ -1,4 +1,6 @@
-"""fp8_linen: fp8 and integer quantization-aware training layers for Flax Linen.
+"""fp8_linen: fp8 and integer quantization-aware training layers for Flax Linen and NNX.
+
+The NNX layers are in :mod:`fp8_linen.nnx` (``fl.nnx``, imported on first use).
 
 Example:
   >>> import jax, jax.numpy as jnp, optax
@@ -9,6 +11,8 @@ Example:
   >>> loss = lambda v: jnp.mean(model.apply(v, jnp.ones((8, 16))) ** 2)
   >>> state = state.apply_gradients(grads=jax.grad(loss)(state.params))
 """
+
+import sys as _sys
 
 from fp8_linen.conversion import ServedModel, ServedModule, convert, weight_bytes
 from fp8_linen.core.conv import fp8_conv_general_dilated
@@ -34,13 +38,11 @@ from fp8_linen.linen.activation import Fp8Activation, fp8_activation
 from fp8_linen.linen.conv import QConv
 from fp8_linen.linen.dense import Fp8DotGeneral, Fp8Einsum, QDense, QDenseGeneral, QEinsum
 from fp8_linen.linen.flax_fp8 import FlaxFp8Report, flax_fp8_recipe, from_flax_fp8
-from fp8_linen.linen import serving as _serving  # registers the convert/serve products
-from fp8_linen.linen.dispatch import (
-    Products,
+from fp8_linen.families import RecipeFamily, register_recipe
+from fp8_linen.linen.access import (
     quantized_conv_on,
     quantized_dot_general_on,
     quantized_einsum_on,
-    register_recipe,
 )
 from fp8_linen.model_quantization import (
     QuantizationRule,
@@ -72,7 +74,6 @@ from fp8_linen.recipes import (
     recipe_to_dict,
     rowwise_scaling,
 )
-from fp8_linen import nnx
 from fp8_linen.training import (
     TrainState,
     accumulate_gradients,
@@ -87,6 +88,25 @@ from fp8_linen.training import (
 )
 
 __version__ = "0.1.0"
+
+
+# fl.nnx imports flax.nnx (about half a second), which Linen users never need: it is
+# imported on first use, or now when flax.nnx already is (then it costs nothing more, and
+# flax's bridge maps the Linen state collection to fl.nnx.QuantState from the start).
+if "flax.nnx" in _sys.modules:
+  from fp8_linen import nnx  # noqa: E402
+
+
+def __getattr__(name: str):
+  if name == "nnx":
+    import importlib  # pylint: disable=import-outside-toplevel
+    return importlib.import_module("fp8_linen.nnx")
+  raise AttributeError(f"module 'fp8_linen' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | {"nnx"})
+
 
 __all__ = [
     "convert",
@@ -140,7 +160,7 @@ __all__ = [
     "QConv",
     "Fp8Activation",
     "fp8_activation",
-    "Products",
+    "RecipeFamily",
     "register_recipe",
     "quantized_dot_general_on",
     "quantized_einsum_on",

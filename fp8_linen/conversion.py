@@ -25,9 +25,10 @@ trained variables into a model that computes in low precision:
 It works for models built from the library's layers (``QDense``,
 ``QDenseGeneral``, ``QEinsum``, ``QConv``, ``Fp8DotGeneral`` in a flax layer)
 and for :func:`~fp8_linen.quantize_model`'d models: the same model code runs
-in a conversion mode that writes the served arrays and in a serving mode
-that reads them (:mod:`fp8_linen.linen.serving`). NNX models:
-:func:`fp8_linen.nnx.convert`.
+in ``'convert'`` mode, where every product also records the served arrays
+through its layer (:mod:`fp8_linen.families`), and in ``'serve'`` mode,
+which reads them. NNX models: :func:`fp8_linen.nnx.convert` (the same
+records, kept by the NNX layers).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -57,12 +58,11 @@ import numpy as np
 
 from fp8_linen.core import serve
 from fp8_linen.core.owg import OWG
-from fp8_linen.linen import dispatch, serving
+from fp8_linen.families import modes
+from fp8_linen.families.conversion import TRAINING_ONLY, trace_once
+from fp8_linen.linen.access import RECORD, SERVED
 
 __all__ = ["convert", "ServedModule", "ServedModel", "weight_bytes"]
-
-# Learned quantizer values of QAT: replaced by the served arrays.
-_TRAINING_ONLY = ("input_step", "input_offset", "kernel_step", "kernel_offset")
 
 
 def _low_precision(dtype) -> bool:
@@ -114,7 +114,7 @@ class ServedModule(nn.Module):
     nn.share_scope(self, self.model)
 
   def __call__(self, *args, **kwargs):
-    with dispatch.mode("serve"):
+    with modes.mode("serve"):
       return self.model(*args, **kwargs)
 
   def apply(self, variables, *args, method=None, **kwargs):  # pylint: disable=arguments-differ
@@ -124,7 +124,7 @@ class ServedModule(nn.Module):
       name = method if isinstance(method, str) else method.__name__
 
       def method(module, *a, **k):
-        with dispatch.mode("serve"):
+        with modes.mode("serve"):
           return getattr(module.model, name)(*a, **k)
     return super().apply(variables, *args, method=method, **kwargs)
 
@@ -144,12 +144,17 @@ class ServedModel:
   def apply(self, variables, *args, **kwargs):
     """The served forward (same arguments as the model's ``apply``)."""
     variables = _as_layer_sees(variables, self.kernel_dtypes)
-    with dispatch.mode("serve"):
+    with modes.mode("serve"):
       return self.model.apply(variables, *args, **kwargs)
 
 
-def _is_array(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+def _records(tree, path=()):
+  """``(path, record)`` of every product a conversion run wrote in :data:`SERVED`."""
+  for k, v in tree.items():
+    if k == RECORD and isinstance(v, serve.ServedRecord):
+      yield path, v
+    elif isinstance(v, Mapping):
+      yield from _records(v, path + (k,))
 
 
 def _node(tree: dict, path) -> dict:
@@ -206,23 +211,15 @@ def convert(model, variables, *args, **kwargs):
   if not args and not {k for k in kwargs if k != "method"}:
     raise TypeError("fl.convert(model, variables, *example_inputs): give example inputs of "
                     "the forward (arrays or jax.ShapeDtypeStruct) so it can be traced once")
-  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_array)
-  traced = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+  def run(v, *a, **k):
+    with modes.mode("convert"):
+      return model.apply(v, *a, mutable=[SERVED], **k)[1]
 
-  def run(v, arrays):
-    full = list(leaves)
-    for i, a in zip(traced, arrays):
-      full[i] = a
-    a, k = jax.tree.unflatten(treedef, full)
-    with dispatch.mode("convert"):
-      return model.apply(v, *a, mutable=[serving.SERVED], **k)[1]
-
-  examples = [jnp.zeros(leaves[i].shape, leaves[i].dtype) for i in traced]
   try:
-    state = jax.jit(run)(variables, examples)
+    state = trace_once(run, variables, args, kwargs)
   except flax.errors.FlaxError as e:
     raise ValueError(f"fl.convert: the variables do not fit the model: {e}") from e
-  records = list(serving.records(flax.core.unfreeze(state).get(serving.SERVED, {})))
+  records = list(_records(flax.core.unfreeze(state).get(SERVED, {})))
   if not records:
     raise serve.no_product_error(
         "fl.convert", "fl.QDense/QDenseGeneral/QEinsum/QConv or wrap it with fl.quantize_model")
@@ -231,17 +228,17 @@ def convert(model, variables, *args, **kwargs):
   for path, rec in records:
     kernel, arrays = serve.served_from_record("/".join(path) or "<root>", rec)
     node = _node(params, path)
-    for name in _TRAINING_ONLY:
+    for name in TRAINING_ONLY:
       node.pop(name, None)
     if kernel is not None:
-      # Fp8DotGeneral multiplies its parent's kernel (KERNEL_AT 1).
-      dest_path = path if int(rec[serve.KERNEL_AT]) == 0 else path[:-1]
+      # Fp8DotGeneral multiplies its parent's kernel (kernel_at 1).
+      dest_path = path if int(rec.kernel_at) == 0 else path[:-1]
       dest = _node(params, dest_path)
       old = jnp.asarray(dest["kernel"])
       dest["kernel"] = jnp.reshape(kernel, old.shape)
       kernel_dtypes.append((tuple(dest_path), str(old.dtype)))
     node.update(arrays)
-  served = {c: v for c, v in variables.items() if c not in (OWG, serving.SERVED, "params")}
+  served = {c: v for c, v in variables.items() if c not in (OWG, SERVED, "params")}
   served["params"] = params
   kernel_dtypes = tuple(kernel_dtypes)
   if isinstance(model, nn.Module):

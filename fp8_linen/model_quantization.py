@@ -8,7 +8,7 @@ run the model with:
 * ``jax.lax.dot_general``, ``jax.lax.conv_general_dilated``,
   ``jax.numpy.einsum``, ``jax.numpy.matmul`` and ``jax.numpy.dot``
   intercepted (:mod:`fp8_linen.interception`) for the duration of the call:
-  they run the quantized product of :mod:`fp8_linen.linen.dispatch` on that
+  they run the quantized product of :mod:`fp8_linen.linen.access` on that
   module's state.
 
 That covers ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Einsum``, ``nn.Conv``,
@@ -98,8 +98,8 @@ from fp8_linen.core import settings, uses
 from fp8_linen.core.dims import einsum_plan
 from fp8_linen.core.owg import OWG
 from fp8_linen.linen.conv import conv_kwargs_from
-from fp8_linen.linen.dispatch import (quantized_conv_on, quantized_dot_general_on,
-                                      quantized_einsum_on)
+from fp8_linen.linen.access import (quantized_conv_on, quantized_dot_general_on,
+                                    quantized_einsum_on)
 from fp8_linen.product_report import MARKERS, ProductReport, product_report
 from fp8_linen.recipes.fp8 import Fp8Recipe
 from fp8_linen.recipes.rules import (OPERANDS, OPS, QuantizationRule, normalize_rules,

@@ -1,12 +1,17 @@
 """The package's dependencies run one way (docs/ARCHITECTURE.md).
 
-recipes -> core -> linen -> {model_quantization, training, monitor} ->
-``__init__``; core never imports flax, training never imports linen, and no
-module imports the job or anything above it.
+recipes -> core -> families -> {linen, nnx} -> {model_quantization,
+conversion, training, monitor} -> ``__init__``; core and families never import
+flax, training never imports linen, and no module imports the job or anything
+above it. ``import fp8_linen`` leaves ``flax.nnx`` unimported, and nothing
+fills a table of ours on import.
 """
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 import flax.linen as nn
 
@@ -18,16 +23,18 @@ PKG = pathlib.Path(fl.__file__).resolve().parent
 ALLOWED = {
     "recipes": set(),
     "core": {"recipes"},
-    "linen": {"recipes", "core"},
-    "nnx": {"recipes", "core"},
+    "families": {"recipes", "core"},
+    "linen": {"recipes", "core", "families"},
+    "nnx": {"recipes", "core", "families"},
     "interception": set(),
     "product_report": set(),
-    "model_quantization": {"recipes", "core", "linen", "interception", "product_report"},
+    "model_quantization": {"recipes", "core", "families", "linen", "interception",
+                           "product_report"},
     "training": {"core"},
     "monitor": {"core"},
-    "conversion": {"core", "linen"},
-    "testing": {"recipes", "core", "linen", "nnx", "model_quantization", "product_report",
-                "training", "conversion", "root"},
+    "conversion": {"core", "families", "linen"},
+    "testing": {"recipes", "core", "families", "linen", "nnx", "model_quantization",
+                "product_report", "training", "conversion", "root"},
 }
 
 
@@ -72,8 +79,8 @@ def test_every_module_imports_only_lower_layers():
   assert not bad, "\n".join(bad)
 
 
-def test_core_and_recipes_never_import_flax():
-  for sub in ("core", "recipes"):
+def test_core_recipes_and_families_never_import_flax():
+  for sub in ("core", "recipes", "families"):
     for path in (PKG / sub).rglob("*.py"):
       flax_imports = [n for n in _imports(path) if n.split(".")[0] == "flax"]
       assert not flax_imports, (path, flax_imports)
@@ -123,3 +130,41 @@ def test_testing_modules_import_only_earlier_ones():
          for imported in _testing_imports(folder / f"{name}.py")
          if imported not in TESTING_ORDER[:i]]
   assert not bad, "\n".join(bad)
+
+
+def _run(code: str) -> str:
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=PKG.parent, env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=True)
+  return out.stdout.strip()
+
+
+def test_import_leaves_flax_nnx_unimported():
+  # flax.linen itself does not import flax.nnx; fp8_linen must not either.
+  assert _run("import sys, flax.linen; print('flax.nnx' in sys.modules)") == "False"
+  assert _run("import sys, fp8_linen; print('flax.nnx' in sys.modules)") == "False"
+  assert _run("import sys, fp8_linen as fl; fl.nnx.Linear; "
+              "print('flax.nnx' in sys.modules)") == "True"
+  # An NNX user's flax.nnx is already imported: fl.nnx comes with fp8_linen, and the
+  # bridge maps the Linen state collection to QuantState from the start.
+  assert _run("from flax import nnx; import fp8_linen as fl; "
+              f"print(nnx.variablelib.VariableTypeCache['{fl.OWG}'].__name__)") == "QuantState"
+
+
+def _module_level_calls(path: pathlib.Path):
+  for node in ast.parse(path.read_text()).body:
+    for sub in ast.walk(node):
+      if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+        break
+      if isinstance(sub, ast.Call):
+        fn = sub.func
+        yield fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+
+
+def test_no_module_fills_a_table_on_import():
+  # The recipe table is written out in families/table.py: no module registers into it
+  # when imported (so what runs never depends on which modules happened to be imported).
+  bad = [f"{path.relative_to(PKG)} calls {name} at import" for path in PKG.rglob("*.py")
+         for name in _module_level_calls(path) if name in ("register_recipe", "register_mode")]
+  assert not bad, bad
+  from fp8_linen.families import table
+  assert set(table.registered()) == {fl.Fp8Recipe, fl.IntRecipe}

@@ -51,6 +51,9 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 
 from jax import lax
@@ -64,9 +67,10 @@ from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["storage_dtype", "fold_int_kernel", "freeze_int_input", "live_int_kernel", "int_dot",
            "int_conv", "fold_fp8_kernel", "freeze_fp8_input", "live_fp8_kernel", "fp8_dot",
-           "fp8_conv", "fp8_servable", "servable_error", "check_servable", "fp8_record",
-           "int_quantizer_params", "int_record", "kernel_check", "served_from_record",
-           "untrained_error", "no_product_error", "served_dot", "served_conv"]
+           "fp8_conv", "fp8_servable", "int_servable", "unservable_error", "ServedRecord",
+           "fp8_record", "int_quantizer_params", "int_record", "with_kernel_check",
+           "folds_kernel", "served_from_record", "untrained_error", "no_product_error",
+           "fp8_served_dot", "fp8_served_conv", "int_served_dot", "int_served_conv"]
 
 _INT4_SHIFT = 8  # unsigned 4-bit grids [0, 15] are stored shifted into int4's [-8, 7]
 
@@ -432,32 +436,60 @@ def fp8_conv(lhs, kernel, conv_kwargs: dict, *, recipe: Fp8Recipe, arrays: dict,
 # Conversion records and served products, for both APIs (Linen, NNX)
 #
 # A conversion run (``fl.convert``, ``fl.nnx.convert``) runs each quantized
-# product once and records, per product, the arrays serving needs under
-# prefixed names, plus checks read after the run (values are traced there).
-
-FOLD, LIVE, FROZEN = "fold.", "live.", "frozen."  # a folded weight, a live operand, the input
-OK, KERNEL_AT, KERNEL_EQUAL = "check.state", "check.kernel_at", "check.kernel_equal"
+# product once and records, per product, the arrays serving needs and the
+# checks read after the run (values are traced there, so the record is a
+# pytree a jitted function returns).
 
 
-def servable_error(where: str, recipe, conv: bool = False) -> ValueError | None:
-  """The error (naming the layer ``where``) for a recipe that cannot be served, else ``None``."""
-  if isinstance(recipe, Fp8Recipe):
-    why = fp8_servable(recipe, conv)
-  elif not int_product.dot_supported(recipe):
-    role = "input" if recipe.input is None else "kernel"
-    why = (f"recipe.{role} is None, so QAT runs a float product of a fake-quantized "
-           "operand; give both roles an IntQuantConfig")
-  else:
-    why = None
-  return None if why is None else ValueError(f"{where}: recipe={recipe!r} cannot be served: "
-                                             f"{why}")
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServedRecord:
+  """What a conversion run records of one product (see :func:`served_from_record`).
+
+  Attributes:
+    fold: the arrays of the weight folded to codes (``kernel``,
+      ``kernel_scale``, ...), used when the right operand is the layer's
+      unchanged ``kernel``.
+    live: what a right operand that is not a weight keeps instead (it is
+      quantized on the fly in serving).
+    frozen: the input's frozen quantization parameters (``input_scale``, ...).
+    state_ok: whether the product has trained state (a bool array).
+    kernel_at: where the layer keeps the right operand's ``kernel``: ``0``
+      itself, ``1`` its parent, ``-1`` nowhere (an int array; the layer's
+      conversion run fills it in with :func:`with_kernel_check`).
+    kernel_equal: whether that ``kernel`` reaches the product unchanged.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> from fp8_linen.core import serve
+    >>> rec = jax.jit(lambda w: serve.int_record(fl.IntRecipe(), w, (0,), lambda n: None))(
+    ...     jnp.ones((3, 2)))
+    >>> sorted(rec.fold), bool(rec.state_ok), rec.kernel_at
+    (['kernel', 'kernel_scale'], False, None)
+  """
+
+  fold: dict
+  live: dict
+  frozen: dict
+  state_ok: jax.Array
+  kernel_at: jax.Array | None = None
+  kernel_equal: jax.Array | None = None
 
 
-def check_servable(where: str, recipe, conv: bool = False) -> None:
-  """Raises :func:`servable_error` for a recipe that cannot be served."""
-  err = servable_error(where, recipe, conv)
-  if err is not None:
-    raise err
+def unservable_error(where: str, recipe, why: str) -> ValueError:
+  """The error (naming the layer ``where``) for a recipe that cannot be served, and why."""
+  return ValueError(f"{where}: recipe={recipe!r} cannot be served: {why}")
+
+
+def int_servable(recipe: IntRecipe, conv: bool = False) -> str | None:
+  """Why ``recipe`` cannot be served, or ``None`` when it can."""
+  del conv  # integer convolutions serve whatever their dots serve
+  if int_product.dot_supported(recipe):
+    return None
+  role = "input" if recipe.input is None else "kernel"
+  return (f"recipe.{role} is None, so QAT runs a float product of a fake-quantized "
+          "operand; give both roles an IntQuantConfig")
 
 
 def _frozen_fp8_input(recipe: Fp8Recipe) -> bool:
@@ -465,15 +497,12 @@ def _frozen_fp8_input(recipe: Fp8Recipe) -> bool:
   return _delayed_tensor_scale(recipe, recipe.input)
 
 
-def _record(fold: dict, live: dict, frozen: dict, state_ok) -> dict:
-  out = {OK: jnp.asarray(state_ok)}
-  for prefix, arrays in ((FOLD, fold), (LIVE, live), (FROZEN, frozen)):
-    out.update({prefix + k: v for k, v in arrays.items()})
-  return out
+def _record(fold: dict, live: dict, frozen: dict, state_ok) -> ServedRecord:
+  return ServedRecord(fold=fold, live=live, frozen=frozen, state_ok=jnp.asarray(state_ok))
 
 
 def fp8_record(recipe: Fp8Recipe, rhs, contract, input_state, kernel_state, *,
-               conv: bool = False, batch=()) -> dict:
+               conv: bool = False, batch=()) -> ServedRecord:
   """What serving needs of one fp8 product (see :func:`served_from_record`).
 
   Args:
@@ -513,7 +542,7 @@ def int_quantizer_params(role: str, cfg: IntQuantConfig, read):
   return (), jnp.asarray(True)
 
 
-def int_record(recipe: IntRecipe, rhs, contract, read, *, conv: bool = False) -> dict:
+def int_record(recipe: IntRecipe, rhs, contract, read, *, conv: bool = False) -> ServedRecord:
   """What serving needs of one integer product (see :func:`int_quantizer_params` for ``read``)."""
   lp, ok = int_quantizer_params("input", recipe.input, read)
   rp, _ = int_quantizer_params("kernel", recipe.kernel, read)
@@ -525,8 +554,8 @@ def int_record(recipe: IntRecipe, rhs, contract, read, *, conv: bool = False) ->
                  live_int_kernel(recipe.kernel, rp), freeze_int_input(recipe.input, lp), ok)
 
 
-def kernel_check(at, kernel, rhs) -> dict:
-  """The record's checks of the right operand: is it the layer's ``kernel``, unchanged?
+def with_kernel_check(record: ServedRecord, at, kernel, rhs) -> ServedRecord:
+  """``record`` with its checks of the right operand: is it the layer's ``kernel``, unchanged?
 
   ``at`` says where the layer keeps ``kernel`` (``0``: itself, ``1``: its
   parent; ``None``: the operand is no weight) and ``kernel`` is its value.
@@ -537,7 +566,13 @@ def kernel_check(at, kernel, rhs) -> dict:
   rhs = jnp.asarray(rhs)
   equal = (jnp.asarray(False) if kernel is None else
            jnp.array_equal(jnp.asarray(kernel).astype(rhs.dtype).reshape(rhs.shape), rhs))
-  return {KERNEL_AT: jnp.asarray(-1 if at is None else at), KERNEL_EQUAL: equal}
+  return dataclasses.replace(record, kernel_at=jnp.asarray(-1 if at is None else at),
+                             kernel_equal=equal)
+
+
+def folds_kernel(record: ServedRecord) -> bool:
+  """Whether serving reads the weight's codes (else it quantizes the right operand live)."""
+  return int(record.kernel_at) >= 0 and bool(record.kernel_equal)
 
 
 def untrained_error(where: str) -> ValueError:
@@ -553,7 +588,7 @@ def no_product_error(who: str, layers: str) -> ValueError:
                     f"(build it from {layers})")
 
 
-def served_from_record(where: str, rec) -> tuple:
+def served_from_record(where: str, rec: ServedRecord) -> tuple:
   """``(kernel_codes or None, arrays)``: what a layer stores in place of its QAT variables.
 
   ``kernel_codes`` (the weight folded to codes, to store in place of
@@ -563,14 +598,14 @@ def served_from_record(where: str, rec) -> tuple:
   Raises:
     ValueError: naming ``where``, for a product without trained state.
   """
-  if not bool(rec[OK]):
+  if not bool(rec.state_ok):
     raise untrained_error(where)
-  fold = int(rec[KERNEL_AT]) >= 0 and bool(rec[KERNEL_EQUAL])
-  prefix = FOLD if fold else LIVE
-  arrays = {k[len(prefix):]: v for k, v in rec.items()
-            if k.startswith(prefix) and k != FOLD + "kernel"}
-  arrays.update({k[len(FROZEN):]: v for k, v in rec.items() if k.startswith(FROZEN)})
-  return (rec[FOLD + "kernel"] if fold else None), arrays
+  if folds_kernel(rec):
+    arrays = {k: v for k, v in rec.fold.items() if k != "kernel"}
+    kernel = rec.fold["kernel"]
+  else:
+    arrays, kernel = dict(rec.live), None
+  return kernel, {**arrays, **rec.frozen}
 
 
 def _require(where: str, arrays: dict, names) -> None:
@@ -580,33 +615,50 @@ def _require(where: str, arrays: dict, names) -> None:
                        "the arrays fl.convert (fl.nnx.convert) stored for it")
 
 
-def served_dot(lhs, rhs, dimension_numbers, *, recipe, arrays: dict, out_dtype, where: str):
-  """The served ``dot_general`` of ``recipe`` from a layer's stored ``arrays``.
+def fp8_served_dot(lhs, rhs, dimension_numbers, *, recipe: Fp8Recipe, arrays: dict, out_dtype,
+                   where: str):
+  """The served fp8 ``dot_general`` from a layer's stored ``arrays`` (:func:`fp8_dot`).
 
   ``rhs`` holds the stored codes (possibly cast to float by the layer) where
   ``arrays`` has a ``kernel_scale``, else the live right operand.
   """
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
-  if isinstance(recipe, Fp8Recipe):
-    need = ("input_scale",) if _frozen_fp8_input(recipe) else ()
-    if recipe.granularity == "block" and recipe.is_nvfp4 and "kernel_scale" in arrays:
-      need += ("kernel_tensor_scale",)
-    _require(where, arrays, need)
-    run = fp8_dot
-  else:
-    check_servable(where, recipe)
-    _require(where, arrays, ("input_scale",))
-    run = int_dot
-  return run(lhs, rhs, dimension_numbers, recipe=recipe, arrays=arrays,
-             folded="kernel_scale" in arrays, out_dtype=out_dtype)
+  need = ("input_scale",) if _frozen_fp8_input(recipe) else ()
+  if recipe.granularity == "block" and recipe.is_nvfp4 and "kernel_scale" in arrays:
+    need += ("kernel_tensor_scale",)
+  _require(where, arrays, need)
+  return fp8_dot(lhs, rhs, dimension_numbers, recipe=recipe, arrays=arrays,
+                 folded="kernel_scale" in arrays, out_dtype=out_dtype)
 
 
-def served_conv(lhs, rhs, conv_kwargs: dict, *, recipe, arrays: dict, out_dtype, where: str):
-  """The served convolution of ``recipe`` from a layer's stored ``arrays`` (codes in ``rhs``)."""
+def fp8_served_conv(lhs, rhs, conv_kwargs: dict, *, recipe: Fp8Recipe, arrays: dict, out_dtype,
+                    where: str):
+  """The served fp8 convolution from a layer's stored ``arrays`` (codes in ``rhs``)."""
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
-  if isinstance(recipe, Fp8Recipe):
-    _require(where, arrays, ("kernel_scale",))
-    return fp8_conv(lhs, rhs, conv_kwargs, recipe=recipe, arrays=arrays, out_dtype=out_dtype)
-  check_servable(where, recipe)
+  _require(where, arrays, ("kernel_scale",))
+  return fp8_conv(lhs, rhs, conv_kwargs, recipe=recipe, arrays=arrays, out_dtype=out_dtype)
+
+
+def _check_int_servable(where: str, recipe: IntRecipe) -> None:
+  why = int_servable(recipe)
+  if why is not None:
+    raise unservable_error(where, recipe, why)
+
+
+def int_served_dot(lhs, rhs, dimension_numbers, *, recipe: IntRecipe, arrays: dict, out_dtype,
+                   where: str):
+  """The served integer ``dot_general`` from a layer's stored ``arrays`` (:func:`int_dot`)."""
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  _check_int_servable(where, recipe)
+  _require(where, arrays, ("input_scale",))
+  return int_dot(lhs, rhs, dimension_numbers, recipe=recipe, arrays=arrays,
+                 folded="kernel_scale" in arrays, out_dtype=out_dtype)
+
+
+def int_served_conv(lhs, rhs, conv_kwargs: dict, *, recipe: IntRecipe, arrays: dict, out_dtype,
+                    where: str):
+  """The served integer convolution from a layer's stored ``arrays`` (:func:`int_conv`)."""
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  _check_int_servable(where, recipe)
   _require(where, arrays, ("input_scale", "kernel_scale"))
   return int_conv(lhs, rhs, conv_kwargs, recipe=recipe, arrays=arrays, out_dtype=out_dtype)

@@ -27,10 +27,10 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from fp8_linen.core.owg import CHECKPOINT_NAME, name_fp8_residual
-from fp8_linen.core.qdq import dequantize, quantize
-from fp8_linen.linen.dispatch import recipe_error
-from fp8_linen.linen.state import with_role_states
+from fp8_linen.core.owg import CHECKPOINT_NAME
+from fp8_linen.families import fp8
+from fp8_linen.families.table import recipe_error
+from fp8_linen.linen.access import LinenAccess
 from fp8_linen.recipes.fp8 import ActivationRecipe
 
 __all__ = ["Fp8Activation", "fp8_activation"]
@@ -40,8 +40,9 @@ def fp8_activation(module: nn.Module, x, recipe: ActivationRecipe | None = None,
                    name: str = CHECKPOINT_NAME):
   """Quantizes ``x`` through fp8 with ``module``'s ``input``/``output_grad`` state.
 
-  Uses of one module in a step are linked per role with
-  :func:`~fp8_linen.linen.state.chained`, so the recorded amax is the max over them.
+  Uses of one module in a step are linked per role
+  (:func:`fp8_linen.families.fp8.activation`), so the recorded amax is the max
+  over them.
 
   Args:
     module: the Linen module that owns the state.
@@ -59,17 +60,7 @@ def fp8_activation(module: nn.Module, x, recipe: ActivationRecipe | None = None,
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"Fp8Activation: x must be a floating array, got dtype {x.dtype}")
-
-  def _q(st, chain):
-    xq, s, chain_out = quantize(x, *st[0], cfg=recipe.input, chain=chain)
-    return (xq, s), chain_out
-
-  xq, s = with_role_states(module, "activation_input", {"input": recipe.input}, _q)
-  xq = name_fp8_residual(xq, name)
-  return with_role_states(
-      module, "activation_output_grad", {"output_grad": recipe.output_grad},
-      lambda st, chain: dequantize(xq, s, *st[0], grad_cfg=recipe.output_grad, dtype=x.dtype,
-                                   chain=chain))
+  return fp8.activation(LinenAccess(module), x, recipe, name)
 
 
 class Fp8Activation(nn.Module):

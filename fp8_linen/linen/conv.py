@@ -16,7 +16,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from fp8_linen.linen.dispatch import check_recipe, quantized_conv_on
+from fp8_linen.families.table import check_recipe
+from fp8_linen.linen.access import quantized_conv_on
 from fp8_linen.linen.seam import Seam
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
@@ -65,7 +66,7 @@ class QConv(nn.Conv):
   ``conv_general_dilated_cls`` must be left at their defaults.
 
   Attributes:
-    recipe: any recipe in :mod:`fp8_linen.linen.dispatch`'s table with a
+    recipe: any recipe in :mod:`fp8_linen.families.table` with a
       convolution (:class:`~fp8_linen.Fp8Recipe` by default; fp8 recipes need
       ``granularity='tensor'``).
 

@@ -1,7 +1,8 @@
 """Drop-in fp8 twins of ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Einsum``.
 
 Each layer keeps its flax twin's arguments and ``params`` tree and runs its
-product through :mod:`fp8_linen.linen.dispatch`, so every recipe works in it.
+product through :mod:`fp8_linen.linen.access` (the recipe families), so every
+recipe works in it.
 The fp8 state lives in the ``_overwrite_with_gradient`` collection at the
 layer's own path. :class:`Fp8DotGeneral` serves flax's ``dot_general_cls``
 injection point instead (state in a child scope), and :class:`Fp8Einsum` the
@@ -25,8 +26,8 @@ import jax.numpy as jnp
 from flax.linen import module as nn_module
 
 from fp8_linen.core.dims import einsum_plan
-from fp8_linen.linen.dispatch import (check_recipe, quantized_dot_general_on,
-                                      quantized_einsum_on)
+from fp8_linen.families.table import check_recipe
+from fp8_linen.linen.access import quantized_dot_general_on, quantized_einsum_on
 from fp8_linen.linen.flax_fp8 import continue_flax_state, flax_state_beside
 from fp8_linen.linen.seam import Seam
 from fp8_linen.recipes.fp8 import Fp8Recipe
@@ -74,7 +75,7 @@ class Fp8DotGeneral(nn.Module):
   state to this module's own path once (see :mod:`fp8_linen.linen.flax_fp8`).
 
   Attributes:
-    recipe: any recipe in :mod:`fp8_linen.linen.dispatch`'s table
+    recipe: any recipe in :mod:`fp8_linen.families.table`
       (:class:`~fp8_linen.Fp8Recipe` by default, which is flax's
       ``Fp8DirectDotGeneralOp`` recipe: delayed, max of a 1024-long history).
 
@@ -118,7 +119,7 @@ class Fp8Einsum(nn.Module):
   :func:`~fp8_linen.from_flax_fp8` (histories newest first).
 
   Attributes:
-    recipe: any recipe in :mod:`fp8_linen.linen.dispatch`'s table (fp8
+    recipe: any recipe in :mod:`fp8_linen.families.table` (fp8
       delayed, current, row-wise, MX, NVFP4; integer STE, LSQ).
 
   Example:
@@ -157,7 +158,7 @@ class QDense(nn.Dense):
   layer brings its own through flax's ``dot_general`` field).
 
   Attributes:
-    recipe: any recipe in :mod:`fp8_linen.linen.dispatch`'s table (delayed
+    recipe: any recipe in :mod:`fp8_linen.families.table` (delayed
       fp8 scaling by default).
 
   Example:
@@ -196,7 +197,7 @@ class QDenseGeneral(nn.DenseGeneral):
   ``dot_general`` and ``dot_general_cls`` must be left at their defaults.
 
   Attributes:
-    recipe: any recipe in :mod:`fp8_linen.linen.dispatch`'s table
+    recipe: any recipe in :mod:`fp8_linen.families.table`
       (:class:`~fp8_linen.Fp8Recipe` by default).
 
   Example:

@@ -62,8 +62,8 @@ from flax.core import FrozenDict, freeze
 
 from fp8_linen.core.dot_general import fp8_dot_general
 from fp8_linen.core.owg import OWG, ROLES, RoleState
-from fp8_linen.linen import dispatch
-from fp8_linen.linen.state import chained
+from fp8_linen.families import modes
+from fp8_linen.linen.access import LinenAccess, quantized_dot_general_on
 from fp8_linen.recipes.fp8 import Fp8Recipe, ScalingConfig, canonical_fp8_dtype
 
 __all__ = ["FLAX_DOT_OPS", "FLAX_OPS", "flax_history_order", "flax_fp8_recipe", "FlaxFp8Report",
@@ -452,15 +452,15 @@ def continue_flax_state(module: nn.Module, found: tuple[str, str], lhs, rhs, dim
   """
   name, op = found
   path = "/".join(module.path[:-1] + (name,))
-  if dispatch.current_mode() is not None:
+  if modes.current_mode() is not None:
     raise ValueError(f"{path}: flax fp8 state cannot be converted for serving as it is; "
                      "convert the checkpoint first with fl.from_flax_fp8(variables)")
   if not isinstance(recipe, Fp8Recipe):
     _warn_once(module, f"fp8_linen: {'/'.join(module.path)} runs "
                f"{type(recipe).__name__}, which does not use the flax fp8 state found at "
                f"{path}; that state is left as it is")
-    return dispatch.quantized_dot_general_on(module, lhs, rhs, dimension_numbers, recipe,
-                                             out_dtype=out_dtype, key=key)
+    return quantized_dot_general_on(module, lhs, rhs, dimension_numbers, recipe,
+                                    out_dtype=out_dtype, key=key)
   want = FLAX_DOT_OPS[op]
   have = (recipe.input.dtype, recipe.output_grad.dtype)
   formats = ("" if have == want else
@@ -474,7 +474,7 @@ def continue_flax_state(module: nn.Module, found: tuple[str, str], lhs, rhs, dim
 
   def run(h):
     st = _flax_states(h, recipe, op)
-    return chained(h, key, lambda chain: fp8_dot_general(
+    return LinenAccess(h).chained(key, lambda chain: fp8_dot_general(
         lhs, rhs, dimension_numbers, input_state=st[0], kernel_state=st[1],
         output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain),
         state_leaf=st[0].scale)

@@ -1,5 +1,9 @@
 """fp8 and integer quantization-aware training for Flax NNX.
 
+A thin layer over :mod:`fp8_linen.families` (the recipes' products, written
+once for both APIs): :mod:`.access` is the NNX side of their
+:class:`~fp8_linen.families.VariableAccess`.
+
 Layers (drop-ins for their ``flax.nnx`` twins): :class:`Linear`,
 :class:`LinearGeneral`, :class:`Einsum`, :class:`Conv`; :class:`Fp8Einsum` (an einsum of
 two activations, flax's ``Fp8Einsum`` call); the activation
@@ -20,13 +24,17 @@ Example:
 """
 
 from fp8_linen.core.owg import frozen_quantizers
+from fp8_linen.nnx.access import calibrate
 from fp8_linen.nnx.activation import Quantizer
 from fp8_linen.nnx.conversion import convert
 from fp8_linen.nnx.layers import Conv, Einsum, Fp8Einsum, Linear, LinearGeneral
-from fp8_linen.nnx.products import calibrate
 from fp8_linen.nnx.quantize import quantize_model
-from fp8_linen.nnx.state import DIFF, QuantState
+from fp8_linen.nnx.state import DIFF, QuantState, register_owg_collection
 from fp8_linen.nnx.training import Optimizer, grad, update_state, value_and_grad
+
+# flax's bridge looks the OWG collection's variable type up when it wraps a
+# Linen layer, before any fl.nnx object exists: map it to QuantState now.
+register_owg_collection()
 
 __all__ = [
     "Linear",

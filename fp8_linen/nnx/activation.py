@@ -1,6 +1,8 @@
 """An fp8 activation quantizer for NNX: keep activations in fp8 for the backward pass.
 
-:class:`Quantizer` runs the core ``quantize``/``dequantize`` pair: forward
+:class:`Quantizer` runs the core ``quantize``/``dequantize`` pair (the very
+quantizer of the Linen ``fl.Fp8Activation``,
+:func:`fp8_linen.families.fp8.activation`): forward
 ``x -> x_fp8`` (e4m3, scale from ``input_*``) ``-> x_fp8 * s``; backward: the
 incoming gradient is quantized to e5m2 (scale from ``output_grad_*``) and
 dequantized with exactly the scale it was quantized with. The new state of
@@ -26,9 +28,9 @@ import contextlib
 import jax.numpy as jnp
 from flax import nnx
 
-from fp8_linen.core.owg import CHECKPOINT_NAME, frozen_quantizers, name_fp8_residual
-from fp8_linen.core.qdq import dequantize, quantize
-from fp8_linen.nnx.state import chained, declare_role, read_role
+from fp8_linen.core.owg import CHECKPOINT_NAME, frozen_quantizers
+from fp8_linen.families import fp8
+from fp8_linen.nnx.access import NnxAccess
 from fp8_linen.recipes.fp8 import ActivationRecipe
 
 __all__ = ["Quantizer"]
@@ -65,8 +67,7 @@ class Quantizer(nnx.Module):
     self.recipe = recipe
     self.checkpoint_name = checkpoint_name
     self.use_running_average = use_running_average
-    declare_role(self, "input", recipe.input)
-    declare_role(self, "output_grad", recipe.output_grad)
+    fp8.declare_activation(NnxAccess(self, declaring=True), recipe)
 
   def __call__(self, x):
     with frozen_quantizers() if self.use_running_average else contextlib.nullcontext():
@@ -76,17 +77,4 @@ class Quantizer(nnx.Module):
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"Quantizer: x must be a floating array, got dtype {x.dtype}")
-    rec = self.recipe
-    st_in = read_role(self, "input", rec.input)
-    st_g = read_role(self, "output_grad", rec.output_grad)
-
-    def _q(chain):
-      xq, s, chain_out = quantize(x, *st_in, cfg=rec.input, chain=chain)
-      return (xq, s), chain_out
-
-    # The two roles are separate states, each chained over the uses in a step.
-    xq, s = chained(self, "activation_input", _q, st_in.scale)
-    xq = name_fp8_residual(xq, self.checkpoint_name)
-    return chained(self, "activation_output_grad",
-                   lambda chain: dequantize(xq, s, *st_g, grad_cfg=rec.output_grad,
-                                            dtype=x.dtype, chain=chain), st_g.scale)
+    return fp8.activation(NnxAccess(self), x, self.recipe, self.checkpoint_name)

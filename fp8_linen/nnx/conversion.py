@@ -14,13 +14,16 @@ quantized layer is *served*:
 * its training-only state is gone: the :class:`~fp8_linen.nnx.QuantState`
   variables (amax histories, observer ranges) and the learned LSQ steps and
   offsets;
-* its products run :mod:`fp8_linen.core.serve`, the functions the Linen
-  served model runs, which run the QAT forward from those arrays: the served
+* its products run in ``'serve'`` mode: the recipe family's served products
+  (:mod:`fp8_linen.core.serve`), the functions the Linen served model runs,
+  which run the QAT forward from those arrays: the served
   model equals the QAT model evaluated with frozen quantizers
   (``model.eval()`` or :func:`~fp8_linen.frozen_quantizers`) bit for bit.
 
-The model is run once to find its products (traced, under ``jax.jit``); the
-checks and errors are the Linen conversion's.
+The model is run once to find its products (traced, under ``jax.jit``), in
+``'convert'`` mode: each product records what serving needs through the
+layer's :class:`~fp8_linen.nnx.access.NnxAccess`, as the Linen layers do
+through theirs; the checks and errors are the Linen conversion's.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -42,19 +45,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from fp8_linen.core import serve
 from fp8_linen.core.owg import frozen_quantizers
-from fp8_linen.nnx import products
+from fp8_linen.families.conversion import TRAINING_ONLY, trace_once
+from fp8_linen.nnx.access import Serving, converting
 from fp8_linen.nnx.state import QuantState
 
 __all__ = ["convert"]
-
-# Learned quantizer values of QAT: replaced by the served arrays.
-_TRAINING_ONLY = ("input_step", "input_offset", "kernel_step", "kernel_offset")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,36 +76,25 @@ class _CodesAsFloat:
                         **kwargs)
 
 
-def _is_array(x) -> bool:
-  return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or hasattr(x, "__array__")
-
-
 def _records(model: nnx.Module, args, kwargs) -> dict:
   """``path -> record`` of every product ``model(*args, **kwargs)`` runs, found in one trace."""
-  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_array)
-  traced = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
   graphdef, state = nnx.split(model)
 
-  def run(state, arrays):
-    full = list(leaves)
-    for i, a in zip(traced, arrays):
-      full[i] = a
-    a, k = jax.tree.unflatten(treedef, full)
+  def run(state, *a, **k):
     m = nnx.merge(graphdef, state)
     # Frozen: the forward conversion traces is the one the served model computes.
-    with products.converting(m) as records, frozen_quantizers():
+    with converting(m) as records, frozen_quantizers():
       m(*a, **k)
     return records
 
-  examples = [jnp.zeros(leaves[i].shape, leaves[i].dtype) for i in traced]
-  return jax.jit(run)(state, examples)
+  return trace_once(run, state, args, kwargs)
 
 
 def _serve_layer(layer: nnx.Module, path: str, record) -> None:
   """Turns one converted layer into a served one, in place (see the module doc)."""
   kernel, arrays = serve.served_from_record(path or "<root>", record)
   for name, value in list(vars(layer).items()):
-    if isinstance(value, QuantState) or name in _TRAINING_ONLY:
+    if isinstance(value, QuantState) or name in TRAINING_ONLY:
       delattr(layer, name)
   if kernel is not None:
     old = layer.kernel[...]
@@ -113,7 +102,7 @@ def _serve_layer(layer: nnx.Module, path: str, record) -> None:
     layer.promote_dtype = _CodesAsFloat(str(old.dtype), layer.promote_dtype)
   for name, value in arrays.items():
     setattr(layer, name, nnx.Param(jnp.asarray(value)))
-  layer.serving = products.Serving(path=path or "<root>", arrays=tuple(sorted(arrays)))
+  layer.serving = Serving(path=path or "<root>", arrays=tuple(sorted(arrays)))
 
 
 def convert(model: nnx.Module, *args: Any, **kwargs: Any) -> nnx.Module:

@@ -5,9 +5,12 @@ Each layer subclasses its flax twin, takes the same constructor arguments
 NNX model's parameters load into it. Flax's own forward runs; its product is
 the layer's injection point (``dot_general``, ``einsum_op``,
 ``conv_general_dilated``), set to a module-level function that runs the
-quantized product (:mod:`fp8_linen.nnx.products`) on the state of the layer
-whose ``__call__`` is running. The state is added as
-:class:`~fp8_linen.nnx.QuantState` variables under the Linen layers' names.
+recipe family's product (:mod:`fp8_linen.families`) on the variables of the
+layer whose ``__call__`` is running (:class:`~fp8_linen.nnx.access.NnxAccess`).
+The layer declares them in its constructor: the state as
+:class:`~fp8_linen.nnx.QuantState` variables under the Linen layers' names,
+learned quantizer values as ``nnx.Param`` s. A served layer
+(:func:`~fp8_linen.nnx.convert`) runs its products in ``'serve'`` mode.
 
 ``use_running_average`` (flax's name for BatchNorm's switch to its recorded
 statistics, so ``model.eval()`` / ``model.train()`` and ``nnx.view`` set it
@@ -34,9 +37,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fp8_linen.core.owg import frozen_quantizers
-from fp8_linen.nnx import products
+from fp8_linen.families import dispatch, modes
+from fp8_linen.families.table import check_recipe
+from fp8_linen.nnx.access import NnxAccess, declare
 from fp8_linen.recipes.fp8 import Fp8Recipe
-from fp8_linen.recipes.integer import IntRecipe
 
 __all__ = ["Linear", "LinearGeneral", "Einsum", "Conv", "Fp8Einsum"]
 
@@ -47,11 +51,19 @@ _RUNNING: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_nnx_layer",
 
 @contextlib.contextmanager
 def _running(layer):
-  """``layer``'s products run on its state (frozen under ``use_running_average``)."""
+  """``layer``'s products run on its state (frozen under ``use_running_average``).
+
+  A served layer (its static ``serving`` marker, set by ``fl.nnx.convert``)
+  runs them in ``'serve'`` mode.
+  """
   token = _RUNNING.set(layer)
   try:
-    # False leaves an enclosing fl.frozen_quantizers() block in force.
-    with frozen_quantizers() if layer.use_running_average else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+      # False leaves an enclosing fl.frozen_quantizers() block in force.
+      if layer.use_running_average:
+        stack.enter_context(frozen_quantizers())
+      if getattr(layer, "serving", None) is not None:
+        stack.enter_context(modes.mode("serve"))
       yield
   finally:
     _RUNNING.reset(token)
@@ -69,7 +81,7 @@ def _layer_dot_general(lhs, rhs, dimension_numbers, precision=None,
   """The ``dot_general`` a quantized layer hands to flax's forward."""
   del precision, out_sharding  # fp8 GEMMs run at DEFAULT precision; layout left to XLA.
   layer = _current("dot_general")
-  return products.dot_general(layer, lhs, rhs, dimension_numbers, layer.recipe,
+  return dispatch.dot_general(NnxAccess(layer), lhs, rhs, dimension_numbers, layer.recipe,
                               out_dtype=preferred_element_type)
 
 
@@ -78,7 +90,7 @@ def _layer_einsum(equation, lhs, rhs, precision=None, preferred_element_type=Non
   """The ``einsum_op`` :class:`Einsum` hands to flax's forward."""
   del precision, out_sharding
   layer = _current("einsum")
-  return products.einsum(layer, equation.replace(" ", ""), lhs, rhs, layer.recipe,
+  return dispatch.einsum(NnxAccess(layer), equation.replace(" ", ""), lhs, rhs, layer.recipe,
                          out_dtype=preferred_element_type or jnp.result_type(lhs, rhs))
 
 
@@ -93,7 +105,7 @@ def _layer_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilati
   kw = dict(window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
             rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
             feature_group_count=feature_group_count)
-  return products.conv(layer, lhs, rhs, kw, layer.recipe,
+  return dispatch.conv(NnxAccess(layer), lhs, rhs, kw, layer.recipe,
                        out_dtype=preferred_element_type or jnp.result_type(lhs, rhs))
 
 
@@ -141,12 +153,12 @@ class Linear(nnx.Linear):
   def __init__(self, in_features: int, out_features: int, *, recipe: Any = Fp8Recipe(),
                use_running_average: bool = False, rngs: nnx.Rngs, **kwargs):
     _no_override("Linear", kwargs, "dot_general")
-    products.check_recipe("Linear", recipe)
+    check_recipe("Linear", recipe)
     super().__init__(in_features, out_features, dot_general=_layer_dot_general, rngs=rngs,
                      **kwargs)
     self.recipe = recipe
     self.use_running_average = use_running_average
-    products.declare(self, recipe, self.kernel[...], (0,))
+    declare(self, recipe, self.kernel[...], (0,))
 
   def __call__(self, inputs, *args, **kwargs):
     inputs = _check_floating("Linear", inputs)
@@ -172,14 +184,14 @@ class LinearGeneral(nnx.LinearGeneral):
   def __init__(self, in_features, out_features, *, recipe: Any = Fp8Recipe(),
                use_running_average: bool = False, rngs: nnx.Rngs, **kwargs):
     _no_override("LinearGeneral", kwargs, "dot_general", "dot_general_cls")
-    products.check_recipe("LinearGeneral", recipe)
+    check_recipe("LinearGeneral", recipe)
     super().__init__(in_features, out_features, dot_general=_layer_dot_general, rngs=rngs,
                      **kwargs)
     self.recipe = recipe
     self.use_running_average = use_running_average
     n_batch = len(self.batch_axis)
     n_in = len(self.in_features)
-    products.declare(self, recipe, self.kernel[...], tuple(range(n_batch, n_batch + n_in)))
+    declare(self, recipe, self.kernel[...], tuple(range(n_batch, n_batch + n_in)))
 
   def __call__(self, inputs, *args, **kwargs):
     inputs = _check_floating("LinearGeneral", inputs)
@@ -210,16 +222,14 @@ class Einsum(nnx.Einsum):
                recipe: Any = Fp8Recipe(), use_running_average: bool = False,
                rngs: nnx.Rngs, **kwargs):
     _no_override("Einsum", kwargs, "einsum_op")
-    products.check_recipe("Einsum", recipe)
+    check_recipe("Einsum", recipe)
     super().__init__(einsum_str, kernel_shape, bias_shape, einsum_op=_layer_einsum, rngs=rngs,
                      **kwargs)
     self.recipe = recipe
     self.use_running_average = use_running_average
-    kernel, contract = None, None
-    if isinstance(recipe, IntRecipe) and recipe.kernel is not None and recipe.kernel.learned:
-      # LSQ weight steps have the shape of the kernel as the lowered product sees it.
-      kernel, contract = products.einsum_kernel(self.einsum_str, self.kernel[...])
-    products.declare(self, recipe, kernel, contract)
+    # Declared from the kernel as the lowered product sees it (LSQ weight steps take its shape).
+    declare(self, recipe, *dispatch.einsum_kernel(self.einsum_str.replace(" ", ""),
+                                                  self.kernel[...]))
 
   def __call__(self, inputs, *args, **kwargs):
     inputs = _check_floating("Einsum", inputs)
@@ -248,7 +258,7 @@ class Conv(nnx.Conv):
                recipe: Any = Fp8Recipe(), use_running_average: bool = False,
                rngs: nnx.Rngs, **kwargs):
     _no_override("Conv", kwargs, "conv_general_dilated")
-    products.check_recipe("Conv", recipe)
+    check_recipe("Conv", recipe, conv=True)
     if kwargs.get("mask") is not None:
       raise NotImplementedError("Conv: masked kernels have no quantized path")
     super().__init__(in_features, out_features, kernel_size, strides,
@@ -257,7 +267,7 @@ class Conv(nnx.Conv):
     self.use_running_average = use_running_average
     kernel = self.kernel[...]
     # The kernel's output-feature axis is its last; every other axis is contracted.
-    products.declare(self, recipe, kernel, tuple(range(kernel.ndim - 1)))
+    declare(self, recipe, kernel, tuple(range(kernel.ndim - 1)))
 
   def __call__(self, inputs, *args, **kwargs):
     inputs = _check_floating("Conv", inputs)
@@ -299,17 +309,10 @@ class Fp8Einsum(nnx.Module):
   """
 
   def __init__(self, *, recipe: Any = Fp8Recipe(), use_running_average: bool = False):
-    products.check_recipe("Fp8Einsum", recipe)
-    if isinstance(recipe, IntRecipe) and recipe.kernel is not None and recipe.kernel.learned:
-      raise ValueError(
-          f"Fp8Einsum: recipe's kernel quantizer is learned ({recipe.kernel.estimator}); its "
-          "step has the shape of the right operand, which an NNX module declares before its "
-          "first call and an einsum of two activations does not know; use an STE kernel "
-          "quantizer (kernel=fl.IntQuantConfig(estimator='ste')), or fl.nnx.Einsum for a "
-          "weight")
+    check_recipe("Fp8Einsum", recipe)
     self.recipe = recipe
     self.use_running_average = use_running_average
-    products.declare(self, recipe, None, None)
+    declare(self, recipe, None, None)
 
   def __call__(self, eqn: str, lhs, rhs, precision=None, preferred_element_type=None):
     del precision  # fp8 GEMMs run at DEFAULT precision (fast accumulation).
@@ -318,5 +321,5 @@ class Fp8Einsum(nnx.Module):
     rhs = _check_floating("Fp8Einsum (rhs)", rhs)
     lhs = _check_floating("Fp8Einsum (lhs)", lhs).astype(rhs.dtype)
     with _running(self):
-      return products.einsum(self, eqn.replace(" ", ""), lhs, rhs, self.recipe,
+      return dispatch.einsum(NnxAccess(self), eqn.replace(" ", ""), lhs, rhs, self.recipe,
                              out_dtype=preferred_element_type or rhs.dtype)

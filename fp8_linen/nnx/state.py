@@ -1,4 +1,4 @@
-"""Where an NNX layer keeps its quantization state, and how its uses are linked.
+"""The quantization state of an NNX layer: :class:`QuantState`.
 
 The state of a layer (fp8: ``<role>_scale`` ``(1,)`` and
 ``<role>_amax_history`` ``(history_length,)`` for the roles ``input``,
@@ -7,13 +7,10 @@ The state of a layer (fp8: ``<role>_scale`` ``(1,)`` and
 collection. A :class:`QuantState` is never written during a forward pass: the
 layers read it, hand it to the functional core ops, and the ops return the new
 state as its *gradient*. Differentiating with respect to
-``(nnx.Param, QuantState)`` therefore yields the new state, which
-:class:`fp8_linen.nnx.Optimizer` writes over the old one after the optimizer
-step. Nothing traced is ever stored in a module.
-
-Several uses of one layer in a step are linked with :func:`chained` (the core
-ops' chain arrays): only the first returns the state, built from the max of
-all uses, so autodiff's sum of the cotangents is that state.
+``(nnx.Param, QuantState)`` (:data:`DIFF`) therefore yields the new state,
+which :class:`fp8_linen.nnx.Optimizer` writes over the old one after the
+optimizer step. (How a layer declares and reads it:
+:mod:`fp8_linen.nnx.access`.)
 
 Example:
   >>> import jax.numpy as jnp
@@ -26,16 +23,11 @@ Example:
 
 from __future__ import annotations
 
-import weakref
-
-import jax.numpy as jnp
 from flax import nnx
 
-from fp8_linen.core import lowering, uses
-from fp8_linen.core.owg import OWG, ROLES, RoleState
-from fp8_linen.recipes.fp8 import ScalingConfig
+from fp8_linen.core.owg import OWG
 
-__all__ = ["QuantState", "DIFF", "ROLES", "declare_role", "read_role", "chained"]
+__all__ = ["QuantState", "DIFF", "register_owg_collection"]
 
 
 class QuantState(nnx.Variable):
@@ -58,7 +50,7 @@ class QuantState(nnx.Variable):
 DIFF = (nnx.Param, QuantState)
 
 
-def _register_owg_collection() -> None:
+def register_owg_collection() -> None:
   """Maps the Linen OWG collection to :class:`QuantState` in ``flax.nnx.bridge``.
 
   Both hold the same thing under the same protocol (the gradient is the new
@@ -75,63 +67,3 @@ def _register_owg_collection() -> None:
   if current is None or (current is not QuantState and current.__name__ == OWG):
     nnx.register_variable_name(OWG, QuantState, overwrite=True)
 
-
-_register_owg_collection()
-
-
-def declare_role(module: nnx.Module, role: str, cfg: ScalingConfig) -> None:
-  """Creates the ``<role>_scale``/``<role>_amax_history`` variables on ``module``."""
-  setattr(module, f"{role}_scale", QuantState(jnp.ones((1,), jnp.float32)))
-  setattr(module, f"{role}_amax_history",
-          QuantState(jnp.zeros((cfg.history_length,), jnp.float32)))
-
-
-def read_role(module: nnx.Module, role: str, cfg: ScalingConfig) -> RoleState:
-  """The :class:`~fp8_linen.RoleState` of ``role`` on ``module`` (shapes checked).
-
-  Raises:
-    ValueError: if the stored state does not have the shapes ``cfg`` asks for
-      (e.g. loaded from a checkpoint written with another history length).
-  """
-  scale = getattr(module, f"{role}_scale")[...]
-  hist = getattr(module, f"{role}_amax_history")[...]
-  if scale.shape != (1,):
-    raise ValueError(f"{type(module).__name__}: {role}_scale has shape {scale.shape}, "
-                     "expected (1,)")
-  if hist.shape != (cfg.history_length,):
-    raise ValueError(
-        f"{type(module).__name__}: {role}_amax_history has shape {hist.shape} but the recipe "
-        f"asks for history_length={cfg.history_length}; load state written with the same "
-        "recipe or resize the histories")
-  return RoleState(lowering.in_context(scale), lowering.in_context(hist))
-
-
-# module -> its chains. Held outside the module (weakly, so it goes with the
-# module: NNX transforms run on fresh copies of the module, which disappear
-# with their trace) so no chain value ever becomes module state.
-_CHAINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def chained(module: nnx.Module, key: str, fn, state_leaf=None):
-  """Runs ``fn(chain) -> (out, chain_out)``, linking uses of one state in a step.
-
-  The first call for ``(module, key)`` passes ``chain=None`` (it returns the
-  state update); later calls pass the previous ``chain_out``, so their
-  observations are folded (by max) into the first use's update instead of
-  being summed by autodiff. Uses under ``vmap``, in nested traces and inside
-  loops are handled as :mod:`fp8_linen.core.uses` describes.
-
-  Args:
-    module: the layer that owns the state.
-    key: distinguishes several states of one layer.
-    fn: the op, ``fn(chain) -> (out, chain_out)``.
-    state_leaf: one array of the state as the op reads it; ``None`` skips
-      the loop check.
-
-  Raises:
-    fp8_linen.core.uses.StateUseError: the state's updates would be summed.
-  """
-  chains = _CHAINS.get(module)
-  if chains is None:
-    chains = _CHAINS[module] = uses.Chains()
-  return chains.run(key, type(module).__name__, state_leaf, fn)

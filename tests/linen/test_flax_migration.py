@@ -24,7 +24,8 @@ from flax.linen import fp8_ops
 
 import fp8_linen as fl
 from fp8_linen import training
-from fp8_linen.linen import dispatch, flax_fp8
+from fp8_linen.families import modes
+from fp8_linen.linen import flax_fp8
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Fp8DotGeneralOp is deprecated:DeprecationWarning")
@@ -348,7 +349,7 @@ def test_two_flax_states_for_one_module_is_an_error():
 def test_convert_mode_asks_for_the_explicit_conversion():
   _, v, x, _ = exact_checkpoint(fp8_ops.Fp8DirectDotGeneralOp)
   with pytest.raises(ValueError, match=r"convert the checkpoint first with fl.from_flax_fp8"):
-    with dispatch.mode("convert"), warnings.catch_warnings():
+    with modes.mode("convert"), warnings.catch_warnings():
       warnings.simplefilter("ignore")
       our_net(fl.flax_fp8_recipe(amax_history_length=L)).apply(v, x, mutable=True)
 

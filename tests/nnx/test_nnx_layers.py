@@ -9,7 +9,7 @@ from flax import nnx
 
 import fp8_linen as fl
 import fp8_linen.nnx as fnnx
-from fp8_linen.nnx import state as nnx_state
+from fp8_linen.nnx import access as nnx_access
 
 RECIPES = {
     "delayed": fl.Fp8Recipe(),
@@ -34,7 +34,7 @@ def _quant_values(model):
 def _assert_concrete(model):
   for v in _quant_values(model):
     assert isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer), type(v)
-  for chains in nnx_state._CHAINS.values():
+  for chains in nnx_access._CHAINS.values():
     for chain in chains.held():
       assert not isinstance(chain, jax.core.Tracer)
 

@@ -124,3 +124,16 @@ def test_train_step_on_an_explicit_mesh_matches_one_device(parallel):
   for g, g1 in zip(grads, grads1):
     jax.tree.map(lambda a, b: np.testing.assert_array_less(
         np.linalg.norm(a - b), tol * np.linalg.norm(b) + 1e-12), g, g1)
+
+
+def test_weight_only_integer_recipe_contracts_a_sharded_axis():
+  # Its float product (no integer GEMM: the input is not quantized) passes the output
+  # sharding an Explicit mesh asks for on a sharded contraction, as the Linen layers do.
+  layer = fnnx.Linear(16, 8, recipe=fl.IntRecipe(input=None), rngs=nnx.Rngs(0))
+  x = _batch()
+  y1 = layer(x)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    layer.kernel.set_value(jax.device_put(layer.kernel[...], NamedSharding(mesh, P("data", None))))
+    y = nnx.jit(lambda m, x: m(x))(layer, jax.device_put(x, NamedSharding(mesh, P(None, "data"))))
+  np.testing.assert_allclose(y, y1, rtol=1e-6, atol=1e-6)

@@ -1,4 +1,7 @@
-"""fl.nnx layers and their Linen twins agree bit for bit: outputs, gradients, new state."""
+"""fl.nnx layers and their Linen twins agree bit for bit (outputs, gradients, new state) and
+compile the same program: one product layer (fp8_linen.families) runs under both APIs."""
+
+import difflib
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +35,42 @@ def _used_state(owg):
   return out
 
 
+def _program(step, *args) -> str:
+  step.__name__ = step.__qualname__ = "step"  # the program is named after the function
+  return jax.jit(step).lower(*args).as_text()
+
+
+def _assert_same_program(linen_call, nnx_model, nnx_call, variables, arrays, ct):
+  """The Linen and the NNX training step lower to the same StableHLO, op for op.
+
+  Both steps take the same flat arguments (parameters and state by name, the
+  inputs) and return the same things (output, input gradients, parameter and
+  state gradients), so the programs can only differ where the layers do.
+  """
+  params, state = dict(variables.get("params", {})), dict(variables.get(fl.OWG, {}))
+  pn, sn = sorted(params), sorted(state)
+  argnums = tuple(range(len(arrays) + 2))
+
+  def linen_step(p, s, *arrays):
+    def loss(p, s, *arrays):
+      v = {"params": dict(zip(pn, p)), fl.OWG: dict(zip(sn, s))}
+      return (linen_call(v, *arrays) * ct).sum()
+    return jax.value_and_grad(loss, argnums=argnums)(p, s, *arrays)
+
+  graphdef, _ = nnx.split(nnx_model)
+
+  def nnx_step(p, s, *arrays):
+    def loss(p, s, *arrays):
+      m = nnx.merge(graphdef, nnx.State(dict(zip(pn, p))), nnx.State(dict(zip(sn, s))))
+      return (nnx_call(m, *arrays) * ct).sum()
+    return jax.value_and_grad(loss, argnums=argnums)(p, s, *arrays)
+
+  args = ([params[k] for k in pn], [state[k] for k in sn], *arrays)
+  linen_text, nnx_text = _program(linen_step, *args), _program(nnx_step, *args)
+  assert linen_text == nnx_text, "".join(difflib.unified_diff(
+      linen_text.splitlines(True), nnx_text.splitlines(True), "linen", "nnx", n=2))
+
+
 def _check(linen_model, nnx_model, x):
   variables = linen_model.init(jax.random.key(0), x)
   variables = {"params": variables["params"], fl.OWG: _used_state(variables.get(fl.OWG, {}))}
@@ -50,6 +89,7 @@ def _check(linen_model, nnx_model, x):
   for k, v in {**g_l["params"], **g_l.get(fl.OWG, {})}.items():
     np.testing.assert_array_equal(v, g_n[k], err_msg=k)
   assert set(g_n) == set(g_l["params"]) | set(g_l.get(fl.OWG, {}))
+  _assert_same_program(linen_model.apply, nnx_model, lambda m, x: m(x), variables, (x,), r)
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -124,3 +164,26 @@ def test_quantizer_matches_fp8_activation():
   np.testing.assert_array_equal(g_l[1], g_n[1])
   for k, val in g_l[0][fl.OWG].items():
     np.testing.assert_array_equal(val, nnx.to_pure_dict(g_n[0])[k], err_msg=k)
+  _assert_same_program(lin.apply, q, lambda m, x: m(x), v, (x,), jnp.full(x.shape, 100.0))
+
+
+# Attention scores (both operands activations), and multi-query attention's single
+# key head: a size-1 axis broadcast against the query heads, squeezed out of the GEMM.
+FP8_EINSUMS = {"scores": ("bqhd,bkhd->bhqk", (2, 3, 4, 8), (2, 5, 4, 8)),
+               "mqa": ("bqhd,bkhd->bhqk", (2, 3, 4, 8), (2, 5, 1, 8))}
+
+
+@pytest.mark.parametrize("case", list(FP8_EINSUMS))
+@pytest.mark.parametrize("name", [n for n in RECIPES if n != "int8_lsq" and n != "int4_lsq_plus"])
+def test_fp8_einsum_compiles_as_linen_s(name, case):
+  recipe = RECIPES[name]
+  eq, lhs_shape, rhs_shape = FP8_EINSUMS[case]
+  lhs = jax.random.normal(jax.random.key(1), lhs_shape)
+  rhs = jax.random.normal(jax.random.key(2), rhs_shape)
+  linen = fl.Fp8Einsum(recipe=recipe)
+  v = linen.init(jax.random.key(0), eq, lhs, rhs)
+  v = {fl.OWG: _used_state(v.get(fl.OWG, {}))}
+  model = fnnx.Fp8Einsum(recipe=recipe)
+  ct = jax.random.normal(jax.random.key(3), linen.apply(v, eq, lhs, rhs).shape)
+  _assert_same_program(lambda v, l, r: linen.apply(v, eq, l, r), model,
+                       lambda m, l, r: m(eq, l, r), v, (lhs, rhs), ct)

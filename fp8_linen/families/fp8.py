@@ -1,0 +1,123 @@
+"""The fp8 family (``Fp8Recipe``: per tensor, row-wise, MXFP8, NVFP4), on any layer API.
+
+What it keeps on a layer, through its
+:class:`~fp8_linen.families.VariableAccess`: for each role (``input``,
+``kernel``, ``output_grad``) ``<role>_scale`` (shape ``(1,)``) and
+``<role>_amax_history`` (``(history_length,)``), float32, as quantization
+state (flax's fp8 names). The ops are :func:`~fp8_linen.fp8_dot_general`
+and :func:`~fp8_linen.fp8_conv_general_dilated`; the uses of one layer in a
+step are chained, so only the first returns the new state, built from the
+max of all of them. :func:`activation` is the quantizer of
+``fl.Fp8Activation`` and ``fl.nnx.Quantizer``.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import fp8_linen as fl
+  >>> v = fl.QDense(features=4).init(jax.random.key(0), jnp.ones((2, 3)))
+  >>> sorted(v[fl.OWG])[:2]
+  ['input_amax_history', 'input_scale']
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from fp8_linen.core import serve
+from fp8_linen.core.conv import fp8_conv_general_dilated
+from fp8_linen.core.dot_general import fp8_dot_general
+from fp8_linen.core.owg import ROLES, RoleState, name_fp8_residual
+from fp8_linen.core.qdq import dequantize, quantize
+from fp8_linen.recipes.fp8 import ActivationRecipe, Fp8Recipe, ScalingConfig
+
+__all__ = ["role_state", "declare", "dot_general", "conv", "record", "activation",
+           "declare_activation"]
+
+
+def role_state(access, role: str, cfg: ScalingConfig) -> RoleState:
+  """Declares (or reads) the state of one role; returns it as a :class:`~fp8_linen.RoleState`.
+
+  Raises:
+    ValueError: if stored state does not have the shapes ``cfg`` asks for
+      (e.g. a checkpoint written with another history length).
+  """
+  scale = access.state(f"{role}_scale", 1.0, (1,))
+  hist = access.state(f"{role}_amax_history", 0.0, (cfg.history_length,))
+  if scale.shape != (1,):
+    raise ValueError(f"{access.path}: {role}_scale has shape {scale.shape}, expected (1,)")
+  if hist.shape != (cfg.history_length,):
+    raise ValueError(
+        f"{access.path}: {role}_amax_history has shape {hist.shape} but the recipe asks for "
+        f"history_length={cfg.history_length}; load a checkpoint written with the same recipe "
+        "or resize the histories: fl.resize_histories(variables, recipe) (or TrainState)")
+  return RoleState(scale, hist)
+
+
+def _states(access, recipe: Fp8Recipe) -> tuple:
+  return tuple(role_state(access, r, recipe.role(r)) for r in ROLES)
+
+
+def declare(access, recipe: Fp8Recipe, kernel=None, kernel_contract=None) -> None:
+  """Declares the three roles' state (see the module doc)."""
+  del kernel, kernel_contract
+  _states(access, recipe)
+
+
+def dot_general(access, lhs, rhs, dimension_numbers, recipe: Fp8Recipe, out_dtype=None,
+                key: str = "dot"):
+  """:func:`~fp8_linen.fp8_dot_general` on the layer's state, chained under ``key``."""
+  st = _states(access, recipe)
+  return access.chained(key, lambda chain: fp8_dot_general(
+      lhs, rhs, dimension_numbers, input_state=st[0], kernel_state=st[1],
+      output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain), st[0].scale)
+
+
+def conv(access, lhs, rhs, conv_kwargs: dict, recipe: Fp8Recipe, out_dtype=None,
+         key: str = "conv"):
+  """:func:`~fp8_linen.fp8_conv_general_dilated` on the layer's state, chained under ``key``."""
+  st = _states(access, recipe)
+  return access.chained(key, lambda chain: fp8_conv_general_dilated(
+      lhs, rhs, **conv_kwargs, input_state=st[0], kernel_state=st[1],
+      output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain), st[0].scale)
+
+
+def _stored_role(access, role: str, cfg: ScalingConfig) -> RoleState:
+  """A role's state as stored (the initial one where the layer has none)."""
+  scale, hist = access.stored(f"{role}_scale"), access.stored(f"{role}_amax_history")
+  return RoleState(jnp.ones((1,), jnp.float32) if scale is None else scale,
+                   jnp.zeros((cfg.history_length,), jnp.float32) if hist is None
+                   else hist)
+
+
+def record(access, recipe: Fp8Recipe, rhs, contract, *, batch=(), conv: bool = False):
+  """The product's conversion record (:func:`~fp8_linen.core.serve.fp8_record`)."""
+  return serve.fp8_record(recipe, rhs, contract, _stored_role(access, "input", recipe.input),
+                          _stored_role(access, "kernel", recipe.kernel), conv=conv,
+                          batch=batch)
+
+
+def declare_activation(access, recipe: ActivationRecipe) -> None:
+  """Declares the state of :func:`activation` (roles ``input`` and ``output_grad``)."""
+  role_state(access, "input", recipe.input)
+  role_state(access, "output_grad", recipe.output_grad)
+
+
+def activation(access, x, recipe: ActivationRecipe, name: str):
+  """``x`` through fp8 (e4m3 forward, e5m2 gradient) with the layer's state.
+
+  The quantize/dequantize pair of :mod:`fp8_linen.core.qdq`; each role's
+  uses in a step are chained. The fp8 copy is named ``name``
+  (``jax.ad_checkpoint.checkpoint_name``) for remat policies.
+  """
+  st_in = role_state(access, "input", recipe.input)
+
+  def _q(chain):
+    xq, s, chain_out = quantize(x, *st_in, cfg=recipe.input, chain=chain)
+    return (xq, s), chain_out
+
+  xq, s = access.chained("activation_input", _q, st_in.scale)
+  xq = name_fp8_residual(xq, name)
+  st_g = role_state(access, "output_grad", recipe.output_grad)
+  return access.chained(
+      "activation_output_grad",
+      lambda chain: dequantize(xq, s, *st_g, grad_cfg=recipe.output_grad, dtype=x.dtype,
+                               chain=chain), st_g.scale)
