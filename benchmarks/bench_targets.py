@@ -56,7 +56,8 @@ ARMS = ("bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "mx_block", "nvfp4"
 WIDTHS = (1024, 4096, 8192)
 TARGETS = ("h100", "b200", "tpu-v5e", "tpu-v6e", "tpu7x")
 # device_kind of a real device -> the target whose peaks its estimate uses.
-KINDS = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H100": "h100", "NVIDIA B200": "b200",
+KINDS = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H100": "h100", "NVIDIA H200": "h200",
+         "NVIDIA B200": "b200",
          "TPU v5 lite": "tpu-v5e", "TPU v6 lite": "tpu-v6e", "TPU7x": "tpu7x"}
 
 

@@ -216,6 +216,9 @@ class TrainArm:
     x: the input; ``r``: the random cotangent.
     memory: :func:`memory_stats` of the compiled step.
     products: on a GPU, :func:`gpu_products` of the compiled step (else None).
+    compiled: the compiled step (``jax.stages.Compiled``), for readers of its
+      optimized HLO (``compiled.as_text()``: the step-time estimate, product lists).
+    compile_seconds: how long lowering and compiling the step took.
   """
 
   run: Callable[[], object]
@@ -224,6 +227,8 @@ class TrainArm:
   r: jax.Array
   memory: dict | None
   products: dict | None
+  compiled: object = None
+  compile_seconds: float | None = None
 
 
 def build_train_arm(model, x, *, seed: int = 0, tx=None) -> TrainArm:
@@ -246,7 +251,9 @@ def build_train_arm(model, x, *, seed: int = 0, tx=None) -> TrainArm:
   # The step donates its state, so it gets copies; `variables` stay readable.
   state = fl.TrainState.create(apply_fn=model.apply, params=jax.tree.map(jnp.copy, variables),
                                tx=tx if tx is not None else optax.sgd(1e-3))
+  t0 = time.perf_counter()
   compiled = jax.jit(make_train_step(model), donate_argnums=0).lower(state, x, r).compile()
+  compile_seconds = time.perf_counter() - t0
   holder = {"state": state}
 
   def run():
@@ -255,7 +262,7 @@ def build_train_arm(model, x, *, seed: int = 0, tx=None) -> TrainArm:
 
   products = gpu_products(compiled.as_text()) if jax.default_backend() == "gpu" else None
   return TrainArm(run=run, variables=variables, x=x, r=r, memory=memory_stats(compiled),
-                  products=products)
+                  products=products, compiled=compiled, compile_seconds=compile_seconds)
 
 
 def time_arms(arms: dict[str, TrainArm], baseline: str, reps: int = 20,

@@ -278,3 +278,29 @@ def test_bench_targets_quick(tmp_path, capsys, require_target):
   table = bt.tables(payload).splitlines()
   assert table[0] == "| recipe | B200 |"
   assert any(l.startswith("| NVFP4 | ") for l in table)
+
+
+def test_bench_gpu_smoke(tmp_path):
+  # The script a lent GPU runs: here (CPU) it must run end to end with its tiny shapes.
+  bg = _load("bench_gpu")
+  payload = bg.main(["--smoke", "--out-dir", str(tmp_path)])
+  saved = json.loads((tmp_path / f"{bg.common.device_name()}-gpu-smoke.json").read_text())
+  assert saved["complete"] and not saved["skipped"]
+  assert [r["label"] for r in saved["results"]] == [s for s, _ in bg.SMOKE_SHAPES]
+  for res in saved["results"]:
+    assert set(res["arms"]) == set(bg.ARMS)
+    for row in res["arms"].values():
+      assert "error" not in row and row["runs"] == 2
+      assert math.isfinite(row["ratio_vs_bf16"]) and row["products"]["products"] == 3
+      assert math.isfinite(row["estimate"]["ratio_vs_bf16"])
+    assert res["arms"]["bf16_dense"]["ratio_vs_bf16"] == 1.0
+  if payload["env"]["platform"] == "cpu":  # no peaks of its own: the H200's run the code path
+    assert saved["estimate"]["peaks_name"] == "h200" and saved["checks"] == []
+
+
+def test_bench_gpu_peaks_follow_the_device_kind():
+  bg = _load("bench_gpu")
+  assert bg.peaks_for("NVIDIA H200", None)[0] == "h200"
+  assert bg.peaks_for("NVIDIA H100 80GB HBM3", None)[0] == "h100"
+  assert bg.peaks_for("cpu", "b200")[0] == "b200"
+  assert bg.peaks_for("NVIDIA H200", None)[1].hbm == 4.8e12

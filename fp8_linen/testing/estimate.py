@@ -65,6 +65,13 @@ class Peaks:
 _NVIDIA_H100 = ("NVIDIA H100 Tensor Core GPU datasheet, SXM5 (dense = half the sparse "
                 "figures): BF16 989, FP8 1979, INT8 1979 TOPS, TF32 495 TFLOP/s; HBM3 "
                 "3.35 TB/s")
+# The H200 SXM is the H100's Hopper chip (same SMs and clocks, so the same tensor
+# peaks) with more and faster memory; its peaks serve a measurement on a real
+# H200 (benchmarks/bench_gpu.py). There is no compile-only H200 target: its
+# programs are the H100's.
+_NVIDIA_H200 = ("NVIDIA H200 Tensor Core GPU datasheet, SXM (dense = half the sparse "
+                "figures): BF16 989, FP8 1979, INT8 1979 TOPS, TF32 495 TFLOP/s (the H100 "
+                "SXM's); HBM3e 4.8 TB/s")
 _NVIDIA_B200 = ("NVIDIA HGX/DGX B200 datasheet, per GPU, dense: BF16 2.25, FP8 and INT8 4.5, "
                 "FP4 9 PFLOP/s, TF32 1.1 PFLOP/s; HBM3e 8 TB/s")
 _JAX_TPU = ("JAX Pallas 'TPU hardware reference' (docs.jax.dev/en/latest/pallas/tpu/"
@@ -75,6 +82,8 @@ _TPU_FLOOR = 1e-6   # one TPU program step (no host launch)
 PEAKS: dict[str, Peaks] = {
     "h100": Peaks(flops={"bf16": 989e12, "fp8": 1979e12, "int8": 1979e12, "f32": 494.5e12},
                   hbm=3.35e12, kernel_floor=_GPU_FLOOR, source=_NVIDIA_H100),
+    "h200": Peaks(flops={"bf16": 989e12, "fp8": 1979e12, "int8": 1979e12, "f32": 494.5e12},
+                  hbm=4.8e12, kernel_floor=_GPU_FLOOR, source=_NVIDIA_H200),
     "b200": Peaks(flops={"bf16": 2.25e15, "fp8": 4.5e15, "int8": 4.5e15, "fp4": 9e15,
                          "f32": 1.1e15},
                   hbm=8e12, kernel_floor=_GPU_FLOOR, source=_NVIDIA_B200),
