@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from fp8_linen.core import dims, lowering, numerics, owg
+from fp8_linen.core import block_numerics, dims, lowering, numerics, owg, randomness
 from fp8_linen.core.product import ProductSpec, product
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
@@ -196,7 +196,7 @@ def _pad(t, axis: int, multiple: int):
 
 
 def _crop(t, axis: int, n: int):
-  return numerics.lax_slice_axis(t, axis % t.ndim, n)
+  return block_numerics.lax_slice_axis(t, axis % t.ndim, n)
 
 
 def _block_up(gemm: str):
@@ -226,9 +226,9 @@ def block_codes(recipe, t, cfg, factor, *, tile=False, noise=None):
   t = _pad(t, 2, bs)
   if tile:
     t = _pad(t, 1, bs)
-  return numerics.block_quantize(t, bs, cfg.jnp_dtype,
-                                 tensor_scale=factor if recipe.is_nvfp4 else None,
-                                 tile=tile, noise=noise)
+  return block_numerics.block_quantize(t, bs, cfg.jnp_dtype,
+                                       tensor_scale=factor if recipe.is_nvfp4 else None,
+                                       tile=tile, noise=noise)
 
 
 def _rhs_groups(ndim: int, contract, batch):
@@ -332,13 +332,13 @@ class BlockDot(_DotSpec):
     t = _pad(t, 2, bs)
     if tile:
       t = _pad(t, 1, bs)
-    noise = (numerics.uniform_noise(t.shape, seed, salt)
+    noise = (randomness.uniform_noise(t.shape, seed, salt)
              if seed is not None and self.recipe.grad_stochastic_rounding else None)
     return block_codes(self.recipe, t, cfg, g, tile=tile, noise=noise)
 
   def _rotate(self, t):
     h = self.recipe.wgrad_hadamard
-    return numerics.random_hadamard(t, h) if h else t
+    return randomness.random_hadamard(t, h) if h else t
 
   def _block_gemm(self, a, sa, b, sb, scale, out_dtype):
     """(B, P, Q) x (B, R, Q) -> (B, P, R): the block-scaled GEMM, then NVFP4's tensor factors."""
@@ -348,7 +348,7 @@ class BlockDot(_DotSpec):
 
   def _dequant(self, q, s, n, shape, groups):
     """Exact dequantization of codes (B, P, Qp) cropped to Q = ``n``, in the layout ``shape``."""
-    d = numerics.block_dequantize(q, s, self.recipe.block_size, self._up())
+    d = block_numerics.block_dequantize(q, s, self.recipe.block_size, self._up())
     return _unview(_crop(d, 2, n), shape, *groups)
 
   def forward(self, lhs, rhs, states):
@@ -471,7 +471,7 @@ class BlockDot(_DotSpec):
     # Stochastic rounding draws its bits from the gradient role's state (this
     # layer's amax history: it changes every step and is the same on every
     # device of a mesh, unlike the gradient's own last bits).
-    seed = numerics.bits_seed(states[2].scale, states[2].amax_history)
+    seed = randomness.bits_seed(states[2].scale, states[2].amax_history)
     q_g1, s_g1 = self._quant(g3, g_cfg, g_g, seed=seed, salt=1)     # along N, for dgrad
     gt = self._rotate(jnp.swapaxes(g3, 1, 2))                        # (B, N, M)
     g_gt = self._current_scale(g_cfg, gt) if self.recipe.wgrad_hadamard else g_g
@@ -482,10 +482,10 @@ class BlockDot(_DotSpec):
       return (_unview(d_l, q_l.shape, lb, lf, lc), _unview(d_r, q_r.shape, rb, rf, rc), a_g)
     one = jnp.ones((), jnp.float32)
     nd = (q_l.ndim, q_r.ndim)
-    gd1 = _crop(numerics.block_dequantize(q_g1, s_g1, bs, self._up()), 2, n).reshape(g.shape)
+    gd1 = _crop(block_numerics.block_dequantize(q_g1, s_g1, bs, self._up()), 2, n).reshape(g.shape)
     wd = self._dequant(wc, s_wc, n, q_r.shape, (rb, rc, rf))
     d_l = grad_gemm(gd1, wd, self.dn, *nd, "lhs", "fp8", jnp.float32, one, like=q_l)
-    gd2 = _crop(numerics.block_dequantize(q_g2, s_g2, bs, self._up()), 2, m)
+    gd2 = _crop(block_numerics.block_dequantize(q_g2, s_g2, bs, self._up()), 2, m)
     gd2 = jnp.swapaxes(gd2, 1, 2).reshape(g.shape)
     xd = self._dequant(xc, s_xc, m, q_l.shape, (lb, lc, lf))
     d_r = grad_gemm(gd2, xd, self.dn, *nd, "rhs", "fp8", jnp.float32, one, like=q_r)
