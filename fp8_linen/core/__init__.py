@@ -6,7 +6,7 @@
 * :mod:`~fp8_linen.core.lowering`: which GEMM form a backend gets;
 * :mod:`~fp8_linen.core.owg`: the state protocol (``RoleState``, chains, state
   cotangents, residual names);
-* :mod:`~fp8_linen.core.product`: the custom_vjp skeleton of every fp8 product;
+* :mod:`~fp8_linen.core.fp8_vjp`: the custom_vjp every fp8 product runs under;
 * :mod:`~fp8_linen.core.qdq`, :mod:`~fp8_linen.core.dot_general`,
   :mod:`~fp8_linen.core.conv`, :mod:`~fp8_linen.core.int_ops`: the ops.
 """

@@ -44,7 +44,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from fp8_linen.core import lowering, mesh, numerics, owg
-from fp8_linen.core.product import ProductSpec, product
+from fp8_linen.core.fp8_vjp import Fp8Spec, fp8_vjp
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
 __all__ = ["ConvSpec", "fp8_conv_general_dilated", "fp8_conv_of", "conv_config"]
@@ -170,8 +170,8 @@ def conv_config(n: int, window_strides, padding, lhs_dilation, rhs_dilation, dn,
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ConvSpec(ProductSpec):
-  """A per-tensor fp8 convolution (a spec of :func:`fp8_linen.core.product.product`)."""
+class ConvSpec(Fp8Spec):
+  """A per-tensor fp8 convolution (a spec of :func:`fp8_linen.core.fp8_vjp.fp8_vjp`)."""
 
   conv_cfg: Any
 
@@ -339,4 +339,4 @@ def fp8_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=Non
                   out_dtype=out_dtype, lhs_dtype=jnp.dtype(lhs.dtype),
                   rhs_dtype=jnp.dtype(rhs.dtype), first=first,
                   frozen=owg.quantizers_frozen())
-  return product(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)
+  return fp8_vjp(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)

@@ -6,7 +6,7 @@ to; a quantize-dequantize-then-bf16-dot form is silently undone by XLA). Its
 backward runs both gradient GEMMs with fp8 operands (e5m2 gradient x e4m3
 operand). Only the fp8 copies of the operands are kept for the backward pass.
 
-Each granularity is a spec of :func:`fp8_linen.core.product.product`:
+Each granularity is a spec of :func:`fp8_linen.core.fp8_vjp.fp8_vjp`:
 :class:`TensorDot`, :class:`RowDot`, :class:`BlockDot`.
 
 Example:
@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from fp8_linen.core import block_numerics, dims, lowering, numerics, owg, randomness
-from fp8_linen.core.product import ProductSpec, product
+from fp8_linen.core.fp8_vjp import Fp8Spec, fp8_vjp
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
 __all__ = ["TensorDot", "RowDot", "BlockDot", "fp8_dot_general", "fp8_dot_of", "row_quantize",
@@ -63,8 +63,8 @@ def relayout_like(t, pairs, ref):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _DotSpec(ProductSpec):
-  """A GEMM spec: :class:`~fp8_linen.core.product.ProductSpec` plus dimension numbers.
+class _DotSpec(Fp8Spec):
+  """A GEMM spec: :class:`~fp8_linen.core.fp8_vjp.Fp8Spec` plus dimension numbers.
 
   Its forward is two halves: ``quantize`` (the operands to fp8 with their
   scales, from this step's state) and ``multiply`` (the GEMM of the quantized
@@ -600,4 +600,4 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
       dn=dn, recipe=recipe, gemm=lowering.resolve_gemm(recipe), out_dtype=out_dtype,
       lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
       frozen=owg.quantizers_frozen())
-  return product(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)
+  return fp8_vjp(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)
