@@ -44,9 +44,9 @@ import jax.ad_checkpoint
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import lowering, mesh, owg
+from fp8_linen.core import dims, lowering, mesh, owg
 
-__all__ = ["Fp8Spec", "fp8_vjp"]
+__all__ = ["Fp8Spec", "DotSpec", "fp8_vjp"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,6 +76,42 @@ class Fp8Spec:
   def cfgs(self):
     """The ``input``, ``kernel`` and ``output_grad`` configs."""
     return (self.recipe.input, self.recipe.kernel, self.recipe.output_grad)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DotSpec(Fp8Spec):
+  """A GEMM spec: :class:`~fp8_linen.core.fp8_vjp.Fp8Spec` plus dimension numbers.
+
+  Its forward is two halves: ``quantize`` (the operands to fp8 with their
+  scales, from this step's state) and ``multiply`` (the GEMM of the quantized
+  operands, the scales applied once). The served model quantizes its input
+  with frozen scales and reads the weight from its stored codes, then runs
+  the same ``multiply``
+  (:func:`~fp8_linen.core.dot_general.fp8_dot_of`), so the two agree by
+  construction. (:class:`~fp8_linen.core.block_dot.BlockDot` multiplies its
+  operands' 3-D views; its served forward is
+  :meth:`~fp8_linen.core.block_dot.BlockDot.serve`.)
+  """
+
+  dn: dims.DimensionNumbers
+
+  def quantize(self, lhs, rhs, states):
+    """``(q_l, s_l, q_r, s_r, (amax_l, amax_r))``."""
+    raise NotImplementedError
+
+  @staticmethod
+  def multiply(q_l, s_l, q_r, s_r, *, dn, recipe, gemm: str, out_dtype):
+    """The product of the quantized operands.
+
+    See :func:`~fp8_linen.core.dot_general.fp8_dot_of`.
+    """
+    raise NotImplementedError
+
+  def forward(self, lhs, rhs, states):
+    q_l, s_l, q_r, s_r, amaxes = self.quantize(lhs, rhs, states)
+    y = self.multiply(q_l, s_l, q_r, s_r, dn=self.dn, recipe=self.recipe, gemm=self.gemm,
+                      out_dtype=self.out_dtype)
+    return y, (q_l, q_r), amaxes, (s_l, s_r)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8_linen.core import dims, int_numerics, int_ops, lowering, mesh, owg
-from fp8_linen.core.dot_general import grad_gemm, relayout
+from fp8_linen.core.lowering import grad_gemm, relayout
 from fp8_linen.core.numerics import SCALE_FLOOR
 from fp8_linen.recipes.integer import COMPUTE_DTYPES, IntQuantConfig, IntRecipe
 
