@@ -65,11 +65,6 @@ def _crop(t, axis: int, n: int):
   return block_numerics.lax_slice_axis(t, axis % t.ndim, n)
 
 
-def _block_up(gemm: str):
-  """The dtype MX blocks are dequantized to for the GEMM (exact for fp8 * 2**e)."""
-  return jnp.float32 if gemm == "f32" else jnp.bfloat16
-
-
 def block_factor(recipe, cfg, scale, history, a):
   """NVFP4's per-tensor factor (float32 scalar) of a role; 1 for MX.
 
@@ -174,8 +169,14 @@ class BlockDot(DotSpec):
     return (lb, tuple(dims.free_dims(lhs_ndim, lc, lb)), lc,
             rb, tuple(dims.free_dims(rhs_ndim, rc, rb)), rc)
 
-  def _up(self):
-    return _block_up(self.gemm)
+  def _emulation_dtype(self):
+    """The dtype the emulation (``gemm`` ``'bf16'`` / ``'f32'``) dequantizes blocks to.
+
+    bfloat16 (``'f32'``: float32), which holds a dequantized block exactly:
+    an fp8 value times a power of two (MX), an e2m1 value times an e4m3
+    scale (NVFP4, before its per-tensor factor).
+    """
+    return jnp.float32 if self.gemm == "f32" else jnp.bfloat16
 
   def _tensor_scale(self, cfg, state, a):
     """NVFP4's per-tensor factor of a role (its ScalingConfig: delayed or current); MX: 1."""
@@ -215,7 +216,7 @@ class BlockDot(DotSpec):
 
   def _dequant(self, q, s, n, shape, groups):
     """Exact dequantization of codes (B, P, Qp) cropped to Q = ``n``, in the layout ``shape``."""
-    d = block_numerics.block_dequantize(q, s, self.recipe.block_size, self._up())
+    d = block_numerics.block_dequantize(q, s, self.recipe.block_size, self._emulation_dtype())
     return _unview(_crop(d, 2, n), shape, *groups)
 
   def forward(self, lhs, rhs, states):
@@ -349,10 +350,11 @@ class BlockDot(DotSpec):
       return (_unview(d_l, q_l.shape, lb, lf, lc), _unview(d_r, q_r.shape, rb, rf, rc), a_g)
     one = jnp.ones((), jnp.float32)
     nd = (q_l.ndim, q_r.ndim)
-    gd1 = _crop(block_numerics.block_dequantize(q_g1, s_g1, bs, self._up()), 2, n).reshape(g.shape)
+    up = self._emulation_dtype()
+    gd1 = _crop(block_numerics.block_dequantize(q_g1, s_g1, bs, up), 2, n).reshape(g.shape)
     wd = self._dequant(wc, s_wc, n, q_r.shape, (rb, rc, rf))
     d_l = grad_gemm(gd1, wd, self.dn, *nd, "lhs", "fp8", jnp.float32, one, like=q_l)
-    gd2 = _crop(block_numerics.block_dequantize(q_g2, s_g2, bs, self._up()), 2, m)
+    gd2 = _crop(block_numerics.block_dequantize(q_g2, s_g2, bs, up), 2, m)
     gd2 = jnp.swapaxes(gd2, 1, 2).reshape(g.shape)
     xd = self._dequant(xc, s_xc, m, q_l.shape, (lb, lc, lf))
     d_r = grad_gemm(gd2, xd, self.dn, *nd, "rhs", "fp8", jnp.float32, one, like=q_r)

@@ -156,7 +156,7 @@ def int_gemm(xc: Codes, wc: Codes, dn, *, lhs_shape, group: bool, how: str):
   out_sharding = None if group else lowering.dot_out_sharding(cx, wc.codes, dn)
   # On a mesh the codes are gathered or sliced as codes (1 byte), before the
   # 'bf16' lowering upcasts them.
-  acc = mesh.product(
+  acc = mesh.multiply_codes(
       cx, wc.codes, mesh.dot_roles(vdn, cx.ndim, wc.codes.ndim),
       lambda a, b, _pa, _pb, sharding: _code_product(
           a, b, how, lambda a, b, pref: lowering.lax_dot_general(
@@ -244,8 +244,8 @@ def int_conv(xc: Codes, wc: Codes, conv, *, how: str):
   if conv[5] != 1:  # grouped: the input and kernel features differ in size
     acc = local(xc.codes, wc.codes, (), (), out_sharding)
   else:
-    acc = mesh.product(xc.codes, wc.codes, mesh.conv_roles(conv[4], xc.codes.ndim), local,
-                       out_sharding=out_sharding)
+    acc = mesh.multiply_codes(xc.codes, wc.codes, mesh.conv_roles(conv[4], xc.codes.ndim),
+                              local, out_sharding=out_sharding)
   cdn = conv[4]
   shape = [1] * acc.ndim
   s_w = jnp.reshape(wc.scale, (-1,))

@@ -176,8 +176,8 @@ def _code_grad_gemm(g, other: Codes, like, dn, nd, wrt: str, how: str, out_dtype
   else:
     local = lambda a, b, pa, _pb, sh: lowering.gemm(operand(a, pa), b, gdn, how, out_dtype, sh)
     a, b, pa, pb = other.codes, g, params, ()
-  y = mesh.product(a, b, mesh.dot_roles(gdn, a.ndim, b.ndim), local, lhs_params=pa,
-                   rhs_params=pb, out_sharding=lowering.like_sharding(like, perm))
+  y = mesh.multiply_codes(a, b, mesh.dot_roles(gdn, a.ndim, b.ndim), local, lhs_params=pa,
+                          rhs_params=pb, out_sharding=lowering.like_sharding(like, perm))
   return jnp.transpose(y.astype(out_dtype), perm)
 
 
@@ -233,7 +233,7 @@ class _ConvSpec(_Spec):
       wh = _dequantized(wl, pws, has_w, self.grad_dtype)
       shape = list(self.lhs_shape)
       shape[x_n], shape[x_c] = gl.shape[y_n], wl.shape[w_i]
-      at = mesh.point(tuple(shape), self.grad_dtype, sharding)
+      at = mesh.sharded_zeros(tuple(shape), self.grad_dtype, sharding)
       fn = conv_fn(self.conv, lowering.conv_out_sharding(at, wh, cdn))
       return jax.vjp(lambda a: fn(a, wh, pref), at)[1](gl)[0]
 
@@ -241,14 +241,14 @@ class _ConvSpec(_Spec):
       xh = _dequantized(xl, pxs, has_x, self.grad_dtype)
       shape = list(self.rhs_shape)
       shape[w_o], shape[w_i] = gl.shape[y_o], xl.shape[x_c]
-      at = mesh.point(tuple(shape), self.grad_dtype, sharding)
+      at = mesh.sharded_zeros(tuple(shape), self.grad_dtype, sharding)
       fn = conv_fn(self.conv, lowering.conv_out_sharding(xh, at, cdn))
       return jax.vjp(lambda b: fn(xh, b, pref), at)[1](gl)[0]
 
-    d_x = mesh.product(ct, wc.codes, mesh.conv_roles(cdn, nd, "dgrad"), dgrad, rhs_params=pw,
-                       out_sharding=lowering.like_sharding(xc.codes, ident))
-    d_w = mesh.product(xc.codes, ct, mesh.conv_roles(cdn, nd, "wgrad"), wgrad, lhs_params=px,
-                       out_sharding=lowering.like_sharding(wc.codes, ident))
+    d_x = mesh.multiply_codes(ct, wc.codes, mesh.conv_roles(cdn, nd, "dgrad"), dgrad,
+                              rhs_params=pw, out_sharding=lowering.like_sharding(xc.codes, ident))
+    d_w = mesh.multiply_codes(xc.codes, ct, mesh.conv_roles(cdn, nd, "wgrad"), wgrad,
+                              lhs_params=px, out_sharding=lowering.like_sharding(wc.codes, ident))
     return d_x, d_w
 
 

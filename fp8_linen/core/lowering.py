@@ -388,12 +388,13 @@ def gemm(a, b, dn, how: str, out_dtype, out_sharding=None):
 
   ``out_sharding`` (see :func:`dot_out_sharding`) is passed to the product on
   explicit meshes. On a mesh, operands that are 1-byte codes are gathered or
-  sliced as codes before they are upcast (:func:`fp8_linen.core.mesh.product`).
+  sliced as codes before they are upcast
+  (:func:`fp8_linen.core.mesh.multiply_codes`).
   """
   if is_code(a) or is_code(b):
     local = lambda a, b, _pa, _pb, sharding: _gemm(a, b, dn, how, out_dtype, sharding)
-    return mesh.product(a, b, mesh.dot_roles(dn, a.ndim, b.ndim), local,
-                        out_sharding=out_sharding)
+    return mesh.multiply_codes(a, b, mesh.dot_roles(dn, a.ndim, b.ndim), local,
+                               out_sharding=out_sharding)
   return _gemm(a, b, dn, how, out_dtype, out_sharding)
 
 
