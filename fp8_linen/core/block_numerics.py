@@ -145,13 +145,13 @@ def block_quantize(x: jnp.ndarray, block_size: int, dtype, *, tensor_scale=None,
     block (:func:`mx_quantize`'s rule: no element is clipped);
     ``tensor_scale`` must be ``None``.
   * ``float4_e2m1fn`` elements (NVFP4): ``tensor_scale`` (float32 scalar, see
-    :func:`nvfp4_tensor_scale`) divides ``x`` first; each block's scale
-    ``amax / 6`` is rounded to nearest in e4m3 (saturating at 448), and the
-    block's elements ``x / (scale * tensor_scale)`` to nearest in e2m1 (or
-    stochastically, see ``noise``), saturating at 6. A block whose e4m3 scale
-    underflows to 0 is all zeros; a block holding NaN or Inf gets a NaN
-    scale (e2m1 has neither), so the non-finite value still reaches the
-    product.
+    :func:`~fp8_linen.core.numerics.nvfp4_tensor_scale`) divides ``x``
+    first; each block's scale ``amax / 6`` is rounded to nearest in e4m3
+    (saturating at 448), and the block's elements ``x / (scale *
+    tensor_scale)`` to nearest in e2m1 (or stochastically, see ``noise``),
+    saturating at 6. A block whose e4m3 scale underflows to 0 is all zeros;
+    a block holding NaN or Inf gets a NaN scale (e2m1 has neither), so the
+    non-finite value still reaches the product.
 
   Args:
     x: floating array of rank >= 2; ``C`` a multiple of ``block_size`` (and

@@ -44,8 +44,9 @@ class Codes(NamedTuple):
   the axes one value covers). ``centre`` and ``offset`` are ``None`` where they
   are zero for every value of the recipe (symmetric grids, no learned offset).
   ``code_sum``: a weight's codes summed over the product's contracting axes
-  (:func:`kernel_code_sum`), where known in advance (a served weight's, folded
-  at conversion); ``None``: :func:`int_gemm` sums them when it needs them.
+  (:func:`~fp8_linen.core.int_gemm.kernel_code_sum`), where known in advance
+  (a served weight's, folded at conversion); ``None``:
+  :func:`~fp8_linen.core.int_gemm.int_gemm` sums them when it needs them.
   """
 
   codes: Any
