@@ -15,7 +15,7 @@ trained variables into a model that computes in low precision:
   (amax histories, observer ranges) and the learned quantizer parameters
   become the few arrays serving reads;
 * the served products run the QAT forward from those arrays: int8 x int8 ->
-  int32 (:func:`~fp8_linen.core.int_product.int_gemm`, the very function QAT
+  int32 (:func:`~fp8_linen.core.int_gemm.int_gemm`, the very function QAT
   runs) and fp8 x fp8 GEMMs (the "multiply" half of QAT's fp8 product), so
   the served model equals the QAT model evaluated with frozen quantizers
   (:func:`~fp8_linen.frozen_quantizers`) bit for bit, on any batch. (In

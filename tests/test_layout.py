@@ -86,6 +86,30 @@ def test_core_recipes_and_families_never_import_flax():
       assert not flax_imports, (path, flax_imports)
 
 
+def _core_imports(path: pathlib.Path):
+  """The core modules ``path`` imports (``from fp8_linen.core import a``, ``fp8_linen.core.a``)."""
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module == "fp8_linen.core":
+      yield from (a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fp8_linen.core."):
+      yield node.module.split(".")[2]
+    elif isinstance(node, ast.Import):
+      yield from (a.name.split(".")[2] for a in node.names
+                  if a.name.startswith("fp8_linen.core."))
+
+
+def test_core_modules_import_each_other_one_way():
+  """Inside core, modules import only modules core/__init__.py lists before them (no cycle)."""
+  core = PKG / "core"
+  listed = [line.split("``")[1] for line in fl.core.__doc__.splitlines()
+            if line.startswith("* ``")]
+  assert sorted(listed) == sorted(p.stem for p in core.glob("*.py") if p.stem != "__init__")
+  bad = [f"core/{name}.py imports core/{target}.py, listed after it"
+         for i, name in enumerate(listed) for target in _core_imports(core / f"{name}.py")
+         if listed.index(target) >= i]
+  assert not bad, "\n".join(bad)
+
+
 def test_owg_is_flax_collection_name():
   from flax.linen import fp8_ops
   assert fl.OWG == fp8_ops.OVERWRITE_WITH_GRADIENT

@@ -1,19 +1,31 @@
 """Pure-JAX quantization: numerics and custom-gradient ops. Never imports flax.
 
-* :mod:`~fp8_linen.core.numerics`, :mod:`~fp8_linen.core.int_numerics`: plain
-  ``jnp`` functions (casts, scales, histories; integer grids);
-* :mod:`~fp8_linen.core.dims`: dimension-number algebra and einsum planning;
-* :mod:`~fp8_linen.core.lowering`: which GEMM form a backend gets;
-* :mod:`~fp8_linen.core.owg`: the state protocol (``RoleState``, chains, state
-  cotangents, residual names);
-* :mod:`~fp8_linen.core.product`: the custom_vjp skeleton of every fp8 product;
-* :mod:`~fp8_linen.core.qdq`, :mod:`~fp8_linen.core.dot_general`,
-  :mod:`~fp8_linen.core.conv`, :mod:`~fp8_linen.core.int_ops`,
-  :mod:`~fp8_linen.core.int_product`: the ops;
-* :mod:`~fp8_linen.core.serve`: served products and conversion records
-  (:class:`~fp8_linen.core.serve.ServedRecord`);
-* :mod:`~fp8_linen.core.uses`, :mod:`~fp8_linen.core.settings`: the uses of
-  one state in a step; trace-time settings.
+Its modules, each importing only modules listed above it:
+
+* ``settings``: settings read while a function is traced (part of every jit key);
+* ``uses``: the uses of one quantization state in a step, under any JAX transform;
+* ``dims``: dimension-number algebra: canonical forms, gradient products, einsum plans;
+* ``mesh``: on a mesh, a product's operands move as 1-byte codes (``multiply_codes``);
+* ``lowering``: which GEMM form a backend gets, output shardings, the GEMM calls;
+* ``numerics``: fp8 per tensor and per row: saturating casts, amax histories, scales;
+* ``block_numerics``: the block formats (MXFP8, NVFP4): codes with their block scales;
+* ``randomness``: NVFP4's stochastic-rounding noise and random Hadamard rotation;
+* ``int_numerics``: integer grids (affine, symmetric, power-of-two scales), LSQ's steps;
+* ``owg``: the state protocol: new state leaves a step as its "gradient" (``RoleState``);
+* ``qdq``: the fp8 quantize/dequantize pair (``fl.quantize``, ``Fp8Activation``);
+* ``fp8_vjp``: the custom_vjp every fp8 GEMM and convolution runs under (``Fp8Spec``);
+* ``block_dot``: the block-scaled fp8 ``dot_general`` (``BlockDot``);
+* ``dot_general``: ``fp8_dot_general``: per-tensor and row-wise specs, the block one's entry;
+* ``conv``: ``fp8_conv_general_dilated``;
+* ``int_ops``: integer fake quantization with custom gradients: STE, LSQ, LSQ+, observers;
+* ``int_codes``: an operand as int8 codes with the parameters that make it exact;
+* ``int_gemm``: the exact integer GEMM and convolution of codes, and their lowering;
+* ``int_product``: the integer product's custom_vjp (``int_dot_general``, ...);
+* ``serve``: served products (the QAT forward from stored codes) and conversion records.
+
+Numerics modules are ``jnp`` functions without autodiff rules (they read the
+traced-for backend and ``shard_map``'s axes through ``lowering``); the ops
+are custom_vjp functions that take their state as inputs (``owg``).
 
 Nothing here knows a layer: :mod:`fp8_linen.families` runs these ops on a
 layer's variables, for both Flax APIs.

@@ -44,7 +44,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from fp8_linen.core import lowering, mesh, numerics, owg
-from fp8_linen.core.product import ProductSpec, product
+from fp8_linen.core.fp8_vjp import Fp8Spec, fp8_vjp
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
 __all__ = ["ConvSpec", "fp8_conv_general_dilated", "fp8_conv_of", "conv_config"]
@@ -129,18 +129,18 @@ def _fp8_wgrad(q_l, q_g, q_r, cfg):
   return jnp.transpose(w, perm)
 
 
-def _on_mesh(a, b, conv_cfg, product: str, local, a_scale, b_scale, out_sharding=None):
+def _on_mesh(a, b, conv_cfg, which: str, local, a_scale, b_scale, out_sharding=None):
   """``local(a, b, (a_scale,), (b_scale,), out_sharding)``, fp8 codes moved as codes on a mesh.
 
-  See :func:`fp8_linen.core.mesh.product`; the scalar scales ride along as
+  See :func:`fp8_linen.core.mesh.multiply_codes`; the scalar scales ride along as
   size-1 arrays of the operands' rank. Grouped convolutions run as they are.
   """
   as_param = lambda s, like: jnp.reshape(jnp.asarray(s, jnp.float32), (1,) * like.ndim)
   pa, pb = (as_param(a_scale, a),), (as_param(b_scale, b),)
   if conv_cfg[5] != 1:
     return local(a, b, pa, pb, out_sharding)
-  return mesh.product(a, b, mesh.conv_roles(conv_cfg[4], a.ndim, product), local,
-                      lhs_params=pa, rhs_params=pb, out_sharding=out_sharding)
+  return mesh.multiply_codes(a, b, mesh.conv_roles(conv_cfg[4], a.ndim, which), local,
+                             lhs_params=pa, rhs_params=pb, out_sharding=out_sharding)
 
 
 def fp8_conv_of(q_l, s_l, q_r, s_r, conv_cfg, gemm: str, out_dtype):
@@ -148,7 +148,7 @@ def fp8_conv_of(q_l, s_l, q_r, s_r, conv_cfg, gemm: str, out_dtype):
 
   Shared by the training product and the served model (``core/serve.py``).
   ``conv_cfg`` is :func:`conv_config`'s tuple. On a mesh the operands move as
-  fp8 codes (:func:`fp8_linen.core.mesh.product`).
+  fp8 codes (:func:`fp8_linen.core.mesh.multiply_codes`).
   """
   def local(a, b, pa, pb, _):
     (sa,), (sb,) = pa, pb
@@ -170,8 +170,8 @@ def conv_config(n: int, window_strides, padding, lhs_dilation, rhs_dilation, dn,
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ConvSpec(ProductSpec):
-  """A per-tensor fp8 convolution (a spec of :func:`fp8_linen.core.product.product`)."""
+class ConvSpec(Fp8Spec):
+  """A per-tensor fp8 convolution (a spec of :func:`fp8_linen.core.fp8_vjp.fp8_vjp`)."""
 
   conv_cfg: Any
 
@@ -205,13 +205,14 @@ class ConvSpec(ProductSpec):
 
     if self.gemm == "fp8":
       def dgrad(gq, wq, pg, pw, sharding):
-        return _fp8_dgrad(mesh.point(x_shape(gq, wq), q_l.dtype, sharding), wq, gq, pw[0], pg[0], cfg)
+        at = mesh.sharded_zeros(x_shape(gq, wq), q_l.dtype, sharding)
+        return _fp8_dgrad(at, wq, gq, pw[0], pg[0], cfg)
 
       def wgrad(xq, gq, px, pg, sharding):
-        d = _fp8_wgrad(xq, gq, mesh.point(w_shape(xq, gq), q_r.dtype, sharding), cfg)
+        d = _fp8_wgrad(xq, gq, mesh.sharded_zeros(w_shape(xq, gq), q_r.dtype, sharding), cfg)
         if d is None:  # grouped / input-dilated: the dequantized (non-fp8) form
           _, vjp = jax.vjp(lambda b: _conv(_deq(xq, px[0]), b, cfg, jnp.float32),
-                           mesh.point(w_shape(xq, gq), jnp.float32, sharding))
+                           mesh.sharded_zeros(w_shape(xq, gq), jnp.float32, sharding))
           return vjp(_deq(gq, pg[0]))[0]
         return d * jnp.reshape(numerics.scale_product(px[0], pg[0]), ())
     else:
@@ -219,13 +220,13 @@ class ConvSpec(ProductSpec):
 
       def dgrad(gq, wq, pg, pw, sharding):
         _, vjp = jax.vjp(lambda a: _conv(a, wq.astype(up), cfg, up),
-                         mesh.point(x_shape(gq, wq), up, sharding))
+                         mesh.sharded_zeros(x_shape(gq, wq), up, sharding))
         d = vjp(gq.astype(up))[0]
         return d.astype(jnp.float32) * jnp.reshape(numerics.scale_product(pg[0], pw[0]), ())
 
       def wgrad(xq, gq, px, pg, sharding):
         _, vjp = jax.vjp(lambda b: _conv(xq.astype(up), b, cfg, up),
-                         mesh.point(w_shape(xq, gq), up, sharding))
+                         mesh.sharded_zeros(w_shape(xq, gq), up, sharding))
         d = vjp(gq.astype(up))[0]
         return d.astype(jnp.float32) * jnp.reshape(numerics.scale_product(pg[0], px[0]), ())
 
@@ -339,4 +340,4 @@ def fp8_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=Non
                   out_dtype=out_dtype, lhs_dtype=jnp.dtype(lhs.dtype),
                   rhs_dtype=jnp.dtype(rhs.dtype), first=first,
                   frozen=owg.quantizers_frozen())
-  return product(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)
+  return fp8_vjp(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)

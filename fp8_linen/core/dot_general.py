@@ -6,8 +6,9 @@ to; a quantize-dequantize-then-bf16-dot form is silently undone by XLA). Its
 backward runs both gradient GEMMs with fp8 operands (e5m2 gradient x e4m3
 operand). Only the fp8 copies of the operands are kept for the backward pass.
 
-Each granularity is a spec of :func:`fp8_linen.core.product.product`:
-:class:`TensorDot`, :class:`RowDot`, :class:`BlockDot`.
+Each granularity is a spec of :func:`fp8_linen.core.fp8_vjp.fp8_vjp`:
+:class:`TensorDot` and :class:`RowDot` here, :class:`~fp8_linen.core.block_dot.BlockDot`
+(MXFP8, NVFP4) in :mod:`fp8_linen.core.block_dot`.
 
 Example:
   >>> import fp8_linen as fl
@@ -18,79 +19,20 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
-import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from fp8_linen.core import dims, lowering, numerics, owg
-from fp8_linen.core.product import ProductSpec, product
+from fp8_linen.core.block_dot import BlockDot
+from fp8_linen.core.fp8_vjp import DotSpec, fp8_vjp
+from fp8_linen.core.lowering import grad_gemm, relayout_like
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
-__all__ = ["TensorDot", "RowDot", "BlockDot", "fp8_dot_general", "fp8_dot_of", "row_quantize",
-           "block_factor", "block_codes", "block_fold_kernel", "grad_gemm", "relayout",
-           "relayout_like"]
+# These lived here until the block product got its own module: importable from
+# here for one release (core/serve.py imports them from here).
+from fp8_linen.core.block_dot import block_codes, block_factor, block_fold_kernel  # noqa: F401,E402
+from fp8_linen.core.lowering import relayout  # noqa: F401,E402
 
-
-def grad_gemm(g, other, dn, lhs_ndim: int, rhs_ndim: int, wrt: str, how: str, out_dtype,
-              scale, like=None):
-  """One gradient GEMM of ``dot_general(lhs, rhs, dn)``: w.r.t. ``wrt``, given ``g``.
-
-  ``other`` is the operand that is not differentiated; ``scale`` (scalar)
-  multiplies the GEMM's output before the cast to ``out_dtype``. ``like`` is
-  the differentiated operand (or its fp8 copy): on an explicit mesh the
-  gradient is sharded like it.
-  """
-  gdn, g_first, perm = dims.grad_dims(dn, lhs_ndim, rhs_ndim, wrt)
-  a, b = (g, other) if g_first else (other, g)
-  out_sharding = None if like is None else lowering.like_sharding(like, perm)
-  y = lowering.scaled(lowering.gemm(a, b, gdn, how, out_dtype, out_sharding), scale, out_dtype)
-  return jnp.transpose(y, perm)
-
-
-def relayout(t, pairs, dst_ndim: int):
-  """``t`` (size 1 off the listed axes) moved along ``(src, dst)`` pairs into ``dst_ndim`` axes."""
-  squeeze, perm, shape = dims.relayout_axes(t.shape, pairs, dst_ndim)
-  return jnp.transpose(jnp.squeeze(t, axis=squeeze), perm).reshape(shape)
-
-
-def relayout_like(t, pairs, ref):
-  """:func:`relayout` into ``ref``'s layout, sharded to broadcast against ``ref``."""
-  return lowering.reshard_like(relayout(t, pairs, ref.ndim), ref)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _DotSpec(ProductSpec):
-  """A GEMM spec: :class:`~fp8_linen.core.product.ProductSpec` plus dimension numbers.
-
-  Its forward is two halves: ``quantize`` (the operands to fp8 with their
-  scales, from this step's state) and ``multiply`` (the GEMM of the quantized
-  operands, the scales applied once). The served model quantizes its input
-  with frozen scales and reads the weight from its stored codes, then runs
-  the same ``multiply`` (:func:`fp8_dot_of`), so the two agree by
-  construction. (:class:`BlockDot` multiplies its operands' 3-D views; its
-  served forward is :meth:`BlockDot.serve`.)
-  """
-
-  dn: dims.DimensionNumbers
-
-  def quantize(self, lhs, rhs, states):
-    """``(q_l, s_l, q_r, s_r, (amax_l, amax_r))``."""
-    raise NotImplementedError
-
-  @staticmethod
-  def multiply(q_l, s_l, q_r, s_r, *, dn, recipe, gemm: str, out_dtype):
-    """The product of the quantized operands (see :func:`fp8_dot_of`)."""
-    raise NotImplementedError
-
-  def forward(self, lhs, rhs, states):
-    q_l, s_l, q_r, s_r, amaxes = self.quantize(lhs, rhs, states)
-    y = self.multiply(q_l, s_l, q_r, s_r, dn=self.dn, recipe=self.recipe, gemm=self.gemm,
-                      out_dtype=self.out_dtype)
-    return y, (q_l, q_r), amaxes, (s_l, s_r)
+__all__ = ["TensorDot", "RowDot", "fp8_dot_general", "fp8_dot_of", "row_quantize"]
 
 
 def row_quantize(x, contract, cfg):
@@ -99,7 +41,7 @@ def row_quantize(x, contract, cfg):
   return numerics.quantize(x, cfg.jnp_dtype, s), s
 
 
-class TensorDot(_DotSpec):
+class TensorDot(DotSpec):
   """Per-tensor scales: one scalar per operand and one for the gradient."""
 
   def quantize(self, lhs, rhs, states):
@@ -125,7 +67,7 @@ class TensorDot(_DotSpec):
     return d_lhs, d_rhs, a_g
 
 
-class RowDot(_DotSpec):
+class RowDot(DotSpec):
   """Row-wise scales: ``lhs`` per row, ``rhs`` per output channel (see :func:`fp8_dot_general`)."""
 
   def quantize(self, lhs, rhs, states):
@@ -167,330 +109,6 @@ class RowDot(_DotSpec):
     d_rhs = grad_gemm(q_g2, q_l, self.dn, *nd, "rhs", self.gemm, jnp.float32, one, like=q_r)
     d_rhs = (d_rhs * relayout_like(s_g2, dims.flip(lay.rhs_to_out), d_rhs)).astype(self.rhs_dtype)
     return d_lhs, d_rhs, numerics.amax(g)
-
-
-def _view(x, first, second, third):
-  """``x`` as (B, P, Q): the axes of each group transposed together and flattened."""
-  perm = (*first, *second, *third)
-  if perm != tuple(range(x.ndim)):
-    x = jnp.transpose(x, perm)
-  size = lambda group: math.prod(x.shape[perm.index(a)] for a in group)
-  return x.reshape(size(first), size(second), size(third))
-
-
-def _unview(t, shape, first, second, third):
-  """Inverse of :func:`_view`: ``t`` (B, P, Q) back into an array of ``shape``."""
-  perm = (*first, *second, *third)
-  t = t.reshape(tuple(shape[a] for a in perm))
-  return t if perm == tuple(range(len(shape))) else jnp.transpose(t, np.argsort(perm))
-
-
-def _pad(t, axis: int, multiple: int):
-  """``t`` zero-padded along ``axis`` to a multiple of ``multiple``."""
-  pad = (-t.shape[axis]) % multiple
-  if not pad:
-    return t
-  widths = [(0, 0)] * t.ndim
-  widths[axis] = (0, pad)
-  return jnp.pad(t, widths)
-
-
-def _crop(t, axis: int, n: int):
-  return numerics.lax_slice_axis(t, axis % t.ndim, n)
-
-
-def _block_up(gemm: str):
-  """The dtype MX blocks are dequantized to for the GEMM (exact for fp8 * 2**e)."""
-  return jnp.float32 if gemm == "f32" else jnp.bfloat16
-
-
-def block_factor(recipe, cfg, scale, history, a):
-  """NVFP4's per-tensor factor (float32 scalar) of a role; 1 for MX.
-
-  ``select_scale`` of the role's :class:`~fp8_linen.ScalingConfig` (delayed:
-  the amax history, else ``a``; current: ``a``, the tensor's global amax)
-  over 448 (:func:`~fp8_linen.core.numerics.nvfp4_tensor_scale`).
-  """
-  if not recipe.is_nvfp4:
-    return jnp.ones((), jnp.float32)
-  return numerics.nvfp4_tensor_scale(numerics.select_scale(cfg, scale, history, a))
-
-
-def block_codes(recipe, t, cfg, factor, *, tile=False, noise=None):
-  """``(q, scales)`` of ``t`` (B, P, Q) blocked along Q, padded to whole blocks.
-
-  ``tile``: one scale per ``block_size`` square (the padded P too), repeated
-  on its rows; ``noise``: stochastic rounding (NVFP4's gradient).
-  """
-  bs = recipe.block_size
-  t = _pad(t, 2, bs)
-  if tile:
-    t = _pad(t, 1, bs)
-  return numerics.block_quantize(t, bs, cfg.jnp_dtype,
-                                 tensor_scale=factor if recipe.is_nvfp4 else None,
-                                 tile=tile, noise=noise)
-
-
-def _rhs_groups(ndim: int, contract, batch):
-  """The (batch, free, contracting) axes of ``rhs``: its (B, N, K) view."""
-  return tuple(batch), tuple(dims.free_dims(ndim, contract, batch)), tuple(contract)
-
-
-def _forward_kernel(recipe, w3, cfg, factor):
-  """``(q_w, s_w, tiles)``: the forward's weight codes (B, N, Kp) blocked along K.
-
-  With ``kernel_2d_blocks`` they are the rows of the weight's tile codes
-  (``tiles``: the codes and scales of the tiles, which dgrad reads by
-  columns); otherwise ``tiles`` is ``None``.
-  """
-  if not recipe.kernel_2d_blocks:
-    q, s = block_codes(recipe, w3, cfg, factor)
-    return q, s, None
-  n = w3.shape[1]
-  q_t, s_t = block_codes(recipe, w3, cfg, factor, tile=True)     # (B, Np, Kp)
-  return _crop(q_t, 1, n), _crop(s_t, 1, n), (q_t, s_t)
-
-
-def block_fold_kernel(recipe, w, contract, batch, factor):
-  """``(codes, scales)``: a weight's forward codes as :class:`BlockDot` multiplies them.
-
-  Args:
-    recipe: the block recipe (MXFP8 or NVFP4).
-    w: the weight, in the layout the product sees.
-    contract: its contracting axes.
-    batch: its batch axes.
-    factor: NVFP4's per-tensor factor of the weight (:func:`block_factor`).
-
-  Returns:
-    ``codes`` in ``w``'s shape (e4m3 / e2m1) and ``scales`` of its (B, N, K)
-    view blocked along K, padded to whole blocks: (B, N, ceil(K / block))
-    (e8m0 / e4m3; 2-D tiles: each tile's scale on each of its rows).
-  """
-  w = jnp.asarray(w)
-  groups = _rhs_groups(w.ndim, contract, batch)
-  w3 = _view(w, *groups)
-  q, s, _ = _forward_kernel(recipe, w3, recipe.kernel, factor)
-  return _unview(_crop(q, 2, w3.shape[2]), w.shape, *groups), s
-
-
-class BlockDot(_DotSpec):
-  """Block scaling (MXFP8, NVFP4) of all three GEMMs, each along the axis it contracts.
-
-  Every product runs on 3-D views: ``lhs`` as (B, M, K), ``rhs`` as (B, N, K)
-  and the output gradient as (B, M, N) (batch, free and contracting axes each
-  flattened, in ``dot_general``'s order). A block-scaled GEMM multiplies
-  operands blocked along the axis it contracts, so each tensor is quantized
-  once per GEMM it feeds, from its own values (never requantized): the
-  forward takes ``lhs`` and ``rhs`` blocked along K, dgrad the gradient and
-  ``rhs`` along N, wgrad the gradient and ``lhs`` along M. The weight's
-  ``kernel_2d_blocks`` tiles serve both of its GEMMs with one set of codes;
-  ``wgrad_hadamard`` rotates both wgrad operands along M first;
-  ``grad_stochastic_rounding`` rounds both gradient copies stochastically.
-
-  ``gemm='block'`` hands the codes and scales to the block-scaled GEMM
-  (:func:`~fp8_linen.core.lowering.block_scaled_matmul`). The emulation
-  (``'bf16'``/``'f32'``) dequantizes the same codes exactly and runs the
-  layer's own ``dot_general`` on them. Both apply NVFP4's per-tensor factors
-  to the GEMM output. The served model (:meth:`serve`) multiplies the very
-  forward codes of the weight (:func:`block_fold_kernel`, stored once) with
-  the input quantized as here, in the same "multiply" half.
-
-  Residuals: the codes the backward reads (``lhs`` blocked along M, ``rhs``
-  along N), in the operands' layouts, and their scales. Cropping a padded
-  block off and zero-padding it again changes nothing: zeros quantize to
-  zero codes, and the Hadamard transform leaves a trailing partial group
-  alone.
-  """
-
-  def _axes(self, lhs_ndim, rhs_ndim):
-    (lc, rc), (lb, rb) = self.dn
-    return (lb, tuple(dims.free_dims(lhs_ndim, lc, lb)), lc,
-            rb, tuple(dims.free_dims(rhs_ndim, rc, rb)), rc)
-
-  def _up(self):
-    return _block_up(self.gemm)
-
-  def _tensor_scale(self, cfg, state, a):
-    """NVFP4's per-tensor factor of a role (its ScalingConfig: delayed or current); MX: 1."""
-    return block_factor(self.recipe, cfg, state.scale, state.amax_history, a)
-
-  def _current_scale(self, cfg, t):
-    """The per-tensor factor of a rotated copy: always its own amax (no history of it)."""
-    if not self.recipe.is_nvfp4:
-      return jnp.ones((), jnp.float32)
-    a = lowering.global_max(numerics.amax(t))
-    return numerics.nvfp4_tensor_scale(numerics.scale_from_amax(a, jnp.ones((), jnp.float32),
-                                                                cfg))
-
-  def _quant(self, t, cfg, g, *, tile=False, seed=None, salt=0):
-    """``(q, scales)`` of ``t`` (B, P, Q) blocked along Q (padded to whole blocks).
-
-    ``seed`` (the gradient's copies): stochastic rounding with noise from
-    ``seed`` and ``salt``, when the recipe asks for it.
-    """
-    bs = self.recipe.block_size
-    t = _pad(t, 2, bs)
-    if tile:
-      t = _pad(t, 1, bs)
-    noise = (numerics.uniform_noise(t.shape, seed, salt)
-             if seed is not None and self.recipe.grad_stochastic_rounding else None)
-    return block_codes(self.recipe, t, cfg, g, tile=tile, noise=noise)
-
-  def _rotate(self, t):
-    h = self.recipe.wgrad_hadamard
-    return numerics.random_hadamard(t, h) if h else t
-
-  def _block_gemm(self, a, sa, b, sb, scale, out_dtype):
-    """(B, P, Q) x (B, R, Q) -> (B, P, R): the block-scaled GEMM, then NVFP4's tensor factors."""
-    nv = self.recipe.is_nvfp4
-    y = lowering.block_scaled_matmul(a, b, sa, sb, jnp.float32 if nv else out_dtype)
-    return lowering.scaled(y, scale, out_dtype) if nv else y.astype(out_dtype)
-
-  def _dequant(self, q, s, n, shape, groups):
-    """Exact dequantization of codes (B, P, Qp) cropped to Q = ``n``, in the layout ``shape``."""
-    d = numerics.block_dequantize(q, s, self.recipe.block_size, self._up())
-    return _unview(_crop(d, 2, n), shape, *groups)
-
-  def forward(self, lhs, rhs, states):
-    if lowering.explicit_spec(lhs) is None and lowering.explicit_spec(rhs) is None:
-      return self._forward(lhs, rhs, states)
-    # The 3-D views merge and split sharded axes, which an explicit mesh
-    # makes the user spell out; XLA's partitioner places them instead (auto
-    # axes), and the results get the shardings JAX would give them.
-    spec = lambda a: lowering.explicit_spec(a)[1] if lowering.explicit_spec(a) else P()
-    out = lowering.dot_out_sharding(lhs, rhs, self.dn)
-    shardings = (P(*out.spec) if out is not None else P(), (P(*spec(lhs)), P(*spec(rhs))),
-                 (P(), P()), (P(), P(), P(), P()))
-    return jax.sharding.auto_axes(self._forward, out_sharding=shardings)(lhs, rhs, states)
-
-  def _forward(self, lhs, rhs, states):
-    in_cfg, k_cfg, _ = self.cfgs
-    lb, lf, lc, rb, rf, rc = self._axes(lhs.ndim, rhs.ndim)
-    x3, w3 = _view(lhs, lb, lf, lc), _view(rhs, rb, rf, rc)   # (B, M, K), (B, N, K)
-    (_, m, k), n = x3.shape, w3.shape[1]
-    a_x = lowering.global_max(numerics.amax(lhs))
-    a_w = lowering.global_max(numerics.amax(rhs))
-    g_x, g_w = self._tensor_scale(in_cfg, states[0], a_x), self._tensor_scale(k_cfg, states[1], a_w)
-    q_x, s_x = self._quant(x3, in_cfg, g_x)                          # along K
-    q_w, s_w, tiles = _forward_kernel(self.recipe, w3, k_cfg, g_w)   # along K
-    if tiles is not None:
-      # One set of tile codes: rows of it for the forward (along K), columns
-      # for dgrad (along N); a tile's scale is repeated on each of its rows.
-      bs = self.recipe.block_size
-      q_t, s_t = tiles                                               # (B, Np, Kp)
-      q_wc = _crop(jnp.swapaxes(q_t, 1, 2), 1, k)                   # (B, K, Np)
-      s_wc = _crop(jnp.repeat(jnp.swapaxes(s_t[:, ::bs, :], 1, 2), bs, axis=1), 1, k)
-    else:
-      q_wc, s_wc = self._quant(jnp.swapaxes(w3, 1, 2), k_cfg, g_w)   # along N, for dgrad
-    # lhs along M, for wgrad (rotated first: its factor is the rotated copy's own).
-    xc = self._rotate(jnp.swapaxes(x3, 1, 2))                        # (B, K, M)
-    g_xc = self._current_scale(in_cfg, xc) if self.recipe.wgrad_hadamard else g_x
-    q_xc, s_xc = self._quant(xc, in_cfg, g_xc)
-    y = self._multiply(q_x, s_x, q_w, s_w, g_x * g_w, lhs.shape, rhs.shape)
-    res_l = _unview(_crop(q_xc, 2, m), lhs.shape, lb, lc, lf)
-    res_r = _unview(_crop(q_wc, 2, n), rhs.shape, rb, rc, rf)
-    extras = (owg.name_fp8_residual(s_xc), owg.name_fp8_residual(s_wc), g_xc, g_w)
-    return y, (res_l, res_r), (a_x, a_w), extras
-
-  def _multiply(self, q_x, s_x, q_w, s_w, factor, lhs_shape, rhs_shape):
-    """The forward GEMM of the codes (B, M, Kp) and (B, N, Kp), in the output's layout.
-
-    The "multiply" half of the forward, which the served model runs too
-    (:meth:`serve`). ``factor``: the product of NVFP4's two per-tensor
-    factors (1 for MX).
-    """
-    lb, lf, lc, rb, rf, rc = self._axes(len(lhs_shape), len(rhs_shape))
-    if self.gemm == "block":
-      y = self._block_gemm(q_x, s_x, q_w, s_w, factor, self.out_dtype)
-      return y.reshape(tuple(lhs_shape[a] for a in lb + lf) + tuple(rhs_shape[a] for a in rf))
-    k = math.prod(lhs_shape[a] for a in lc)
-    xd = self._dequant(q_x, s_x, k, lhs_shape, (lb, lf, lc))
-    wd = self._dequant(q_w, s_w, k, rhs_shape, (rb, rf, rc))
-    y = lowering.lax_dot_general(xd, wd, self.dn, preferred_element_type=jnp.float32,
-                                 out_sharding=lowering.dot_out_sharding(xd, wd, self.dn))
-    return lowering.scaled(y, factor, self.out_dtype)
-
-  def serve(self, lhs, codes, scales, kernel_factor, input_scale=None):
-    """The served forward: ``lhs`` quantized as the QAT forward does, times stored codes.
-
-    Args:
-      lhs: the activation.
-      codes: the weight's forward codes in its own layout
-        (:func:`block_fold_kernel`).
-      scales: their block scales, (B, N, ceil(K / block)).
-      kernel_factor: the weight's NVFP4 per-tensor factor (MX: 1).
-      input_scale: the input role's frozen scale (NVFP4 with delayed
-        scaling: the one its amax history gives), or ``None``: the factor
-        is taken from this batch's amax, as current scaling does in QAT.
-
-    Returns:
-      The product, as :meth:`forward` computes it from the same codes.
-    """
-    if lowering.explicit_spec(lhs) is None and lowering.explicit_spec(codes) is None:
-      return self._serve(lhs, codes, scales, kernel_factor, input_scale)
-    out = lowering.dot_out_sharding(lhs, codes, self.dn)
-    return jax.sharding.auto_axes(self._serve, out_sharding=P(*out.spec) if out else P())(
-        lhs, codes, scales, kernel_factor, input_scale)
-
-  def _serve(self, lhs, codes, scales, kernel_factor, input_scale):
-    in_cfg = self.recipe.input
-    lb, lf, lc, rb, rf, rc = self._axes(lhs.ndim, codes.ndim)
-    x3 = _view(lhs, lb, lf, lc)
-    if input_scale is None:
-      a_x = lowering.global_max(numerics.amax(lhs))
-      g_x = block_factor(self.recipe, in_cfg, jnp.ones((1,), jnp.float32),
-                         jnp.zeros((in_cfg.history_length,), jnp.float32), a_x)
-    else:
-      g_x = (numerics.nvfp4_tensor_scale(input_scale) if self.recipe.is_nvfp4
-             else jnp.ones((), jnp.float32))
-    q_x, s_x = self._quant(x3, in_cfg, g_x)
-    q_w = _pad(_view(codes, rb, rf, rc), 2, self.recipe.block_size)
-    return self._multiply(q_x, s_x, q_w, scales, g_x * jnp.reshape(kernel_factor, ()),
-                          lhs.shape, codes.shape)
-
-  def backward(self, q_l, q_r, extras, states, g):
-    if lowering.explicit_spec(q_l) is None and lowering.explicit_spec(q_r) is None:
-      return self._backward(q_l, q_r, extras, states, g)
-    spec = lambda a: lowering.explicit_spec(a)[1] if lowering.explicit_spec(a) else P()
-    return jax.sharding.auto_axes(
-        self._backward, out_sharding=(P(*spec(q_l)), P(*spec(q_r)), P()))(
-            q_l, q_r, extras, states, g)
-
-  def _backward(self, q_l, q_r, extras, states, g):
-    s_xc, s_wc, g_xc, g_w = extras
-    g_cfg = self.cfgs[2]
-    bs = self.recipe.block_size
-    lb, lf, lc, rb, rf, rc = self._axes(q_l.ndim, q_r.ndim)
-    xc = _pad(_view(q_l, lb, lc, lf), 2, bs)                         # (B, K, Mp)
-    wc = _pad(_view(q_r, rb, rc, rf), 2, bs)                         # (B, K, Np)
-    b = xc.shape[0]
-    m, n = math.prod(q_l.shape[a] for a in lf), math.prod(q_r.shape[a] for a in rf)
-    g3 = g.reshape(b, m, n)
-    a_g = lowering.global_max(numerics.amax(g))
-    g_g = self._tensor_scale(g_cfg, states[2], a_g)
-    # Stochastic rounding draws its bits from the gradient role's state (this
-    # layer's amax history: it changes every step and is the same on every
-    # device of a mesh, unlike the gradient's own last bits).
-    seed = numerics.bits_seed(states[2].scale, states[2].amax_history)
-    q_g1, s_g1 = self._quant(g3, g_cfg, g_g, seed=seed, salt=1)     # along N, for dgrad
-    gt = self._rotate(jnp.swapaxes(g3, 1, 2))                        # (B, N, M)
-    g_gt = self._current_scale(g_cfg, gt) if self.recipe.wgrad_hadamard else g_g
-    q_g2, s_g2 = self._quant(gt, g_cfg, g_gt, seed=seed, salt=2)    # along M, for wgrad
-    if self.gemm == "block":
-      d_l = self._block_gemm(q_g1, s_g1, wc, s_wc, g_g * g_w, self.lhs_dtype)   # (B, M, K)
-      d_r = self._block_gemm(q_g2, s_g2, xc, s_xc, g_gt * g_xc, self.rhs_dtype)  # (B, N, K)
-      return (_unview(d_l, q_l.shape, lb, lf, lc), _unview(d_r, q_r.shape, rb, rf, rc), a_g)
-    one = jnp.ones((), jnp.float32)
-    nd = (q_l.ndim, q_r.ndim)
-    gd1 = _crop(numerics.block_dequantize(q_g1, s_g1, bs, self._up()), 2, n).reshape(g.shape)
-    wd = self._dequant(wc, s_wc, n, q_r.shape, (rb, rc, rf))
-    d_l = grad_gemm(gd1, wd, self.dn, *nd, "lhs", "fp8", jnp.float32, one, like=q_l)
-    gd2 = _crop(numerics.block_dequantize(q_g2, s_g2, bs, self._up()), 2, m)
-    gd2 = jnp.swapaxes(gd2, 1, 2).reshape(g.shape)
-    xd = self._dequant(xc, s_xc, m, q_l.shape, (lb, lc, lf))
-    d_r = grad_gemm(gd2, xd, self.dn, *nd, "rhs", "fp8", jnp.float32, one, like=q_r)
-    return (lowering.scaled(d_l, g_g * g_w, self.lhs_dtype),
-            lowering.scaled(d_r, g_gt * g_xc, self.rhs_dtype), a_g)
 
 
 _SPECS = {"tensor": TensorDot, "row": RowDot, "block": BlockDot}
@@ -600,4 +218,4 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
       dn=dn, recipe=recipe, gemm=lowering.resolve_gemm(recipe), out_dtype=out_dtype,
       lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
       frozen=owg.quantizers_frozen())
-  return product(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)
+  return fp8_vjp(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)

@@ -1,39 +1,36 @@
 """The integer product: int8 codes in, one exact integer GEMM, the scales once.
 
 An integer QAT product ``dot_general(x_hat, w_hat)`` (or a convolution) of two
-fake-quantized operands is computed here from their integer *codes*:
+fake-quantized operands is computed here from their integer *codes*, with
+its own custom_vjp:
 
-* each operand is quantized once to an int8 array of codes ``c`` with float32
-  parameters so that its fake-quantized value is exactly ``x_hat = scale * (c -
-  centre) + offset`` (``centre``: the zero point minus the storage shift; 8-bit
-  unsigned grids ``[0, 255]`` are stored shifted by 128 so they fit ``int8``;
-  ``offset``: LSQ+'s learned ``beta``);
-* the codes are multiplied in one integer GEMM, ``lax.dot_general(int8, int8,
-  preferred_element_type=int32)``, exact; zero points, offsets and groups are
-  corrected with row sums of the codes, and the scales are applied once to the
-  int32 result (:func:`int_gemm`);
+* each operand is quantized once to int8 codes with float32 parameters that
+  make its fake-quantized value exact (:mod:`~fp8_linen.core.int_codes`);
+* the codes are multiplied in one exact integer GEMM and the scales applied
+  once to the int32 result (:mod:`~fp8_linen.core.int_gemm`, shared with the
+  served model);
 * the backward pass reads the codes (STE) or the operand itself (LSQ/LSQ+,
   whose step gradient needs each element's rounding error ``round(v) - v``,
   which a code does not hold), never a float fake-quantized copy, and gives
   the same gradients as the fake-quant ops of :mod:`fp8_linen.core.int_ops`
   (LSQ/LSQ+ through the very same :func:`~fp8_linen.core.int_ops.lsq_backward`).
 
-Lowering of the forward product (``IntRecipe.gemm``):
-
-* ``'int8'``: int8 x int8 -> int32, the form integer units (GPU IMMA, CPU VNNI)
-  run;
-* ``'bf16'``: the codes are upcast exactly to bfloat16 and accumulated in
-  float32. Every partial sum is an integer of magnitude at most ``K * max|c_x|
-  * max|c_w|``; while that is ``<= 2**24`` float32 holds it exactly, so the
-  result is bit-identical to ``'int8'``. Allowed only when the bound holds.
-* ``'auto'``: ``'int8'`` on GPU/TPU; on CPU ``'bf16'`` where it is exact (XLA:CPU
-  runs bf16 GEMMs faster than int8 ones) and ``'int8'`` otherwise.
-
 STE masks: a weight quantized with its own min/max and an activation under a
 ``'minmax'`` observer (whose range includes the batch) have no element outside
 the range, so their straight-through gradient passes everywhere and only the
 codes are saved. A ``'moving_average'`` observer can clip, so its mask is kept
 as packed bits (1/8 byte per element).
+
+The custom_vjp is this module's own, not :func:`~fp8_linen.core.fp8_vjp.fp8_vjp`:
+what an integer product carries through it differs from the fp8 state
+protocol (its inputs are the quantizers' parameters: an observer's range,
+returned as its new value like fp8 state, and LSQ steps and offsets, which get
+real gradients; its residuals are codes, scales and packed masks, or the
+operand itself).
+
+:func:`int_dot_general` and :func:`int_conv_general_dilated` are the ops;
+:func:`operand_params` and :func:`run_product` run one with a layer's
+variables (the Linen and NNX layers share them).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -52,411 +49,27 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from fp8_linen.core import dims, int_numerics, int_ops, lowering, mesh, owg
-from fp8_linen.core.dot_general import grad_gemm, relayout
-from fp8_linen.core.numerics import SCALE_FLOOR
-from fp8_linen.recipes.integer import COMPUTE_DTYPES, IntQuantConfig, IntRecipe
-
-__all__ = ["Operand", "Codes", "quantize", "dequantize", "resolve_int_gemm",
-           "resolve_compute_dtype", "int_gemm", "int_conv", "encode", "contracted",
-           "kernel_code_sum", "conv_static", "operand_params", "run_product", "conv_supported",
-           "dot_supported", "int_dot_general", "int_conv_general_dilated", "code_bound",
-           "INT_GEMMS"]
-
-INT_GEMMS = ("auto", "int8", "bf16")
-_EXACT = 2 ** 24  # float32 holds every integer up to this magnitude
-
-
-class Codes(NamedTuple):
-  """An operand quantized to int8 codes: ``x_hat = scale * (codes - centre) + offset``.
-
-  ``codes`` has the operand's *view* shape (a ``'group'`` contracting axis split
-  in two, see :func:`~fp8_linen.core.int_numerics.int_view`); ``scale``,
-  ``centre`` and ``offset`` are float32 and broadcast against it (size 1 along
-  the axes one value covers). ``centre`` and ``offset`` are ``None`` where they
-  are zero for every value of the recipe (symmetric grids, no learned offset).
-  ``code_sum``: a weight's codes summed over the product's contracting axes
-  (:func:`kernel_code_sum`), where known in advance (a served weight's, folded
-  at conversion); ``None``: :func:`int_gemm` sums them when it needs them.
-  """
-
-  codes: Any
-  scale: Any
-  centre: Any = None
-  offset: Any = None
-  code_sum: Any = None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Operand:
-  """How one operand of an integer product is quantized (static, hashable).
-
-  Attributes:
-    cfg: its :class:`~fp8_linen.IntQuantConfig`.
-    role: ``'input'`` (activation: observer or learned step) or ``'kernel'``
-      (weight: own min/max or learned step).
-    contract: its contracting axes in the product.
-    grad_scale: LSQ's gradient scale ``1 / sqrt(N * Q_P)`` (learned only).
-  """
-
-  cfg: IntQuantConfig
-  role: str
-  contract: tuple
-  grad_scale: float = 1.0
-
-  @property
-  def kind(self) -> str:
-    """``'observer'``, ``'minmax'``, ``'lsq'`` or ``'lsq+'``."""
-    if self.cfg.learned:
-      return self.cfg.estimator
-    return "observer" if self.role == "input" else "minmax"
-
-  @property
-  def shift(self) -> int:
-    """What is subtracted from a grid level to store it as ``int8``."""
-    return 128 if self.cfg.qmax > 127 else 0
-
-  @property
-  def max_code(self) -> int:
-    """The largest ``|code|`` of the grid as stored."""
-    return max(abs(self.cfg.qmin - self.shift), abs(self.cfg.qmax - self.shift))
-
-  @property
-  def has_centre(self) -> bool:
-    return self.shift != 0 or not self.cfg.symmetric
-
-  @property
-  def has_offset(self) -> bool:
-    return self.cfg.estimator == "lsq+"
-
-  @property
-  def keeps_mask(self) -> bool:
-    """Whether the STE mask can differ from all-ones (a clipping observer)."""
-    return self.kind == "observer" and self.cfg.observer == "moving_average"
-
-
-def _params_of(op: Operand, x, view, axes, params, frozen: bool):
-  """``(scale, zero_point, offset, new_range)`` of ``op`` for this operand."""
-  cfg = op.cfg
-  if op.kind == "observer":
-    new, s, z = int_ops.observer_qparams(cfg, x, params[0], frozen)
-    return s, z, None, new
-  if op.kind == "minmax":
-    s, z = int_ops.minmax_qparams(view, axes, cfg)
-    return s, z, None, None
-  s = jnp.maximum(params[0], SCALE_FLOOR)
-  return s, None, (params[1] if op.kind == "lsq+" else None), None
-
-
-def quantize(op: Operand, x, params, frozen: bool = False):
-  """Quantizes ``x`` to :class:`Codes` as ``op`` says.
-
-  Args:
-    op: the :class:`Operand`.
-    x: the operand (floating).
-    params: its parameters: ``(observer_range,)`` for an observer, ``()`` for a
-      min/max weight, ``(step,)`` for LSQ, ``(step, offset)`` for LSQ+ (steps
-      and offsets broadcastable to the view).
-    frozen: an observer quantizes with its range as recorded (see
-      :func:`~fp8_linen.core.owg.frozen_quantizers`).
-
-  Returns:
-    ``(codes, new_range, inside)``: ``new_range`` is the observer's updated
-    range (``None`` otherwise); ``inside`` is the STE mask in the view's shape
-    where it can differ from all-ones (:attr:`Operand.keeps_mask`), else ``None``.
-  """
-  view, axes = int_numerics.int_view(x, op.contract, op.cfg)
-  s, z, b, new = _params_of(op, x, view, axes, params, frozen)
-  # A frozen 'minmax' range no longer includes the batch, so it can clip too.
-  c, inside = encode(op, view, s, z, b,
-                     keep_mask=op.keeps_mask or (frozen and op.kind == "observer"))
-  return c, new, inside
-
-
-def encode(op: Operand, view, scale, zero_point=None, offset=None, keep_mask=None):
-  """``view`` as :class:`Codes` with given parameters; also the STE mask (or ``None``).
-
-  The mask is computed where ``keep_mask`` (default :attr:`Operand.keeps_mask`)
-  says the STE can clip.
-
-  STE (``zero_point`` given): ``clamp(round(x / s) + z)``, the expression of
-  :func:`~fp8_linen.core.int_numerics.int_fake_quant`; LSQ/LSQ+:
-  ``clamp(round((x - offset) / s))``, that of
-  :func:`~fp8_linen.core.int_ops.lsq_fake_quant`. The codes are stored shifted
-  into ``int8`` (:attr:`Operand.shift`).
-  """
-  cfg = op.cfg
-  x32 = view.astype(jnp.float32)
-  inside = None
-  keep_mask = op.keeps_mask if keep_mask is None else keep_mask
-  if zero_point is not None:
-    q = jnp.clip(jnp.round(x32 / scale) + zero_point, cfg.qmin, cfg.qmax)
-    if keep_mask:
-      v = x32 / scale + zero_point
-      inside = (v >= cfg.qmin) & (v <= cfg.qmax)
-  else:
-    q = jnp.clip(jnp.round(((x32 - offset) if offset is not None else x32) / scale),
-                 cfg.qmin, cfg.qmax)
-  centre = None
-  if op.has_centre:
-    centre = (zero_point if zero_point is not None else jnp.zeros_like(scale)) - op.shift
-  return Codes((q - op.shift).astype(jnp.int8), scale, centre, offset), inside
-
-
-def dequantize(c: Codes, dtype=jnp.float32):
-  """``scale * (codes - centre) + offset``: bit for bit the fake-quantized value."""
-  q = c.codes.astype(jnp.float32)
-  if c.centre is not None:
-    q = q - c.centre
-  y = c.scale * q
-  if c.offset is not None:
-    y = y + c.offset
-  return y.astype(dtype)
-
-
-def contracted(cfg: IntQuantConfig, rhs_shape, rc) -> int:
-  """How many elements one integer partial sum adds up: a group, or all contracted ones."""
-  if cfg.granularity == "group":
-    return cfg.group_size
-  return math.prod(rhs_shape[a] for a in rc)
-
-
-def code_bound(k: int, x: Operand, w: Operand) -> int:
-  """The largest magnitude a partial sum of the code product can reach."""
-  return k * x.max_code * w.max_code
-
-
-def resolve_int_gemm(gemm: str, k: int, x: Operand, w: Operand, owner: str = "IntRecipe") -> str:
-  """``'int8'`` or ``'bf16'`` for a product contracting ``k`` elements (see module doc)."""
-  exact = code_bound(k, x, w) <= _EXACT
-  if gemm == "auto":
-    return "bf16" if lowering.current_backend() == "cpu" and exact else "int8"
-  if gemm == "bf16" and not exact:
-    raise ValueError(
-        f"{owner}.gemm='bf16' is not exact for this product: {k} contracted elements x codes "
-        f"up to {x.max_code} x {w.max_code} can reach {code_bound(k, x, w)} > 2**24; "
-        "use gemm='int8' or 'auto'")
-  return gemm
-
-
-def resolve_compute_dtype(compute_dtype: str, activation_dtype):
-  """The dtype of an integer product's float GEMM operands (``IntRecipe.compute_dtype``).
-
-  ``'auto'`` follows the activation (the product's left operand):
-  bfloat16 for bfloat16, float32 for every other dtype. A bf16 model's
-  gradient GEMMs then read bf16 operands (half the bytes, and the form a TPU
-  MXU or GPU tensor core takes natively); float16 gets float32, which holds
-  it exactly where bfloat16 would drop 3 mantissa bits. The float product of
-  a fake-quantized role and the served model resolve it here too, so serving
-  computes in the dtype QAT did.
-
-  Args:
-    compute_dtype: ``'auto'``, ``'float32'`` or ``'bfloat16'``.
-    activation_dtype: the dtype of the activation operand.
-
-  Returns:
-    A ``numpy`` dtype: bfloat16 or float32.
-  """
-  if compute_dtype not in COMPUTE_DTYPES:
-    raise ValueError(f"IntRecipe.compute_dtype={compute_dtype!r} is not allowed; allowed "
-                     f"values: {list(COMPUTE_DTYPES)}")
-  if compute_dtype == "auto":
-    bf16 = jnp.dtype(activation_dtype) == jnp.dtype(jnp.bfloat16)
-    return jnp.dtype(jnp.bfloat16 if bf16 else jnp.float32)
-  return jnp.dtype(compute_dtype)
-
-
-# ----------------------------------------------------------------------------
-# The forward product (shared with serving)
-
-
-def _code_product(a, b, how: str, fn):
-  """``fn(a, b, preferred)`` on int8 codes: int32 (``'int8'``) or float32 (``'bf16'``).
-
-  Either holds the exact integer result: the ``'bf16'`` lowering is only
-  chosen where every partial sum stays below 2**24.
-  """
-  if how == "int8":
-    return fn(a, b, jnp.int32)
-  return fn(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), jnp.float32)
-
-
-def _group_views(dn, lhs_shape, rhs_view_shape, group: bool):
-  """Dimension numbers on the views, and the reshaped lhs shape.
-
-  For a ``'group'`` kernel the (single) contracting axis of both operands is
-  split into ``(groups, group_size)`` and the groups become the last batch
-  dimension, so one batched integer GEMM gives one partial product per group.
-  """
-  if not group:
-    return dn, tuple(lhs_shape)
-  (lc, rc), (lb, rb) = dn
-  (al,), (ar,) = lc, rc
-  n_groups, size = rhs_view_shape[ar], rhs_view_shape[ar + 1]
-  up = lambda axes, a: tuple(i + 1 if i > a else i for i in axes)
-  lshape = tuple(lhs_shape[:al]) + (n_groups, size) + tuple(lhs_shape[al + 1:])
-  vdn = (((al + 1,), (ar + 1,)), (up(lb, al) + (al,), up(rb, ar) + (ar,)))
-  return vdn, lshape
-
-
-def int_gemm(xc: Codes, wc: Codes, dn, *, lhs_shape, group: bool, how: str):
-  """``dot_general(x_hat, w_hat, dn)`` in float32 from the codes of both operands.
-
-  ``xc`` is the activation quantized per tensor (codes in ``lhs_shape``),
-  ``wc`` the weight in its view (see :class:`Codes`; ``group``: its contracting
-  axis is split into groups). One integer GEMM of the
-  codes, exact; zero points/offsets via code sums (exact, int32); then the
-  scales: ``y = s_x s_w (c_x - m_x)(c_w - m_w) + s_x b_w sum(c_x - m_x) + b_x
-  s_w sum(c_w - m_w) + K b_x b_w``, and for groups a float32 sum over groups.
-
-  This is the forward of the QAT product and of the served model, so the two
-  agree bit for bit.
-  """
-  vdn, lshape = _group_views(dn, lhs_shape, wc.codes.shape, group)
-  cx = xc.codes.reshape(lshape)
-  (vlc, vrc), _ = vdn
-  lay = dims.layout(vdn, cx.ndim, wc.codes.ndim)
-  # On an explicit mesh the product is told its output sharding (not for the
-  # group view, whose reshaped operands JAX reshards itself).
-  out_sharding = None if group else lowering.dot_out_sharding(cx, wc.codes, dn)
-  # On a mesh the codes are gathered or sliced as codes (1 byte), before the
-  # 'bf16' lowering upcasts them.
-  acc = mesh.product(
-      cx, wc.codes, mesh.dot_roles(vdn, cx.ndim, wc.codes.ndim),
-      lambda a, b, _pa, _pb, sharding: _code_product(
-          a, b, how, lambda a, b, pref: lowering.lax_dot_general(
-              a, b, vdn, preferred_element_type=pref, out_sharding=sharding)),
-      out_sharding=out_sharding)
-  k = math.prod(cx.shape[a] for a in vlc)
-  # Per-row/column terms are laid out like the product (on an explicit mesh
-  # also sharded like it: a weight's channel axis may be sharded where the
-  # product's is not).
-  to_out = lambda t, pairs: lowering.reshard_like(relayout(t, pairs, acc.ndim), acc)
-  # Row sums of the codes, needed when the other operand has a zero point or offset.
-  need_sx = wc.centre is not None or wc.offset is not None
-  need_sw = xc.centre is not None or xc.offset is not None
-  sx = to_out(jnp.sum(cx.astype(jnp.int32), axis=vlc, keepdims=True), lay.lhs_to_out) \
-      if need_sx else None
-  sw = None
-  if need_sw:  # a served weight's sum was folded at conversion
-    sw = to_out(wc.code_sum if wc.code_sum is not None else
-                jnp.sum(wc.codes.astype(jnp.int32), axis=vrc, keepdims=True), lay.rhs_to_out)
-  mx = None if xc.centre is None else jnp.reshape(xc.centre, ()).astype(jnp.int32)
-  mw = None if wc.centre is None else to_out(_full(wc.centre, wc.codes), lay.rhs_to_out
-                                             ).astype(jnp.int32)
-  # (c_x - m_x) . (c_w - m_w), exactly, in int32.
-  if mw is not None or mx is not None:
-    acc = acc.astype(jnp.int32)
-  if mw is not None:
-    acc = acc - mw * sx
-  if mx is not None:
-    acc = acc - mx * sw + (k * mx * mw if mw is not None else 0)
-  s_w = to_out(_full(wc.scale, wc.codes), lay.rhs_to_out)
-  s_x = jnp.reshape(xc.scale, ())
-  y = acc.astype(jnp.float32) * (s_x * s_w)
-  if wc.offset is not None:  # s_x b_w sum(c_x - m_x)
-    sum_a = sx if mx is None else sx - k * mx
-    y = y + (s_x * to_out(_full(wc.offset, wc.codes), lay.rhs_to_out)) * sum_a.astype(
-        jnp.float32)
-  if xc.offset is not None:  # b_x (s_w sum(c_w - m_w) + K b_w)
-    sum_b = sw if mw is None else sw - k * mw
-    b_x = jnp.reshape(xc.offset, ())
-    term = s_w * sum_b.astype(jnp.float32)
-    if wc.offset is not None:
-      term = term + k * to_out(_full(wc.offset, wc.codes), lay.rhs_to_out)
-    y = y + b_x * term
-  if group:
-    y = jnp.sum(y, axis=len(dn[1][0]))
-  return y
-
-
-def kernel_code_sum(codes, contract, group: bool):
-  """A weight's codes summed over its contracting axes: int32, those axes kept with size 1.
-
-  ``codes`` in the weight's view (:func:`~fp8_linen.core.int_numerics.int_view`),
-  ``contract`` its contracting axes in the product; for a ``'group'`` weight
-  the sum runs within each group (:func:`int_gemm`'s view). An activation
-  with a zero point or an offset needs this sum of the weight in every
-  product; a served weight stores it.
-  """
-  axes = (contract[0] + 1,) if group else tuple(contract)
-  return jnp.sum(codes.astype(jnp.int32), axis=axes, keepdims=True)
-
-
-def _full(t, like):
-  """``t`` with ``like``'s rank (leading size-1 axes), for relayout."""
-  t = jnp.asarray(t, jnp.float32)
-  return t.reshape((1,) * (like.ndim - t.ndim) + t.shape)
-
-
-def _conv_fn(conv, out_sharding=None):
-  strides, padding, lhs_dil, rhs_dil, cdn, groups = conv
-  return lambda a, b, pref: lowering.lax_conv_general_dilated(
-      a, b, strides, padding, lhs_dilation=lhs_dil, rhs_dilation=rhs_dil,
-      dimension_numbers=cdn, feature_group_count=groups, preferred_element_type=pref,
-      out_sharding=out_sharding)
-
-
-def int_conv(xc: Codes, wc: Codes, conv, *, how: str):
-  """``conv(x_hat, w_hat)`` in float32 from the codes (no zero points or offsets).
-
-  ``conv`` is ``(strides, padding, lhs_dilation, rhs_dilation,
-  ConvDimensionNumbers, feature_group_count)``. A padded input element must
-  be a zero of ``x_hat``, which is code 0 only without a zero point or offset;
-  :func:`conv_supported` says which recipes qualify.
-  """
-  if xc.centre is not None or xc.offset is not None or wc.centre is not None \
-      or wc.offset is not None:
-    raise ValueError("int_conv: convolutions of integer codes need symmetric grids "
-                     "without zero points or offsets")
-  out_sharding = lowering.conv_out_sharding(xc.codes, wc.codes, conv[4])
-  local = lambda a, b, _pa, _pb, sharding: _code_product(a, b, how, _conv_fn(conv, sharding))
-  if conv[5] != 1:  # grouped: the input and kernel features differ in size
-    acc = local(xc.codes, wc.codes, (), (), out_sharding)
-  else:
-    acc = mesh.product(xc.codes, wc.codes, mesh.conv_roles(conv[4], xc.codes.ndim), local,
-                       out_sharding=out_sharding)
-  cdn = conv[4]
-  shape = [1] * acc.ndim
-  s_w = jnp.reshape(wc.scale, (-1,))
-  shape[cdn.out_spec[1]] = s_w.shape[0]
-  return acc.astype(jnp.float32) * (jnp.reshape(xc.scale, ()) * s_w.reshape(shape))
-
-
-def conv_static(ndim: int, conv_kwargs: dict, cdn):
-  """``lax.conv_general_dilated`` keyword arguments as the static tuple :func:`int_conv` takes.
-
-  ``cdn`` is the resolved ``ConvDimensionNumbers``; string paddings are kept.
-  """
-  pad = conv_kwargs["padding"]
-  pad = pad if isinstance(pad, str) else tuple(tuple(int(v) for v in p) for p in pad)
-  ones = (1,) * (ndim - 2)
-  as_ints = lambda v: ones if v is None else ((v,) * len(ones) if isinstance(v, int)
-                                              else tuple(v))
-  return (as_ints(conv_kwargs["window_strides"]), pad, as_ints(conv_kwargs.get("lhs_dilation")),
-          as_ints(conv_kwargs.get("rhs_dilation")), cdn,
-          int(conv_kwargs.get("feature_group_count", 1)))
-
-
-def conv_supported(recipe: IntRecipe) -> bool:
-  """Whether a convolution under ``recipe`` runs on integer codes (:func:`int_conv`)."""
-  return all(cfg is not None and cfg.symmetric and cfg.estimator != "lsq+"
-             for cfg in (recipe.input, recipe.kernel))
-
-
-def dot_supported(recipe: IntRecipe) -> bool:
-  """Whether a ``dot_general`` under ``recipe`` runs on integer codes (both roles quantized)."""
-  return recipe.input is not None and recipe.kernel is not None
-
-
-# ----------------------------------------------------------------------------
-# The custom_vjp
+from fp8_linen.core.int_codes import Codes, Operand, dequantize, quantize, rank_like
+from fp8_linen.core.int_gemm import (conv_fn, conv_supported, contracted, int_conv, int_gemm,
+                                     resolve_compute_dtype, resolve_int_gemm)
+from fp8_linen.core.lowering import grad_gemm, relayout
+from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
+
+__all__ = ["int_dot_general", "int_conv_general_dilated", "operand_params", "run_product"]
+
+# These lived here until the codes and the GEMM got modules of their own
+# (core/int_codes.py, core/int_gemm.py): importable from here for one release
+# (core/serve.py and the layers import them from here).
+from fp8_linen.core.int_codes import encode  # noqa: F401,E402
+from fp8_linen.core.int_gemm import (INT_GEMMS, code_bound, conv_static,  # noqa: F401,E402
+                                     dot_supported, kernel_code_sum)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -535,7 +148,7 @@ class _DotSpec(_Spec):
     nd = (len(self.lhs_shape), len(self.rhs_shape))
     g32 = g.astype(jnp.float32)
     qmax = 2 ** (self.grad_bits - 1) - 1
-    g1 = g32 * relayout(_full(wc.scale, wc.codes), lay.rhs_to_out, g32.ndim)
+    g1 = g32 * relayout(rank_like(wc.scale, wc.codes), lay.rhs_to_out, g32.ndim)
     q1, s1 = _int_rows(g1, lay.rhs_free_out, qmax)
     d_x = grad_gemm(q1, wc.codes, self.dn, *nd, "lhs", "fp8", jnp.int32, one)
     d_x = d_x.astype(jnp.float32) * relayout(s1, dims.flip(lay.lhs_to_out), d_x.ndim)
@@ -563,8 +176,8 @@ def _code_grad_gemm(g, other: Codes, like, dn, nd, wrt: str, how: str, out_dtype
   else:
     local = lambda a, b, pa, _pb, sh: lowering.gemm(operand(a, pa), b, gdn, how, out_dtype, sh)
     a, b, pa, pb = other.codes, g, params, ()
-  y = mesh.product(a, b, mesh.dot_roles(gdn, a.ndim, b.ndim), local, lhs_params=pa,
-                   rhs_params=pb, out_sharding=lowering.like_sharding(like, perm))
+  y = mesh.multiply_codes(a, b, mesh.dot_roles(gdn, a.ndim, b.ndim), local, lhs_params=pa,
+                          rhs_params=pb, out_sharding=lowering.like_sharding(like, perm))
   return jnp.transpose(y.astype(out_dtype), perm)
 
 
@@ -585,7 +198,7 @@ class _ConvSpec(_Spec):
     return int_conv(xc, wc, self.conv, how=self.how)
 
   def grads(self, g, xh, wh):
-    fn = _conv_fn(self.conv, lowering.conv_out_sharding(xh, wh, self.conv[4]))
+    fn = conv_fn(self.conv, lowering.conv_out_sharding(xh, wh, self.conv[4]))
     xh, wh = xh.astype(self.grad_dtype), wh.astype(self.grad_dtype)
     if self.x.cfg.learned or self.w.cfg.learned:
       # LSQ sums its step gradient over these in float32. JAX's convolution
@@ -620,28 +233,28 @@ class _ConvSpec(_Spec):
       wh = _dequantized(wl, pws, has_w, self.grad_dtype)
       shape = list(self.lhs_shape)
       shape[x_n], shape[x_c] = gl.shape[y_n], wl.shape[w_i]
-      at = mesh.point(tuple(shape), self.grad_dtype, sharding)
-      fn = _conv_fn(self.conv, lowering.conv_out_sharding(at, wh, cdn))
+      at = mesh.sharded_zeros(tuple(shape), self.grad_dtype, sharding)
+      fn = conv_fn(self.conv, lowering.conv_out_sharding(at, wh, cdn))
       return jax.vjp(lambda a: fn(a, wh, pref), at)[1](gl)[0]
 
     def wgrad(xl, gl, pxs, _pg, sharding):
       xh = _dequantized(xl, pxs, has_x, self.grad_dtype)
       shape = list(self.rhs_shape)
       shape[w_o], shape[w_i] = gl.shape[y_o], xl.shape[x_c]
-      at = mesh.point(tuple(shape), self.grad_dtype, sharding)
-      fn = _conv_fn(self.conv, lowering.conv_out_sharding(xh, at, cdn))
+      at = mesh.sharded_zeros(tuple(shape), self.grad_dtype, sharding)
+      fn = conv_fn(self.conv, lowering.conv_out_sharding(xh, at, cdn))
       return jax.vjp(lambda b: fn(xh, b, pref), at)[1](gl)[0]
 
-    d_x = mesh.product(ct, wc.codes, mesh.conv_roles(cdn, nd, "dgrad"), dgrad, rhs_params=pw,
-                       out_sharding=lowering.like_sharding(xc.codes, ident))
-    d_w = mesh.product(xc.codes, ct, mesh.conv_roles(cdn, nd, "wgrad"), wgrad, lhs_params=px,
-                       out_sharding=lowering.like_sharding(wc.codes, ident))
+    d_x = mesh.multiply_codes(ct, wc.codes, mesh.conv_roles(cdn, nd, "dgrad"), dgrad,
+                              rhs_params=pw, out_sharding=lowering.like_sharding(xc.codes, ident))
+    d_w = mesh.multiply_codes(xc.codes, ct, mesh.conv_roles(cdn, nd, "wgrad"), wgrad,
+                              lhs_params=px, out_sharding=lowering.like_sharding(wc.codes, ident))
     return d_x, d_w
 
 
 def _code_params(c: Codes):
   """``(params, (has_centre, has_offset))``: ``c``'s parameters with the codes' rank."""
-  params = tuple(_full(p, c.codes) for p in (c.scale, c.centre, c.offset) if p is not None)
+  params = tuple(rank_like(p, c.codes) for p in (c.scale, c.centre, c.offset) if p is not None)
   return params, (c.centre is not None, c.offset is not None)
 
 

@@ -13,6 +13,11 @@
   block recipe ``'block'`` when the target has block-scaled GEMMs in its formats
   (:func:`block_scaled_gemms`), else ``'bf16'`` (the emulation).
 
+:func:`gemm` runs a product of fp8 codes in the chosen form, :func:`grad_gemm`
+one gradient GEMM of a ``dot_general`` in it (the dimension numbers from
+:func:`~fp8_linen.core.dims.grad_dims`), and :func:`relayout` lays per-row
+scales out like a product's output.
+
 The target backend is ``jax.default_backend()`` unless :func:`target_backend`
 says otherwise: that is how a step is traced for an H100 (or, with
 ``block_scaled=True``, a B200) on a machine without one (a compile-only
@@ -54,7 +59,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jax.lax import conv_general_dilated as lax_conv_general_dilated
 from jax.lax import dot_general as lax_dot_general
 
-from fp8_linen.core import mesh, settings
+from fp8_linen.core import dims, mesh, settings
 
 __all__ = [
     "GEMMS",
@@ -65,8 +70,11 @@ __all__ = [
     "resolve_gemm",
     "block_scaled_matmul",
     "gemm",
+    "grad_gemm",
     "is_code",
     "scaled",
+    "relayout",
+    "relayout_like",
     "explicit_spec",
     "reshard_like",
     "unshard_axis",
@@ -403,12 +411,13 @@ def gemm(a, b, dn, how: str, out_dtype, out_sharding=None):
 
   ``out_sharding`` (see :func:`dot_out_sharding`) is passed to the product on
   explicit meshes. On a mesh, operands that are 1-byte codes are gathered or
-  sliced as codes before they are upcast (:func:`fp8_linen.core.mesh.product`).
+  sliced as codes before they are upcast
+  (:func:`fp8_linen.core.mesh.multiply_codes`).
   """
   if is_code(a) or is_code(b):
     local = lambda a, b, _pa, _pb, sharding: _gemm(a, b, dn, how, out_dtype, sharding)
-    return mesh.product(a, b, mesh.dot_roles(dn, a.ndim, b.ndim), local,
-                        out_sharding=out_sharding)
+    return mesh.multiply_codes(a, b, mesh.dot_roles(dn, a.ndim, b.ndim), local,
+                               out_sharding=out_sharding)
   return _gemm(a, b, dn, how, out_dtype, out_sharding)
 
 
@@ -442,3 +451,30 @@ def _gemm(a, b, dn, how: str, out_dtype, out_sharding=None):
 def scaled(y, scale, out_dtype):
   """Applies a scalar scale to a GEMM output and casts it."""
   return (y * jnp.reshape(scale, ()).astype(y.dtype)).astype(out_dtype)
+
+
+def grad_gemm(g, other, dn, lhs_ndim: int, rhs_ndim: int, wrt: str, how: str, out_dtype,
+              scale, like=None):
+  """One gradient GEMM of ``dot_general(lhs, rhs, dn)``: w.r.t. ``wrt``, given ``g``.
+
+  ``other`` is the operand that is not differentiated; ``scale`` (scalar)
+  multiplies the GEMM's output before the cast to ``out_dtype``. ``like`` is
+  the differentiated operand (or its fp8 copy): on an explicit mesh the
+  gradient is sharded like it.
+  """
+  gdn, g_first, perm = dims.grad_dims(dn, lhs_ndim, rhs_ndim, wrt)
+  a, b = (g, other) if g_first else (other, g)
+  out_sharding = None if like is None else like_sharding(like, perm)
+  y = scaled(gemm(a, b, gdn, how, out_dtype, out_sharding), scale, out_dtype)
+  return jnp.transpose(y, perm)
+
+
+def relayout(t, pairs, dst_ndim: int):
+  """``t`` (size 1 off the listed axes) moved along ``(src, dst)`` pairs into ``dst_ndim`` axes."""
+  squeeze, perm, shape = dims.relayout_axes(t.shape, pairs, dst_ndim)
+  return jnp.transpose(jnp.squeeze(t, axis=squeeze), perm).reshape(shape)
+
+
+def relayout_like(t, pairs, ref):
+  """:func:`relayout` into ``ref``'s layout, sharded to broadcast against ``ref``."""
+  return reshard_like(relayout(t, pairs, ref.ndim), ref)

@@ -10,8 +10,8 @@ plain fp8 or bf16 collective to 16 or 32 bits), or dequantized with its
 per-channel scales (the weight of an integer gradient GEMM). The gather then
 moves 2 to 4 bytes an element where the codes hold 1.
 
-:func:`product` runs a product of codes so that whatever moves, moves before
-the codes become GEMM operands:
+:func:`multiply_codes` runs a product of codes so that whatever moves, moves
+before the codes become GEMM operands:
 
 * on a mesh with ``Explicit`` axes every operand's sharding is in its type: the
   codes are resharded (as raw bytes) to the layout the product needs
@@ -52,8 +52,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-__all__ = ["Roles", "dot_roles", "conv_roles", "plan", "product", "point", "as_bytes",
-           "from_bytes", "sharing_bytes"]
+__all__ = ["Roles", "dot_roles", "conv_roles", "plan", "multiply_codes", "sharded_zeros",
+           "as_bytes", "from_bytes", "sharing_bytes"]
 
 
 class Roles(NamedTuple):
@@ -86,10 +86,10 @@ def dot_roles(dn, lhs_ndim: int, rhs_ndim: int) -> Roles:
   return Roles(lhs, rhs, tuple(out))
 
 
-def conv_roles(cdn, ndim: int, product: str = "forward") -> Roles:
+def conv_roles(cdn, ndim: int, which: str = "forward") -> Roles:
   """The :class:`Roles` of a convolution with ``lax.ConvDimensionNumbers`` ``cdn``.
 
-  ``product='forward'``: ``conv(x, w)`` (the batch and the output features
+  ``which='forward'``: ``conv(x, w)`` (the batch and the output features
   free, the input features contracted, the windows spatial); ``'dgrad'``:
   the input gradient from ``(g, w)`` (in ``x``'s layout, the output features
   contracted); ``'wgrad'``: the kernel gradient from ``(x, g)`` (in ``w``'s
@@ -105,16 +105,16 @@ def conv_roles(cdn, ndim: int, product: str = "forward") -> Roles:
     return tuple(r)
 
   free, k = ("free", None), ("contract", 0)
-  if product == "forward":
+  if which == "forward":
     return Roles(roles([(x_n, free), (x_c, k)]), roles([(w_o, free), (w_i, k)]),
                  roles([(y_n, ("lhs", x_n)), (y_o, ("rhs", w_o))]))
-  if product == "dgrad":
+  if which == "dgrad":
     return Roles(roles([(y_n, free), (y_o, k)]), roles([(w_o, k), (w_i, free)]),
                  roles([(x_n, ("lhs", y_n)), (x_c, ("rhs", w_i))]))
-  if product == "wgrad":
+  if which == "wgrad":
     return Roles(roles([(x_n, k), (x_c, free)]), roles([(y_n, k), (y_o, free)]),
                  roles([(w_o, ("rhs", y_o)), (w_i, ("lhs", x_c))]))
-  raise ValueError(f"conv_roles: product={product!r} must be 'forward', 'dgrad' or 'wgrad'")
+  raise ValueError(f"conv_roles: which={which!r} must be 'forward', 'dgrad' or 'wgrad'")
 
 
 def _axes(entry) -> tuple:
@@ -238,12 +238,14 @@ def sharing_bytes():
     _SHARED.reset(token)
 
 
-def point(shape, dtype, sharding=None):
-  """Zeros to linearize a product at (it is linear in that operand), sharded like its gradient.
+def sharded_zeros(shape, dtype, sharding=None):
+  """Zeros of ``shape`` and ``dtype`` with ``sharding`` (``None``: no sharding asked for).
 
-  The gradient products of a convolution are transposes (``jax.vjp``) of it;
-  their result takes the sharding of the point they are linearized at, on an
-  explicit mesh that of the operand they differentiate.
+  The point a gradient product of a convolution is linearized at: those
+  products are transposes (``jax.vjp``) of the convolution, which is linear
+  in the operand they differentiate, so any point of that operand's type
+  serves, and their result takes the point's sharding (on an explicit mesh,
+  that of the operand they differentiate).
   """
   z = jnp.zeros(shape, dtype)
   return z if sharding is None else jax.sharding.reshard(z, sharding)
@@ -356,9 +358,11 @@ def _reshard(x, mesh, target):
   return jax.sharding.reshard(x, sharding)
 
 
-def product(lhs, rhs, roles: Roles, local: Callable, *, lhs_params: Sequence = (),
-            rhs_params: Sequence = (), out_sharding=None):
-  """``local(lhs, rhs, lhs_params, rhs_params, out_sharding)``, the codes moved first (see module doc).
+def multiply_codes(lhs, rhs, roles: Roles, local: Callable, *, lhs_params: Sequence = (),
+                   rhs_params: Sequence = (), out_sharding=None):
+  """``local(lhs, rhs, lhs_params, rhs_params, out_sharding)``, the codes moved first.
+
+  See the module doc.
 
   Args:
     lhs: the left operand's codes (1-byte floats or integers; any other dtype

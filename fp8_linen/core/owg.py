@@ -1,6 +1,7 @@
-"""The overwrite-with-gradient (OWG) protocol every op shares.
+"""The state protocol every op shares: new quantization state leaves a step as its "gradient".
 
-A quantized op takes its state (per role: a ``scale`` and an
+OWG stands for *overwrite with gradient*, flax's name for it. A quantized op
+takes its state (per role, :class:`RoleState`: a ``scale`` and an
 ``amax_history``) as ordinary inputs and returns the *new* state as the
 cotangent of those inputs, so ``jax.grad`` over a model's variables hands the
 train step the updated state in the ``_overwrite_with_gradient`` collection

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import fp8_linen as fl
-from fp8_linen.core import lowering, numerics
+from fp8_linen.core import block_numerics, lowering, randomness
 
 E2M1, E4M3 = ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e4m3fn
 DN = (((1,), (0,)), ((), ()))
@@ -101,9 +101,10 @@ def test_nvfp4_block_quantize_matches_numpy(tile, shape):
   g = _tensor_factor(t)
   rp = -(-shape[0] // 16) * 16 if tile else shape[0]
   tp = jnp.pad(jnp.asarray(t), ((0, rp - shape[0]), (0, (-shape[1]) % 16)))
-  q, s = numerics.block_quantize(tp, 16, jnp.float4_e2m1fn, tensor_scale=g, tile=tile)
+  q, s = block_numerics.block_quantize(tp, 16, jnp.float4_e2m1fn, tensor_scale=g, tile=tile)
   assert q.dtype == jnp.float4_e2m1fn and s.dtype == jnp.float8_e4m3fn
-  got = np.asarray(numerics.block_dequantize(q, s, 16, jnp.float32), np.float64) * np.float64(g)
+  got = (np.asarray(block_numerics.block_dequantize(q, s, 16, jnp.float32), np.float64)
+         * np.float64(g))
   np.testing.assert_array_equal(got[:shape[0], :shape[1]], _nv_ref(t, g, tile))
   assert np.all(got[0, :16] == 0)
   if tile:  # one scale per 16x16 tile, repeated on its rows
@@ -113,8 +114,8 @@ def test_nvfp4_block_quantize_matches_numpy(tile, shape):
 
 def test_nvfp4_scale_saturates_and_nonfinite_blocks_get_a_nan_scale():
   t = np.array([[1.0] * 15 + [100.0], [np.nan] + [1.0] * 15, [np.inf] + [1.0] * 15], np.float32)
-  q, s = numerics.block_quantize(jnp.asarray(t), 16, jnp.float4_e2m1fn,
-                                 tensor_scale=jnp.float32(1e-3))  # too small: saturates
+  q, s = block_numerics.block_quantize(jnp.asarray(t), 16, jnp.float4_e2m1fn,
+                                       tensor_scale=jnp.float32(1e-3))  # too small: saturates
   sf = np.asarray(s.astype(jnp.float32))[:, 0]
   assert sf[0] == 448.0 and np.isnan(sf[1]) and np.isnan(sf[2])
   assert float(q[0, 15].astype(jnp.float32)) == 6.0  # the element saturates too
@@ -131,18 +132,18 @@ def _nv_gemm_ref(x, w, g, recipe):
   wd = (wf.T if recipe.kernel_2d_blocks else _nv_ref(w, g_w))     # (K, N) along N
   pad16 = lambda n: n + (-n) % 16
   # The library's noise source, seeded by the gradient role's state (_st()).
-  seed = numerics.bits_seed(*_st())
+  seed = randomness.bits_seed(*_st())
   u1 = None
   if sr:  # on the padded (1, M, Np) gradient
-    u1 = np.asarray(numerics.uniform_noise((1, g.shape[0], pad16(g.shape[1])), seed, 1))[0]
+    u1 = np.asarray(randomness.uniform_noise((1, g.shape[0], pad16(g.shape[1])), seed, 1))[0]
   dx = _nv_ref(g, g_g, u=u1) @ wd.T
-  rot = (lambda t: np.asarray(numerics.random_hadamard(t, hada))) if hada else (lambda t: t)
+  rot = (lambda t: np.asarray(randomness.random_hadamard(t, hada))) if hada else (lambda t: t)
   gt, xt = rot(g.T), rot(x.T)                                    # (N, M), (K, M)
   g_gt = _tensor_factor(gt) if hada else g_g
   g_xt = _tensor_factor(xt) if hada else g_x
   u2 = None
   if sr:  # on the padded (1, N, Mp) transposed gradient
-    u2 = np.asarray(numerics.uniform_noise((1, gt.shape[0], pad16(gt.shape[1])), seed, 2))[0]
+    u2 = np.asarray(randomness.uniform_noise((1, gt.shape[0], pad16(gt.shape[1])), seed, 2))[0]
   dw = (_nv_ref(gt, g_gt, u=u2) @ _nv_ref(xt, g_xt).T).T
   return y, dx, dw
 
@@ -161,19 +162,19 @@ def test_random_hadamard_is_the_signed_sylvester_matrix_and_keeps_products():
   h = np.array([[1.0]])
   while h.shape[0] < size:
     h = np.block([[h, h], [h, -h]])
-  mat = h * numerics.hadamard_signs(size)[None, :] / np.sqrt(size)  # H D / sqrt(n)
+  mat = h * randomness.hadamard_signs(size)[None, :] / np.sqrt(size)  # H D / sqrt(n)
   np.testing.assert_allclose(mat @ mat.T, np.eye(size), atol=1e-12)
   rng = np.random.default_rng(3)
   a, b = rng.normal(size=(3, 40)), rng.normal(size=(5, 40))  # 2 groups + 8 left alone
-  ra = np.asarray(numerics.random_hadamard(a.astype(np.float32), size), np.float64)
+  ra = np.asarray(randomness.random_hadamard(a.astype(np.float32), size), np.float64)
   want = np.concatenate([(a[:, :32].reshape(3, 2, 16) @ mat.T).reshape(3, 32), a[:, 32:]], 1)
   np.testing.assert_allclose(ra, want, rtol=1e-5, atol=1e-6)
-  rb = np.asarray(numerics.random_hadamard(b.astype(np.float32), size), np.float64)
+  rb = np.asarray(randomness.random_hadamard(b.astype(np.float32), size), np.float64)
   np.testing.assert_allclose(ra @ rb.T, a @ b.T, rtol=1e-5, atol=1e-5)
   # It spreads an outlier over its group.
   spike = np.zeros((1, 16), np.float32)
   spike[0, 3] = 8.0
-  np.testing.assert_allclose(np.abs(np.asarray(numerics.random_hadamard(spike, 16))), 2.0)
+  np.testing.assert_allclose(np.abs(np.asarray(randomness.random_hadamard(spike, 16))), 2.0)
 
 
 def test_stochastic_rounding_is_unbiased_and_stays_on_neighbours():
@@ -182,7 +183,7 @@ def test_stochastic_rounding_is_unbiased_and_stays_on_neighbours():
                           .astype(E2M1).astype(np.float32)}))
   n = 4000
   u = jax.random.uniform(jax.random.key(0), (n,) + y.shape)
-  r = np.asarray(jax.vmap(lambda u: numerics.stochastic_round_e2m1(y, u))(u))
+  r = np.asarray(jax.vmap(lambda u: block_numerics.stochastic_round_e2m1(y, u))(u))
   lo = grid[np.searchsorted(grid, np.asarray(y), side="right") - 1]
   hi = grid[np.minimum(np.searchsorted(grid, np.asarray(y), side="left"), len(grid) - 1)]
   assert np.all((r == lo) | (r == hi))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fp8_linen as fl
-from fp8_linen.core import numerics
+from fp8_linen.core import block_numerics
 
 E4, E5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 DN = (((1,), (0,)), ((), ()))
@@ -157,12 +157,12 @@ def _mxq(x, axis, bs=32, dtype=E4):
 @pytest.mark.parametrize("k", [64, 40])  # 40: the last block is padded
 def test_mx_quantize_reference_and_no_clipping(k):
   x = np.random.default_rng(k).normal(size=(6, k)).astype(np.float32) * 100
-  q, s = numerics.mx_quantize(jnp.asarray(x), 1, 32, jnp.float8_e4m3fn)
+  q, s = block_numerics.mx_quantize(jnp.asarray(x), 1, 32, jnp.float8_e4m3fn)
   assert q.dtype == jnp.float8_e4m3fn and s.dtype == jnp.float8_e8m0fnu
   assert s.shape == (6, -(-k // 32))
   sf = np.asarray(s.astype(jnp.float32))
   np.testing.assert_array_equal(sf, 2.0 ** np.round(np.log2(sf)))   # powers of two
-  d = np.asarray(numerics.mx_dequantize(q, s, 1, 32))
+  d = np.asarray(block_numerics.mx_dequantize(q, s, 1, 32))
   np.testing.assert_array_equal(d, _mxq(x, 1))
   assert np.all(np.abs(d - x) <= np.abs(x) * 2.0 ** -4 + 1e-30)      # rounding only, no clip
 

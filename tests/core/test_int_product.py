@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 import fp8_linen as fl
-from fp8_linen.core import int_numerics, int_ops, int_product
+from fp8_linen.core import int_codes, int_gemm, int_numerics, int_ops, int_product
 
 DN = (((1,), (0,)), ((), ()))
 Q = fl.IntQuantConfig
@@ -106,14 +106,14 @@ def test_the_forward_gemm_is_int8_by_int8_to_int32():
 
 
 def test_auto_gemm_on_cpu_uses_exact_bf16_below_the_bound_and_int8_above():
-  x_op = int_product.Operand(cfg=Q(), role="input", contract=(1,))
-  w_op = int_product.Operand(cfg=Q(), role="kernel", contract=(0,))
-  assert int_product.resolve_int_gemm("auto", 1024, x_op, w_op) == "bf16"  # 1024*128*128 = 2**24
-  assert int_product.resolve_int_gemm("auto", 1025, x_op, w_op) == "int8"
+  x_op = int_codes.Operand(cfg=Q(), role="input", contract=(1,))
+  w_op = int_codes.Operand(cfg=Q(), role="kernel", contract=(0,))
+  assert int_gemm.resolve_int_gemm("auto", 1024, x_op, w_op) == "bf16"  # 1024*128*128 = 2**24
+  assert int_gemm.resolve_int_gemm("auto", 1025, x_op, w_op) == "int8"
   with fl.target_backend("gpu"):
-    assert int_product.resolve_int_gemm("auto", 16, x_op, w_op) == "int8"
+    assert int_gemm.resolve_int_gemm("auto", 16, x_op, w_op) == "int8"
   with pytest.raises(ValueError, match=r"gemm='bf16' is not exact"):
-    int_product.resolve_int_gemm("bf16", 4096, x_op, w_op)
+    int_gemm.resolve_int_gemm("bf16", 4096, x_op, w_op)
 
 
 def _residuals(f, *args):
@@ -212,7 +212,7 @@ def test_conv_on_codes_matches_the_fake_quantized_float_conv():
   x = jax.random.normal(jax.random.key(0), (2, 9, 9, 4))
   w = jax.random.normal(jax.random.key(1), (3, 3, 4, 6))
   cdn = lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
-  conv = int_product.conv_static(4, dict(window_strides=(2, 1), padding="SAME"), cdn)
+  conv = int_gemm.conv_static(4, dict(window_strides=(2, 1), padding="SAME"), cdn)
   rng = jnp.zeros(2)
   y, _ = int_product.int_conv_general_dilated(x, w, conv, recipe=recipe, input_params=(rng,))
   xq = int_ops.observed_fake_quant(x, rng, cfg=recipe.input)[0]
@@ -224,7 +224,7 @@ def test_conv_on_codes_matches_the_fake_quantized_float_conv():
   text = jax.jit(lambda x, w: int_product.int_conv_general_dilated(
       x, w, conv, recipe=recipe, input_params=(rng,))[0]).lower(x, w).as_text()
   assert any("convolution" in l and "xi8>" in l and "xi32>" in l for l in text.splitlines())
-  assert not int_product.conv_supported(fl.int4_lsq_plus())
+  assert not int_gemm.conv_supported(fl.int4_lsq_plus())
 
 
 def test_jit_vmap_and_remat_give_the_eager_gradients():
@@ -317,7 +317,7 @@ def _conv_case(dtype):
   x = jax.random.normal(jax.random.key(0), (2, 9, 9, 4)).astype(dtype)
   w = (0.3 * jax.random.normal(jax.random.key(1), (3, 3, 4, 6))).astype(dtype)
   cdn = lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
-  conv = int_product.conv_static(4, dict(window_strides=(2, 1), padding="SAME"), cdn)
+  conv = int_gemm.conv_static(4, dict(window_strides=(2, 1), padding="SAME"), cdn)
   r = jax.random.normal(jax.random.key(2), (2, 5, 9, 6))
   return x, w, conv, r
 
@@ -445,9 +445,9 @@ def test_f32_conv_under_auto_is_the_pinned_float32_one_bit_for_bit():
 
 
 def test_resolve_compute_dtype():
-  res = lambda c, a: int_product.resolve_compute_dtype(c, a).name
+  res = lambda c, a: int_gemm.resolve_compute_dtype(c, a).name
   assert [res("auto", a) for a in (jnp.bfloat16, jnp.float32, jnp.float16, np.float64)] == [
       "bfloat16", "float32", "float32", "float32"]
   assert res("float32", jnp.bfloat16) == "float32" and res("bfloat16", jnp.float32) == "bfloat16"
   with pytest.raises(ValueError, match=r"compute_dtype='f16'.*\['auto', 'float32', 'bfloat16'\]"):
-    int_product.resolve_compute_dtype("f16", jnp.float32)
+    int_gemm.resolve_compute_dtype("f16", jnp.float32)

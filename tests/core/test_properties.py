@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from fp8_linen.core import int_numerics, numerics
+from fp8_linen.core import block_numerics, int_numerics, numerics
 from fp8_linen.recipes import FP8_DTYPES, IntQuantConfig, ScalingConfig
 
 PROPS = settings(max_examples=60, deadline=None, derandomize=True)
@@ -121,7 +121,7 @@ def test_every_scale_of_finite_inputs_is_finite(x, h, dtype, margin, algo):
   x = jnp.asarray(x)
   s = numerics.select_scale(cfg, jnp.ones((1,)), jnp.asarray(h), numerics.amax(x))
   rows = numerics.row_scale(x.reshape(4, 4), (1,), cfg)
-  _, mx = numerics.mx_quantize(x.reshape(2, 8), 1, 4, cfg.jnp_dtype)
+  _, mx = block_numerics.mx_quantize(x.reshape(2, 8), 1, 4, cfg.jnp_dtype)
   for t in (s, rows, mx.astype(jnp.float32)):
     assert np.all(np.isfinite(np.asarray(t, np.float32))) and np.all(np.asarray(t) > 0)
   lo, hi = float(jnp.min(x)), float(jnp.max(x))

@@ -132,7 +132,7 @@ def test_residuals_are_fp8_only():
                                             output_grad_state=fresh())[0]
   _, vjp_fn = jax.vjp(f, x, w)   # the residuals are the leaves of the vjp closure
   big = [r for r in jax.tree.leaves(vjp_fn) if r.size > 64]
-  # The fp8 copies, kept as their bytes (see core/product.py's _saved).
+  # The fp8 copies, kept as their bytes (see core/fp8_vjp.py's _saved).
   assert sorted((r.shape, str(r.dtype)) for r in big) == [
       ((2, 8, 8, 16), "uint8"), ((3, 3, 16, 16), "uint8")]
 

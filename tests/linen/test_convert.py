@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import fp8_linen as fl
-from fp8_linen.core import numerics
+from fp8_linen.core import block_numerics
 from fp8_linen.testing import hlo as hlo_text
 
 RECIPES = {
@@ -281,8 +281,8 @@ def test_nvfp4_served_kernel_codes_are_the_forward_tile_rows():
   np.testing.assert_array_equal(s, np.repeat(s[::16], 16, axis=0))
   # The codes are the (N, K) weight's 16 x 16 tiles quantized with its per-tensor factor.
   factor = sp["params"]["kernel_tensor_scale"][0] / 448.0
-  q, scales = numerics.block_quantize(v["params"]["kernel"].T, 16, jnp.float4_e2m1fn,
-                                      tensor_scale=factor, tile=True)
+  q, scales = block_numerics.block_quantize(v["params"]["kernel"].T, 16, jnp.float4_e2m1fn,
+                                            tensor_scale=factor, tile=True)
   np.testing.assert_array_equal(np.asarray(sp["params"]["kernel"].T.astype(jnp.float32)),
                                 np.asarray(q.astype(jnp.float32)))
   np.testing.assert_array_equal(s, np.asarray(scales.astype(jnp.float32)))

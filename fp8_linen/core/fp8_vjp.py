@@ -1,11 +1,13 @@
-"""The custom_vjp skeleton every fp8 product (GEMM or convolution) shares.
+"""The custom_vjp every fp8 product (GEMM or convolution) runs under.
 
-A product op takes ``(lhs, rhs, states, chain)`` with ``states`` three
+:func:`fp8_vjp` takes ``(spec, lhs, rhs, states, chain)`` with ``states`` three
 :class:`~fp8_linen.core.owg.RoleState` (``input``, ``kernel``,
-``output_grad``) and returns ``(y, chain_out)``. What differs between the
-tensor, row-wise and block GEMMs and the convolution is only the maths of the
-forward and of the two gradient products; each is a frozen, hashable *spec*
-(a static argument of :func:`product`) with two methods:
+``output_grad``) and returns ``(y, chain_out)``; its backward rule returns
+the gradients of ``lhs`` and ``rhs`` and the new state as the cotangent of
+``states`` (the protocol of :mod:`fp8_linen.core.owg`). What differs between
+the tensor, row-wise and block GEMMs and the convolution is only the maths of
+the forward and of the two gradient products; each is a frozen, hashable
+*spec* (the static first argument) with two methods:
 
 * ``forward(lhs, rhs, states) -> (y, (q_lhs, q_rhs), (amax_lhs, amax_rhs), extras)``:
   ``q_*`` are the fp8 operands (the only large residuals, named with
@@ -15,7 +17,7 @@ forward and of the two gradient products; each is a frozen, hashable *spec*
   (never called for an empty product: its gradients are zeros and it leaves
   the state unchanged).
 
-Specs derive from :class:`ProductSpec`, which holds what every product needs:
+Specs derive from :class:`Fp8Spec`, which holds what every product needs:
 the recipe (``cfgs`` gives the three roles' :class:`~fp8_linen.ScalingConfig`),
 the GEMM lowering, the dtypes and ``first`` (whether this use returns the
 state; see :mod:`fp8_linen.core.owg`).
@@ -42,13 +44,13 @@ import jax.ad_checkpoint
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import lowering, mesh, owg
+from fp8_linen.core import dims, lowering, mesh, owg
 
-__all__ = ["ProductSpec", "product"]
+__all__ = ["Fp8Spec", "DotSpec", "fp8_vjp"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ProductSpec:
+class Fp8Spec:
   """Static configuration every fp8 product spec carries (hashable).
 
   Attributes:
@@ -76,9 +78,45 @@ class ProductSpec:
     return (self.recipe.input, self.recipe.kernel, self.recipe.output_grad)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DotSpec(Fp8Spec):
+  """A GEMM spec: :class:`~fp8_linen.core.fp8_vjp.Fp8Spec` plus dimension numbers.
+
+  Its forward is two halves: ``quantize`` (the operands to fp8 with their
+  scales, from this step's state) and ``multiply`` (the GEMM of the quantized
+  operands, the scales applied once). The served model quantizes its input
+  with frozen scales and reads the weight from its stored codes, then runs
+  the same ``multiply``
+  (:func:`~fp8_linen.core.dot_general.fp8_dot_of`), so the two agree by
+  construction. (:class:`~fp8_linen.core.block_dot.BlockDot` multiplies its
+  operands' 3-D views; its served forward is
+  :meth:`~fp8_linen.core.block_dot.BlockDot.serve`.)
+  """
+
+  dn: dims.DimensionNumbers
+
+  def quantize(self, lhs, rhs, states):
+    """``(q_l, s_l, q_r, s_r, (amax_l, amax_r))``."""
+    raise NotImplementedError
+
+  @staticmethod
+  def multiply(q_l, s_l, q_r, s_r, *, dn, recipe, gemm: str, out_dtype):
+    """The product of the quantized operands.
+
+    See :func:`~fp8_linen.core.dot_general.fp8_dot_of`.
+    """
+    raise NotImplementedError
+
+  def forward(self, lhs, rhs, states):
+    q_l, s_l, q_r, s_r, amaxes = self.quantize(lhs, rhs, states)
+    y = self.multiply(q_l, s_l, q_r, s_r, dn=self.dn, recipe=self.recipe, gemm=self.gemm,
+                      out_dtype=self.out_dtype)
+    return y, (q_l, q_r), amaxes, (s_l, s_r)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def product(spec, lhs, rhs, states, chain):
-  """Runs ``spec``'s product with the OWG state protocol (see module doc)."""
+def fp8_vjp(spec, lhs, rhs, states, chain):
+  """``(y, chain)``: ``spec``'s product, its backward the OWG state protocol (see module doc)."""
   return spec.forward(lhs, rhs, states)[0], chain
 
 
@@ -93,7 +131,7 @@ def _saved(q):
   return jax.ad_checkpoint.checkpoint_name(mesh.as_bytes(q), owg.CHECKPOINT_NAME)
 
 
-def _product_fwd(spec, lhs, rhs, states, chain):
+def _fp8_vjp_fwd(spec, lhs, rhs, states, chain):
   with mesh.sharing_bytes():
     y, (q_l, q_r), amaxes, extras = spec.forward(lhs, rhs, states)
     # On an explicit mesh a spec may regather an operand (MX blocks along a
@@ -106,14 +144,15 @@ def _product_fwd(spec, lhs, rhs, states, chain):
   return (y, chain), res
 
 
-def _product_bwd(spec, res, cts):
+def _fp8_vjp_bwd(spec, res, cts):
   with mesh.sharing_bytes():
     return _backward(spec, res, cts)
 
 
 def _backward(spec, res, cts):
   (b_l, b_r), (a_l, a_r), extras, states = res
-  q_l, q_r = mesh.from_bytes(b_l, spec.cfgs[0].jnp_dtype), mesh.from_bytes(b_r, spec.cfgs[1].jnp_dtype)
+  q_l = mesh.from_bytes(b_l, spec.cfgs[0].jnp_dtype)
+  q_r = mesh.from_bytes(b_r, spec.cfgs[1].jnp_dtype)
   g, ct_chain = cts
   empty = q_l.size == 0 or q_r.size == 0 or g.size == 0
   if empty:
@@ -134,4 +173,4 @@ def _backward(spec, res, cts):
           state_cts, chain_ct)
 
 
-product.defvjp(_product_fwd, _product_bwd)
+fp8_vjp.defvjp(_fp8_vjp_fwd, _fp8_vjp_bwd)
