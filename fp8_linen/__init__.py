@@ -34,6 +34,7 @@ from fp8_linen.core.owg import (
     name_fp8_residual,
 )
 from fp8_linen.core.qdq import dequantize, quantize
+from fp8_linen.core.uses import StateUseError
 from fp8_linen.linen.activation import Fp8Activation, fp8_activation
 from fp8_linen.linen.conv import QConv
 from fp8_linen.linen.dense import Fp8DotGeneral, Fp8Einsum, QDense, QDenseGeneral, QEinsum
@@ -149,6 +150,7 @@ __all__ = [
     "observed_fake_quant",
     "EinsumPlan",
     "einsum_plan",
+    "StateUseError",
     "target_backend",
     "frozen_quantizers",
     # Linen layers

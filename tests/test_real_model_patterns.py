@@ -240,3 +240,53 @@ def test_products_inside_a_pallas_kernel_are_not_quantized():
   counts = qm.product_report(v, X).counts
   assert counts["quantized"] == 1 and "skipped" in counts, counts
   assert qm.apply(v, X).shape == (4, 8)
+
+
+class ScannedLayers(nn.Module):
+  """MaxText's ``scan_layers``: stacked weights, ``jax.lax.scan(jax.checkpoint(layer_fn))``."""
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.lecun_normal(), (3, 8, 8))
+
+    def layer_fn(h, w_l):
+      return h + jax.nn.gelu(jnp.einsum("bd,df->bf", h, w_l)), None
+
+    return jax.lax.scan(jax.checkpoint(layer_fn), x, w)[0]
+
+
+def test_a_models_own_scan_over_layers_runs_a_stateless_recipe():
+  # Per-layer state cannot enter a scan the model wrote itself: stateful
+  # recipes are refused there, current scaling without history keeps none.
+  qm = fl.quantize_model(ScannedLayers(), fl.delayed_scaling(history_length=4))
+  v = qm.init(jax.random.key(0), X)
+  with pytest.raises(fl.StateUseError, match="scan"):
+    jax.grad(lambda p: jnp.sum(qm.apply(p, X)))(v)
+
+  recipe = fl.current_scaling(history_length=0)
+  qm = fl.quantize_model(ScannedLayers(), recipe)
+  v = qm.init(jax.random.key(0), X)
+  assert set(v) == {"params"}  # nothing to checkpoint or merge
+  state = fl.TrainState.create(apply_fn=qm.apply, params=v, tx=optax.sgd(0.1))
+  float_params = {"params": v["params"]}
+  loss = lambda apply, p: jnp.mean((apply(p, X) - X) ** 2)
+
+  @jax.jit
+  def step(state):
+    grads = jax.grad(lambda p: loss(state.apply_fn, p))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  for _ in range(2):
+    state = step(state)
+  assert qm.product_report(state.params, X).counts == {"quantized": 1}
+  # Quantized, not float: the layers' products differ from the float model's.
+  y_q, y_f = qm.apply(v, X), ScannedLayers().apply(float_params, X)
+  assert not np.allclose(np.asarray(y_q), np.asarray(y_f), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(y_q), np.asarray(y_f), rtol=0.1, atol=0.1)
+  assert float(loss(qm.apply, state.params)) < float(loss(qm.apply, v))
+
+
+def test_history_length_zero_is_for_current_scaling_only():
+  assert not fl.ScalingConfig(scaling="current", history_length=0).keeps_state
+  with pytest.raises(ValueError, match="history_length=0"):
+    fl.ScalingConfig(scaling="delayed", history_length=0)

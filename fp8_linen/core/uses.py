@@ -254,7 +254,10 @@ def check_use(where: str, state_leaf, *, initializing: bool = False) -> None:
         "'_overwrite_with_gradient'])): every iteration would return a state update and JAX "
         "would add them (the amax times the number of iterations, compounding every step). "
         "Give each iteration its own state — nn.scan(..., variable_axes={fl.OWG: 0}) or "
-        "nn.RNN(..., variable_axes={fl.OWG: 0}) — or apply the layer outside the loop.")
+        "nn.RNN(..., variable_axes={fl.OWG: 0}) — or apply the layer outside the loop. "
+        "Where the loop is the model's own (a raw jax.lax.scan over stacked layers, "
+        "MaxText's scan_layers), use a recipe that keeps no state: "
+        "fl.current_scaling(history_length=0).")
   carried = _carried_into_loop(state_leaf)
   if carried:
     raise StateUseError(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fp8_linen.core import serve
+from fp8_linen.core import serve, uses
 from fp8_linen.core.conv import fp8_conv_general_dilated
 from fp8_linen.core.dot_general import fp8_dot_general
 from fp8_linen.core.owg import ROLES, RoleState, name_fp8_residual
@@ -40,6 +40,10 @@ def role_state(access, role: str, cfg: ScalingConfig) -> RoleState:
     ValueError: if stored state does not have the shapes ``cfg`` asks for
       (e.g. a checkpoint written with another history length).
   """
+  if not cfg.keeps_state:
+    # Current scaling without history: the op's state inputs are constants,
+    # so nothing is declared, differentiated or carried through a loop.
+    return RoleState(uses.constant((1,), 1.0, jnp.float32), uses.constant((1,), 0.0, jnp.float32))
   scale = access.state(f"{role}_scale", 1.0, (1,))
   hist = access.state(f"{role}_amax_history", 0.0, (cfg.history_length,))
   if scale.shape != (1,):
@@ -84,7 +88,7 @@ def _stored_role(access, role: str, cfg: ScalingConfig) -> RoleState:
   """A role's state as stored (the initial one where the layer has none)."""
   scale, hist = access.stored(f"{role}_scale"), access.stored(f"{role}_amax_history")
   return RoleState(jnp.ones((1,), jnp.float32) if scale is None else scale,
-                   jnp.zeros((cfg.history_length,), jnp.float32) if hist is None
+                   jnp.zeros((max(cfg.history_length, 1),), jnp.float32) if hist is None
                    else hist)
 
 

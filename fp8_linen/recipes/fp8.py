@@ -117,6 +117,10 @@ class ScalingConfig:
     scaling: ``'delayed'`` (scale from the amax history of earlier steps) or
       ``'current'`` (scale from this step's amax).
     history_length: number of past amax values kept (index 0 is the newest).
+      ``0`` (``'current'`` scaling only) keeps no state at all: nothing to
+      monitor or checkpoint for the role, and the layer can run where state
+      cannot travel, e.g. a model's own ``jax.lax.scan`` over its layers
+      (MaxText's ``scan_layers``), where a per-layer state would be refused.
     amax_compute_algo: ``'max'`` over the history or its ``'most_recent'``.
     margin: extra head-room, as a power of two (``s *= 2**margin``).
     power_of_two: round the scale up to a power of two (no rounding error is
@@ -135,9 +139,14 @@ class ScalingConfig:
     check_choice("ScalingConfig", "scaling", self.scaling, _SCALINGS)
     check_choice("ScalingConfig", "amax_compute_algo", self.amax_compute_algo, _ALGOS)
     if (not isinstance(self.history_length, (int, np.integer))
-        or isinstance(self.history_length, bool) or self.history_length < 1):
+        or isinstance(self.history_length, bool) or self.history_length < 0):
       raise ValueError(
-          f"ScalingConfig.history_length={self.history_length!r} must be an int >= 1")
+          f"ScalingConfig.history_length={self.history_length!r} must be an int >= 1 "
+          "(or 0 with scaling='current': no state kept)")
+    if self.history_length == 0 and self.scaling != "current":
+      raise ValueError(
+          "ScalingConfig.history_length=0 keeps no amax history, which delayed scaling "
+          "reads its scale from; use scaling='current' or history_length >= 1")
     if (not isinstance(self.margin, (int, np.integer)) or isinstance(self.margin, bool)
         or not -64 <= self.margin <= 64):
       raise ValueError(
@@ -145,6 +154,11 @@ class ScalingConfig:
     if not isinstance(self.power_of_two, bool):
       raise ValueError(
           f"ScalingConfig.power_of_two={self.power_of_two!r} must be True or False")
+
+  @property
+  def keeps_state(self) -> bool:
+    """Whether the role keeps a scale and an amax history (``history_length > 0``)."""
+    return self.history_length > 0
 
   @property
   def jnp_dtype(self):

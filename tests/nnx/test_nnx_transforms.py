@@ -163,3 +163,27 @@ def test_nnx_model_in_a_linen_bridge_trains_with_train_state():
     state = step(state)
   hist = np.asarray(state.params[fl.OWG]["ToLinen_0"]["a"]["input_amax_history"])
   np.testing.assert_allclose(hist, np.full_like(hist, AMAX), rtol=1e-6)
+
+
+def test_a_stateless_recipe_keeps_no_state_and_trains_through_a_raw_scan():
+  model = fl.nnx.Linear(8, 8, recipe=fl.current_scaling(history_length=0), rngs=nnx.Rngs(0))
+  assert not jax.tree.leaves(nnx.state(model, fl.nnx.QuantState))
+  opt = fl.nnx.Optimizer(model, optax.sgd(0.1))
+
+  def loss(m):
+    return jnp.mean(jax.lax.scan(lambda c, _: (m(c), None), X, None, length=3)[0] ** 2)
+
+  @nnx.jit
+  def step(m, opt):
+    value, grads = nnx.value_and_grad(loss)(m)
+    opt.update(m, grads)
+    return value
+
+  first = step(model, opt)
+  for _ in range(3):
+    last = step(model, opt)
+  assert float(last) < float(first)
+  # fp8, not float: the layer's output differs from a float product with its kernel.
+  y = model(X)
+  assert not np.allclose(np.asarray(y), np.asarray(X @ model.kernel[...] + model.bias[...]),
+                         atol=1e-6)
