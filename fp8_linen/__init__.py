@@ -34,6 +34,7 @@ from fp8_linen.core.owg import (
     name_fp8_residual,
 )
 from fp8_linen.core.qdq import dequantize, quantize
+from fp8_linen.core.ragged_dot import fp8_ragged_dot
 from fp8_linen.core.uses import StateUseError
 from fp8_linen.linen.activation import Fp8Activation, fp8_activation
 from fp8_linen.linen.conv import QConv
@@ -151,6 +152,7 @@ __all__ = [
     "EinsumPlan",
     "einsum_plan",
     "StateUseError",
+    "fp8_ragged_dot",
     "target_backend",
     "frozen_quantizers",
     # Linen layers

@@ -1,0 +1,169 @@
+"""The fp8 grouped GEMM: ``jax.lax.ragged_dot`` (an MoE's expert products) with fp8 operands.
+
+:func:`fp8_ragged_dot` multiplies ``lhs`` ``(m, k)`` (the routed tokens,
+sorted by group) with ``rhs`` ``(g, k, n)`` (one weight per group, e.g. per
+expert), rows ``[start_i, start_i + group_sizes[i])`` of ``lhs`` with
+``rhs[i]``, as ``jax.lax.ragged_dot`` does, in fp8: forward e4m3 x e4m3,
+dgrad e5m2 gradient x e4m3 weight, wgrad e4m3 tokens x e5m2 gradient (the
+ragged-contracting form, one ``(k, n)`` gradient per group).
+
+State layout: one per-tensor :class:`~fp8_linen.core.owg.RoleState` per role,
+as for a dense layer. ``input`` and ``output_grad`` measure every routed row;
+``kernel`` measures all groups' weights together (a group's weight is scaled
+with the largest of all of them). A group with no rows contributes nothing to
+the products; rows past ``sum(group_sizes)`` give zero output rows and a zero
+gradient, as in ``ragged_dot`` (they are measured by the input amax: keep
+padding rows zero). Row-wise and block recipes are refused (``ValueError``).
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from fp8_linen.core import owg, ragged_dot
+  >>> st = lambda: owg.RoleState(jnp.ones((1,)), jnp.zeros((4,)))
+  >>> y, _ = ragged_dot.fp8_ragged_dot(jnp.ones((5, 3)), jnp.ones((2, 3, 4)),
+  ...     jnp.array([2, 3]), input_state=st(), kernel_state=st(), output_grad_state=st())
+  >>> y.shape
+  (5, 4)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.ad_checkpoint
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fp8_linen.core import lowering, numerics, owg
+from fp8_linen.core.fp8_vjp import Fp8Spec
+from fp8_linen.recipes.fp8 import Fp8Recipe
+
+__all__ = ["fp8_ragged_dot", "ragged_gemm"]
+
+# wgrad: lhs (m, k) and g (m, n) contract their ragged rows; one (k, n) per group.
+_RAGGED_CONTRACTING = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[])
+
+
+def ragged_gemm(a, b, group_sizes, how: str, dimension_numbers=None):
+  """A grouped GEMM of two fp8 operands under the lowering ``how`` (float32 out).
+
+  ``'fp8'`` feeds the codes to the product (a GPU turns it into an fp8
+  GEMM); ``'bf16'`` / ``'f32'`` upcast them first, which is exact.
+  """
+  if how != "fp8":
+    up = jnp.bfloat16 if how == "bf16" else jnp.float32
+    a, b = a.astype(up), b.astype(up)
+  if dimension_numbers is None:
+    return lax.ragged_dot(a, b, group_sizes, preferred_element_type=jnp.float32)
+  return lax.ragged_dot_general(a, b, group_sizes, dimension_numbers,
+                                preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ragged_vjp(spec, lhs, rhs, group_sizes, states, chain):
+  return _forward(spec, lhs, rhs, group_sizes, states)[0], chain
+
+
+def _forward(spec, lhs, rhs, group_sizes, states):
+  c_l, c_r, _ = spec.cfgs
+  q_l, s_l, a_l = numerics.quantize_with(c_l, *states[0], lhs)
+  q_r, s_r, a_r = numerics.quantize_with(c_r, *states[1], rhs)
+  y = ragged_gemm(q_l, q_r, group_sizes, spec.gemm)
+  y = lowering.scaled(y, numerics.scale_product(s_l, s_r), spec.out_dtype)
+  named = lambda q: jax.ad_checkpoint.checkpoint_name(q, owg.CHECKPOINT_NAME)
+  return y, (named(q_l), named(q_r), s_l, s_r, (a_l, a_r))
+
+
+def _fwd(spec, lhs, rhs, group_sizes, states, chain):
+  y, res = _forward(spec, lhs, rhs, group_sizes, states)
+  return (y, chain), (res, group_sizes, states)
+
+
+def _bwd(spec, res, cts):
+  (q_l, q_r, s_l, s_r, (a_l, a_r)), group_sizes, states = res
+  g, ct_chain = cts
+  empty = q_l.size == 0 or q_r.size == 0 or g.size == 0
+  if empty:
+    # No rows (or no groups): the product is zero, its gradients too, and it
+    # observes nothing.
+    d_l, d_r = jnp.zeros(q_l.shape, spec.lhs_dtype), jnp.zeros(q_r.shape, spec.rhs_dtype)
+    a_l = a_r = a_g = jnp.zeros((), jnp.float32)
+  else:
+    q_g, s_g, a_g = numerics.quantize_with(spec.cfgs[2], *states[2], g)
+    # dgrad: g (m, n) x rhs[i]^T (n, k) per group.
+    d_l = ragged_gemm(q_g, jnp.swapaxes(q_r, 1, 2), group_sizes, spec.gemm)
+    d_l = lowering.scaled(d_l, numerics.scale_product(s_g, s_r), spec.lhs_dtype)
+    # wgrad: lhs rows^T (k, m_i) x g rows (m_i, n) per group.
+    d_r = ragged_gemm(q_l, q_g, group_sizes, spec.gemm, _RAGGED_CONTRACTING)
+    d_r = lowering.scaled(d_r, numerics.scale_product(s_g, s_l), spec.rhs_dtype)
+  if spec.frozen:
+    a_l = a_r = a_g = jnp.zeros((), jnp.float32)
+  state_cts, chain_ct = owg.state_cotangents(spec.cfgs, states, (a_l, a_r, a_g), ct_chain,
+                                             spec.first, empty=empty or spec.frozen)
+  zero_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
+  return d_l, d_r, zero_sizes, state_cts, chain_ct
+
+
+_ragged_vjp.defvjp(_fwd, _bwd)
+
+
+def fp8_ragged_dot(lhs, rhs, group_sizes, *, input_state: owg.RoleState,
+                   kernel_state: owg.RoleState, output_grad_state: owg.RoleState,
+                   recipe: Fp8Recipe | None = None, out_dtype=None, chain=None):
+  """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` with fp8 operands and fp8 gradient GEMMs.
+
+  Args:
+    lhs: floating ``(m, k)``: rows sorted by group.
+    rhs: floating ``(g, k, n)``: one weight per group.
+    group_sizes: integer ``(g,)``: rows per group, in order.
+    input_state: :class:`~fp8_linen.RoleState` of ``lhs``.
+    kernel_state: :class:`~fp8_linen.RoleState` of ``rhs`` (all groups).
+    output_grad_state: :class:`~fp8_linen.RoleState` of the output gradient.
+    recipe: a per-tensor :class:`~fp8_linen.Fp8Recipe` (default: delayed).
+    out_dtype: output dtype (default: the result type of ``lhs`` and ``rhs``).
+    chain: ``None`` for the first use of these states in a step, else the
+      previous use's ``chain_out``.
+
+  Returns:
+    ``(out (m, n), chain_out)``.
+
+  Raises:
+    ValueError: shapes that ``ragged_dot`` does not take, integer
+      ``group_sizes`` missing, or a row-wise / block recipe.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> st = lambda: fl.RoleState(jnp.ones((1,)), jnp.zeros((4,)))
+    >>> y, _ = fl.fp8_ragged_dot(jnp.ones((3, 2)), jnp.ones((2, 2, 2)), jnp.array([1, 2]),
+    ...     input_state=st(), kernel_state=st(), output_grad_state=st())
+    >>> y.tolist()
+    [[2.0, 2.0], [2.0, 2.0], [2.0, 2.0]]
+  """
+  recipe = recipe or Fp8Recipe()
+  if recipe.granularity != "tensor":
+    raise ValueError(f"fp8_ragged_dot: recipe granularity={recipe.granularity!r} is not "
+                     "supported for grouped GEMMs yet; use a per-tensor recipe "
+                     "(fl.delayed_scaling() or fl.current_scaling())")
+  lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+  owg.check_float("lhs", lhs)
+  owg.check_float("rhs", rhs)
+  if not jnp.issubdtype(group_sizes.dtype, jnp.integer) or group_sizes.ndim != 1:
+    raise ValueError(f"fp8_ragged_dot: group_sizes must be a 1-D integer array, got "
+                     f"{group_sizes.dtype}{list(group_sizes.shape)}")
+  if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1] \
+      or rhs.shape[0] != group_sizes.shape[0]:
+    raise ValueError(f"fp8_ragged_dot: expected lhs (m, k), rhs (g, k, n), group_sizes (g,); "
+                     f"got lhs {lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape}")
+  states = tuple(owg.check_state(name, st) for name, st in zip(
+      owg.ROLES, (input_state, kernel_state, output_grad_state)))
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  first = chain is None
+  spec = Fp8Spec(recipe=recipe, gemm=lowering.resolve_gemm(recipe), out_dtype=out_dtype,
+                 lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
+                 frozen=owg.quantizers_frozen())
+  return _ragged_vjp(spec, lhs, rhs, group_sizes.astype(jnp.int32), states,
+                     owg.chain_init(3) if first else chain)

@@ -1,0 +1,124 @@
+"""fp8 grouped GEMMs (``jax.lax.ragged_dot``): numerics against float64 with ml_dtypes casts,
+gradients, state, bad input, and the products an H100 runs (compile only)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp8_linen as fl
+from fp8_linen.core import owg
+
+GS = np.array([4, 0, 5, 3], np.int32)  # one empty group
+M, K, N, G = int(GS.sum()), 16, 8, len(GS)
+RECIPE = fl.current_scaling(history_length=4)
+
+
+def _st():
+  return owg.RoleState(jnp.ones((1,)), jnp.zeros((4,)))
+
+
+def _data(seed=0):
+  k = jax.random.split(jax.random.key(seed), 3)
+  lhs = jax.random.normal(k[0], (M, K))
+  rhs = jax.random.normal(k[1], (G, K, N))
+  ct = jax.random.normal(k[2], (M, N))
+  return lhs, rhs, ct
+
+
+def _q64(x, dtype):
+  """x in fp8 with a current per-tensor scale (amax / fp8 max), back in float64."""
+  x = np.asarray(x, np.float64)
+  s = np.abs(x).max() / float(ml_dtypes.finfo(dtype).max)
+  return (x / s).astype(np.float32).astype(dtype).astype(np.float64) * s
+
+
+def _ragged64(a, b, gs):
+  out, start = [], 0
+  for i, n in enumerate(gs):
+    out.append(a[start:start + n] @ b[i])
+    start += n
+  return np.concatenate(out)
+
+
+def _wgrad64(a, g, gs):
+  out, start = [], 0
+  for n in gs:
+    out.append(a[start:start + n].T @ g[start:start + n])
+    start += n
+  return np.stack(out)
+
+
+def _apply(lhs, rhs, states, gs=GS, recipe=RECIPE):
+  return fl.fp8_ragged_dot(lhs, rhs, gs, input_state=states[0], kernel_state=states[1],
+                           output_grad_state=states[2], recipe=recipe)[0]
+
+
+class RaggedNumericsTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_forward_and_gradients_match_fp8_products_in_float64(self):
+    lhs, rhs, ct = _data()
+    loss = lambda l, w, s: jnp.sum(_apply(l, w, s) * ct)
+    states = (_st(), _st(), _st())
+    y = self.variant(_apply)(lhs, rhs, states)
+    e4, e5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+    ql, qr, qg = _q64(lhs, e4), _q64(rhs, e4), _q64(ct, e5)
+    np.testing.assert_allclose(np.asarray(y), _ragged64(ql, qr, GS), rtol=2e-5, atol=2e-5)
+    d_l, d_r, d_s = self.variant(jax.grad(loss, argnums=(0, 1, 2)))(lhs, rhs, states)
+    np.testing.assert_allclose(np.asarray(d_l), _ragged64(qg, qr.transpose(0, 2, 1), GS),
+                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(d_r), _wgrad64(ql, qg, GS), rtol=2e-5, atol=2e-5)
+    assert not np.any(np.asarray(d_r[1]))  # the empty group gets no gradient
+    # The new state: each role's history starts with that tensor's amax.
+    for st, x in zip(d_s, (lhs, rhs, ct)):
+      np.testing.assert_allclose(float(st.amax_history[0]), float(jnp.max(jnp.abs(x))),
+                                 rtol=1e-6)
+
+
+def test_differs_from_float_and_is_close_to_it():
+  lhs, rhs, _ = _data(1)
+  y = _apply(lhs, rhs, (_st(), _st(), _st()))
+  ref = jax.lax.ragged_dot(lhs, rhs, GS)
+  assert not np.allclose(np.asarray(y), np.asarray(ref), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref), atol=0.15 * float(jnp.abs(ref).max()))
+  chex.assert_shape(y, (M, N))
+  chex.assert_type(y, jnp.float32)
+
+
+def test_rows_past_the_groups_are_zero_and_get_no_gradient():
+  lhs, rhs, ct = _data(2)
+  gs = np.array([3, 2, 0, 1], np.int32)  # 6 of 12 rows routed
+  y = _apply(lhs, rhs, (_st(), _st(), _st()), gs)
+  assert not np.any(np.asarray(y[6:]))
+  d_l = jax.grad(lambda l: jnp.sum(_apply(l, rhs, (_st(), _st(), _st()), gs) * ct))(lhs)
+  assert not np.any(np.asarray(d_l[6:]))
+
+
+def test_bad_input_is_named():
+  lhs, rhs, _ = _data()
+  with pytest.raises(ValueError, match="group_sizes"):
+    _apply(lhs, rhs, (_st(), _st(), _st()), np.array([1.0, 2.0, 3.0, 4.0]))
+  with pytest.raises(ValueError, match="rhs"):
+    _apply(lhs, rhs[:, :3], (_st(), _st(), _st()))
+  with pytest.raises(ValueError, match="granularity"):
+    _apply(lhs, rhs, (_st(), _st(), _st()), recipe=fl.rowwise_scaling())
+
+
+@pytest.mark.xdist_group("h100")
+def test_h100_runs_three_fp8_grouped_gemms(require_target):
+  h100 = require_target("h100")
+  from fp8_linen.testing.compile import compile_for  # pylint: disable=import-outside-toplevel
+
+  lhs, rhs, ct = _data()
+
+  def step(lhs, rhs, ct, states):
+    loss = lambda l, w, s: jnp.sum(_apply(l, w, s, recipe=fl.Fp8Recipe()) * ct)
+    # The loss too: without it XLA deletes the forward product.
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(lhs, rhs, states)
+
+  report = compile_for(h100, step, lhs.astype(jnp.bfloat16), rhs, ct.astype(jnp.bfloat16),
+                       (_st(), _st(), _st()))
+  assert report.classes == {"fp8": 3}, report.classes
