@@ -45,6 +45,7 @@ from fp8_linen.linen.access import (
     quantized_conv_on,
     quantized_dot_general_on,
     quantized_einsum_on,
+    quantized_ragged_dot_on,
 )
 from fp8_linen.model_quantization import (
     QuantizationRule,
@@ -168,6 +169,7 @@ __all__ = [
     "register_recipe",
     "quantized_dot_general_on",
     "quantized_einsum_on",
+    "quantized_ragged_dot_on",
     "quantized_conv_on",
     # whole models
     "QuantizationRule",

@@ -50,6 +50,7 @@ __all__ = ["TARGETS", "intercept", "original", "is_target"]
 TARGETS = {
     "jax.lax.dot_general": (jax.lax, "dot_general"),
     "jax.lax.conv_general_dilated": (jax.lax, "conv_general_dilated"),
+    "jax.lax.ragged_dot": (jax.lax, "ragged_dot"),
     "jax.numpy.einsum": (jnp, "einsum"),
     "jax.numpy.matmul": (jnp, "matmul"),
     "jax.numpy.dot": (jnp, "dot"),

@@ -98,8 +98,9 @@ from fp8_linen.core import settings, uses
 from fp8_linen.core.dims import einsum_plan
 from fp8_linen.core.owg import OWG
 from fp8_linen.linen.conv import conv_kwargs_from
+from fp8_linen.families.table import family_for
 from fp8_linen.linen.access import (quantized_conv_on, quantized_dot_general_on,
-                                    quantized_einsum_on)
+                                    quantized_einsum_on, quantized_ragged_dot_on)
 from fp8_linen.product_report import MARKERS, ProductReport, product_report
 from fp8_linen.recipes.fp8 import Fp8Recipe
 from fp8_linen.recipes.rules import (OPERANDS, OPS, QuantizationRule, normalize_rules,
@@ -498,10 +499,42 @@ def _conv_general_dilated(orig, lhs, rhs, *args, **kwargs):
       m, lhs, rhs, conv_kwargs, recipe, out_dtype=out_dtype))
 
 
+def _ragged_dot(orig, lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
+                **kwargs):
+  call = lambda: orig(lhs, rhs, group_sizes, precision=precision,
+                      preferred_element_type=preferred_element_type, **kwargs)
+  problem = None
+  if kwargs.get("group_offset") is not None:
+    problem = "it passes group_offset (a shard of the groups), which is not supported yet"
+  elif jnp.ndim(lhs) != 2 or jnp.ndim(rhs) != 3:
+    problem = f"its operands are {jnp.ndim(lhs)}-D and {jnp.ndim(rhs)}-D, not (m, k) x (g, k, n)"
+  target, status = _decide("ragged_dot", lhs, rhs, problem)
+  if target is None:
+    return _unquantized("ragged_dot", status, call)
+  frame, recipe = target
+  why = _ragged_problem(recipe)
+  if why is not None:
+    return _unquantized("ragged_dot", ("skipped", why), call)
+  return _run(frame, "ragged_dot", lambda m: quantized_ragged_dot_on(
+      m, lhs, rhs, group_sizes, recipe, out_dtype=preferred_element_type))
+
+
+def _ragged_problem(recipe) -> str | None:
+  """Why ``recipe`` cannot quantize a grouped GEMM, or ``None``."""
+  if family_for(recipe, "quantize_model").ragged_dot is None:
+    return (f"{type(recipe).__name__} has no quantized grouped GEMM yet (use an fp8 per-tensor "
+            "recipe for the experts)")
+  if getattr(recipe, "granularity", "tensor") != "tensor":
+    return (f"granularity={recipe.granularity!r} has no grouped GEMM yet (use an fp8 "
+            "per-tensor recipe for the experts)")
+  return None
+
+
 _HANDLERS = {"jax.lax.dot_general": _dot_general, "jax.numpy.einsum": _einsum,
              "jax.numpy.matmul": _matmul_like("matmul", _matmul_equation),
              "jax.numpy.dot": _matmul_like("dot", _dot_equation),
-             "jax.lax.conv_general_dilated": _conv_general_dilated}
+             "jax.lax.conv_general_dilated": _conv_general_dilated,
+             "jax.lax.ragged_dot": _ragged_dot}
 
 
 def _interceptor(next_fun, args, kwargs, context):

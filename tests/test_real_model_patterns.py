@@ -290,3 +290,48 @@ def test_history_length_zero_is_for_current_scaling_only():
   assert not fl.ScalingConfig(scaling="current", history_length=0).keeps_state
   with pytest.raises(ValueError, match="history_length=0"):
     fl.ScalingConfig(scaling="delayed", history_length=0)
+
+
+class RaggedMoe(nn.Module):
+  """MaxText's ``sparse_matmul`` and gemma's ``MoERagged``: experts as ``jax.lax.ragged_dot``."""
+
+  @nn.compact
+  def __call__(self, x, group_sizes):
+    w_in = self.param("w_in", nn.initializers.lecun_normal(), (4, 8, 16))
+    w_out = self.param("w_out", nn.initializers.lecun_normal(), (4, 16, 8))
+    h = jax.nn.gelu(jax.lax.ragged_dot(x, w_in, group_sizes))
+    return jax.lax.ragged_dot(h, w_out, group_sizes)
+
+
+ROUTED = jax.random.normal(jax.random.key(3), (12, 8))
+GROUPS = jnp.array([3, 0, 5, 4])  # one expert receives no token
+
+
+def test_moe_experts_as_ragged_dots_are_quantized_and_train():
+  qm = fl.quantize_model(RaggedMoe(), fl.delayed_scaling(history_length=4))
+  v = qm.init(jax.random.key(0), ROUTED, GROUPS)
+  assert qm.product_report(v, ROUTED, GROUPS).counts == {"quantized": 2}
+  y_q = qm.apply(v, ROUTED, GROUPS)
+  y_f = RaggedMoe().apply({"params": v["params"]}, ROUTED, GROUPS)
+  assert not np.allclose(np.asarray(y_q), np.asarray(y_f), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(y_q), np.asarray(y_f), atol=0.1)
+  state = fl.TrainState.create(apply_fn=qm.apply, params=v, tx=optax.adam(1e-2))
+  loss = lambda p: jnp.mean((state.apply_fn(p, ROUTED, GROUPS) - ROUTED) ** 2)
+
+  @jax.jit
+  def step(state):
+    return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+  for _ in range(3):
+    state = step(state)
+  hist = state.params[fl.OWG]["ragged_dot_0"]["input_amax_history"]
+  np.testing.assert_allclose(np.asarray(hist[:3]), float(jnp.max(jnp.abs(ROUTED))), rtol=1e-6)
+  assert float(state.params[fl.OWG]["ragged_dot_1"]["output_grad_amax_history"][0]) > 0
+
+
+def test_moe_experts_with_an_integer_recipe_say_they_run_in_float():
+  qm = fl.quantize_model(RaggedMoe(), fl.IntRecipe())
+  with pytest.warns(UserWarning, match="ragged_dot .* runs unquantized: IntRecipe"):
+    v = qm.init(jax.random.key(0), ROUTED, GROUPS)
+    report = qm.product_report(v, ROUTED, GROUPS)
+  assert report.counts == {"skipped": 2}

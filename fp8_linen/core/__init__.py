@@ -17,6 +17,7 @@ Its modules, each importing only modules listed above it:
 * ``block_dot``: the block-scaled fp8 ``dot_general`` (``BlockDot``);
 * ``dot_general``: ``fp8_dot_general``: per-tensor and row-wise specs, the block one's entry;
 * ``conv``: ``fp8_conv_general_dilated``;
+* ``ragged_dot``: ``fp8_ragged_dot``: grouped GEMMs (``jax.lax.ragged_dot``, an MoE's experts);
 * ``int_ops``: integer fake quantization with custom gradients: STE, LSQ, LSQ+, observers;
 * ``int_codes``: an operand as int8 codes with the parameters that make it exact;
 * ``int_gemm``: the exact integer GEMM and convolution of codes, and their lowering;

@@ -34,6 +34,8 @@ import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+# Bound at import, before quantize_model can intercept jax.lax.ragged_dot.
+from jax.lax import ragged_dot as lax_ragged_dot
 
 from fp8_linen.core import lowering, numerics, owg
 from fp8_linen.core.fp8_vjp import Fp8Spec
@@ -57,7 +59,7 @@ def ragged_gemm(a, b, group_sizes, how: str, dimension_numbers=None):
     up = jnp.bfloat16 if how == "bf16" else jnp.float32
     a, b = a.astype(up), b.astype(up)
   if dimension_numbers is None:
-    return lax.ragged_dot(a, b, group_sizes, preferred_element_type=jnp.float32)
+    return lax_ragged_dot(a, b, group_sizes, preferred_element_type=jnp.float32)
   return lax.ragged_dot_general(a, b, group_sizes, dimension_numbers,
                                 preferred_element_type=jnp.float32)
 

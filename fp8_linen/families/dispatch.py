@@ -27,7 +27,7 @@ from fp8_linen.families import modes
 from fp8_linen.families.access import VariableAccess
 from fp8_linen.families.table import RecipeFamily, check_recipe, family_for
 
-__all__ = ["declare", "dot_general", "conv", "einsum", "einsum_operands", "einsum_kernel",
+__all__ = ["declare", "dot_general", "conv", "ragged_dot", "einsum", "einsum_operands", "einsum_kernel",
            "servable_error"]
 
 
@@ -134,6 +134,37 @@ def conv(access: VariableAccess, lhs, rhs, conv_kwargs: dict, recipe, out_dtype=
               served=lambda arrays, where: family.served_conv(
                   lhs, rhs, conv_kwargs, recipe=recipe, arrays=arrays, out_dtype=out_dtype,
                   where=where))
+
+
+def ragged_dot(access: VariableAccess, lhs, rhs, group_sizes, recipe, out_dtype=None,
+               key: str = "ragged"):
+  """``recipe``'s quantized grouped GEMM (``jax.lax.ragged_dot``) on a layer.
+
+  Args:
+    access: the layer's variables.
+    lhs: the ``input`` operand ``(m, k)``, rows sorted by group.
+    rhs: the ``kernel`` operand ``(g, k, n)``: one weight per group.
+    group_sizes: integer ``(g,)``.
+    recipe: a recipe whose family has a grouped GEMM.
+    out_dtype: output dtype (default: the result type of the operands).
+    key: chain key.
+
+  Raises:
+    ValueError: the recipe's family has no grouped GEMM, or the model is
+      being converted or served (grouped GEMMs are trained only, for now).
+  """
+  family = family_for(recipe, access.owner)
+  if family.ragged_dot is None:
+    raise ValueError(f"{access.path}: {type(recipe).__name__} has no quantized grouped GEMM "
+                     "(jax.lax.ragged_dot); use an fp8 per-tensor recipe "
+                     "(fl.delayed_scaling(), fl.current_scaling()) for the experts, or a rule "
+                     "that leaves them unquantized")
+  in_mode = modes.current_mode()
+  if in_mode in ("convert", "serve"):
+    raise ValueError(f"{access.path}: a quantized grouped GEMM (jax.lax.ragged_dot) cannot be "
+                     f"{'converted' if in_mode == 'convert' else 'served'} yet; convert a "
+                     "model whose rules leave the experts unquantized")
+  return family.ragged_dot(access, lhs, rhs, group_sizes, recipe, out_dtype, key)
 
 
 def _reduce(x, axes):

@@ -27,9 +27,10 @@ from fp8_linen.core.conv import fp8_conv_general_dilated
 from fp8_linen.core.dot_general import fp8_dot_general
 from fp8_linen.core.owg import ROLES, RoleState, name_fp8_residual
 from fp8_linen.core.qdq import dequantize, quantize
+from fp8_linen.core.ragged_dot import fp8_ragged_dot
 from fp8_linen.recipes.fp8 import ActivationRecipe, Fp8Recipe, ScalingConfig
 
-__all__ = ["role_state", "declare", "dot_general", "conv", "record", "activation",
+__all__ = ["role_state", "declare", "dot_general", "conv", "ragged_dot", "record", "activation",
            "declare_activation"]
 
 
@@ -82,6 +83,15 @@ def conv(access, lhs, rhs, conv_kwargs: dict, recipe: Fp8Recipe, out_dtype=None,
   return access.chained(key, lambda chain: fp8_conv_general_dilated(
       lhs, rhs, **conv_kwargs, input_state=st[0], kernel_state=st[1],
       output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain), st[0].scale)
+
+
+def ragged_dot(access, lhs, rhs, group_sizes, recipe: Fp8Recipe, out_dtype=None,
+               key: str = "ragged"):
+  """:func:`~fp8_linen.fp8_ragged_dot` on the layer's state, chained under ``key``."""
+  st = _states(access, recipe)
+  return access.chained(key, lambda chain: fp8_ragged_dot(
+      lhs, rhs, group_sizes, input_state=st[0], kernel_state=st[1], output_grad_state=st[2],
+      recipe=recipe, out_dtype=out_dtype, chain=chain), st[0].scale)
 
 
 def _stored_role(access, role: str, cfg: ScalingConfig) -> RoleState:

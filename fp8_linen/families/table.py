@@ -79,6 +79,9 @@ class RecipeFamily:
       stored ``arrays`` (``where`` names the layer in errors).
     served_conv: ``fn(lhs, rhs, conv_kwargs, *, recipe, arrays, out_dtype,
       where) -> out``, or ``None``.
+    ragged_dot: ``fn(access, lhs, rhs, group_sizes, recipe, out_dtype, key)
+      -> out``: the QAT grouped GEMM (``jax.lax.ragged_dot``: an MoE's
+      experts), or ``None`` when the family has none.
 
   Example:
     >>> import fp8_linen as fl
@@ -94,13 +97,14 @@ class RecipeFamily:
   record: Callable | None = None
   served_dot: Callable | None = None
   served_conv: Callable | None = None
+  ragged_dot: Callable | None = None
 
 
 _TABLE: dict[type, RecipeFamily] = {
     Fp8Recipe: RecipeFamily(
         declare=fp8.declare, dot_general=fp8.dot_general, conv=fp8.conv,
         servable=serve.fp8_servable, record=fp8.record, served_dot=serve.fp8_served_dot,
-        served_conv=serve.fp8_served_conv),
+        served_conv=serve.fp8_served_conv, ragged_dot=fp8.ragged_dot),
     IntRecipe: RecipeFamily(
         declare=integer.declare, dot_general=integer.dot_general, conv=integer.conv,
         servable=serve.int_servable, record=integer.record, served_dot=serve.int_served_dot,

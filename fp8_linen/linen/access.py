@@ -39,7 +39,7 @@ from fp8_linen.families import dispatch
 from fp8_linen.families.access import VariableAccess
 
 __all__ = ["SERVED", "RECORD", "LinenAccess", "quantized_dot_general_on",
-           "quantized_einsum_on", "quantized_conv_on"]
+           "quantized_ragged_dot_on", "quantized_einsum_on", "quantized_conv_on"]
 
 SERVED = "fp8_linen_served"  # the collection 'convert' mode writes
 RECORD = "conversion_record"  # a product's record in it (names are unique across collections)
@@ -197,6 +197,15 @@ def quantized_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, rec
   """
   return dispatch.dot_general(LinenAccess(module), lhs, rhs, dimension_numbers, recipe,
                               out_dtype, key)
+
+
+def quantized_ragged_dot_on(module: nn.Module, lhs, rhs, group_sizes, recipe, out_dtype=None,
+                            key: str = "ragged"):
+  """Runs ``recipe``'s quantized grouped GEMM (``jax.lax.ragged_dot``) on ``module``'s state.
+
+  See :func:`fp8_linen.families.dispatch.ragged_dot`.
+  """
+  return dispatch.ragged_dot(LinenAccess(module), lhs, rhs, group_sizes, recipe, out_dtype, key)
 
 
 def quantized_einsum_on(module: nn.Module, equation: str, lhs, rhs, recipe, out_dtype=None,

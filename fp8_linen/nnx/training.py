@@ -119,7 +119,8 @@ class Optimizer(nnx.Optimizer):
     if nnx.filterlib.to_predicate(wrt)(("x",), QuantState(jnp.zeros(()))):
       raise ValueError("Optimizer: wrt must not select QuantState (its gradient is its new "
                        "value; it is written, not optimised)")
-    super().__init__(model, tx, wrt=wrt, graph=graph)
+    # flax 0.12.3 (EasyDeL pins it) has no `graph` argument: pass it only when asked for.
+    super().__init__(model, tx, wrt=wrt, **({} if graph is None else {"graph": graph}))
     if hasattr(tx, "has_updated"):
       # Max over the micro-batches' state updates, written when the optimizer steps.
       self.quant_acc = nnx.data(jax.tree.map(

@@ -23,7 +23,7 @@ __all__ = ["OPS", "OPERANDS", "QuantizationRule", "high_precision_layers", "norm
 
 # Op kinds: the Linen quantize_model intercepts all five; the NNX one matches
 # its layers as dot_general (Linear, LinearGeneral), einsum (Einsum) and conv.
-OPS = ("dot_general", "einsum", "conv", "matmul", "dot")
+OPS = ("dot_general", "einsum", "conv", "matmul", "dot", "ragged_dot")
 OPERANDS = ("any", "weight", "activations", "embedding")
 
 
