@@ -125,8 +125,8 @@ def test_public_names_are_explicit():
 
 
 # fp8_linen.testing, one idea per module: each imports only the ones before it.
-TESTING_ORDER = ["hlo", "estimate", "targets", "train_step", "compile", "cases", "cli",
-                 "collectives"]
+TESTING_ORDER = ["hlo", "hlo_products", "hlo_collectives", "hlo_kernels", "estimate", "targets",
+                 "train_step", "compile", "cases", "cli", "collectives"]
 
 
 def _testing_imports(path: pathlib.Path):
