@@ -10,6 +10,7 @@ fills a table of ours on import.
 import ast
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -108,6 +109,33 @@ def test_core_modules_import_each_other_one_way():
          for i, name in enumerate(listed) for target in _core_imports(core / f"{name}.py")
          if listed.index(target) >= i]
   assert not bad, "\n".join(bad)
+
+
+def test_architecture_names_every_module():
+  """docs/ARCHITECTURE.md names every module of the package, as it names them.
+
+  A subpackage's module by its stem, backticked, in the row of its folder's
+  layer (``| `core/` | ... `dims` ...``) or by its path anywhere
+  (```nnx/layers.py```); a top-level module by its file name (```training.py```).
+  """
+  doc = (PKG.parent / "docs" / "ARCHITECTURE.md").read_text()
+  ticked = set(re.findall(r"`([^`]+)`", doc))
+  rows = {m.group(1): set(re.findall(r"`([^`]+)`", line)) for line in doc.splitlines()
+          if (m := re.match(r"\| `([\w/]+)/` \|", line))}
+  missing = []
+  for path in sorted(PKG.rglob("*.py")):
+    rel = path.relative_to(PKG)
+    if path.name == "__init__.py":
+      continue
+    if len(rel.parts) == 1:
+      named = rel.name in ticked
+    else:
+      folder = "/".join(rel.parts[:-1])
+      named = (path.stem in rows.get(folder, ()) or f"{folder}/{path.name}" in ticked
+               or f"{folder}/{path.stem}" in ticked)
+    if not named:
+      missing.append(str(rel))
+  assert not missing, f"docs/ARCHITECTURE.md does not name: {missing}"
 
 
 def test_owg_is_flax_collection_name():
