@@ -63,7 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import fp8_linen as fl  # noqa: E402
-from fp8_linen.testing import estimate, hlo  # noqa: E402
+from fp8_linen.testing import estimate, hlo, hlo_kernels, hlo_products  # noqa: E402
 
 BASELINE = "bf16_dense"
 FLAX_FP8 = "flax_fp8_direct"
@@ -129,7 +129,7 @@ def peaks_for(kind: str, name: str | None) -> tuple[str, estimate.Peaks, str]:
 def product_summary(text: str) -> dict:
   """Products of an optimized HLO module: the GPU counts and a ``kind/class`` histogram."""
   module = hlo.parse(text)
-  prods = hlo.products(module)
+  prods = hlo_products.products(module)
   counts = common.gpu_products(text)
   counts["by_kind_and_class"] = dict(sorted(collections.Counter(
       f"{p.kind}{'(' + p.target + ')' if p.target else ''}/{p.operand_class}"
@@ -139,7 +139,7 @@ def product_summary(text: str) -> dict:
 
 def estimate_row(text: str, peaks: estimate.Peaks) -> dict:
   """The estimate (compile only) of one compiled step with ``peaks``."""
-  est = estimate.estimate(hlo.kernels(hlo.parse(text)), peaks)
+  est = estimate.estimate(hlo_kernels.kernels(hlo.parse(text)), peaks)
   return {"ms": est.seconds * 1e3, "product_ms": est.product_seconds * 1e3,
           "low_precision_share": est.low_precision_share, "other_bytes": est.other_bytes,
           "flops_by_class": dict(est.flops), "kernels": len(est.kernels)}

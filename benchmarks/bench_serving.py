@@ -43,6 +43,7 @@ import common  # noqa: E402
 
 import fp8_linen as fl  # noqa: E402
 from fp8_linen.testing import hlo as hlo_text  # noqa: E402
+from fp8_linen.testing import hlo_products  # noqa: E402
 from fp8_linen.testing import targets  # noqa: E402
 from fp8_linen.testing.compile import compile_for  # noqa: E402
 
@@ -90,13 +91,13 @@ def _served_arm(d, blocks, recipe):
 def cpu_dots(hlo: str) -> list[str]:
   """``'lhs x rhs -> out'`` of every dot in an optimized HLO module."""
   return sorted(f"{p.operands[0]} x {p.operands[1]} -> {p.out}"
-                for p in hlo_text.products(hlo_text.parse(hlo)) if p.kind == "dot")
+                for p in hlo_products.products(hlo_text.parse(hlo)) if p.kind == "dot")
 
 
 def gpu_gemms(hlo: str) -> list[str]:
   """``'target: lhs x rhs'`` of every cuBLAS GEMM and remaining dot of an XLA:GPU module."""
   out = []
-  for p in hlo_text.products(hlo_text.parse(hlo)):
+  for p in hlo_products.products(hlo_text.parse(hlo)):
     if p.kind == "cublas":
       out.append(f"{p.target}: {p.operands[0]} x {p.operands[1]}")
     elif p.kind == "dot":

@@ -161,7 +161,7 @@ def measure(widths, arms, reps: int, quick: bool) -> dict:
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   sys.path.insert(0, HERE)
   import common  # pylint: disable=import-outside-toplevel
-  from fp8_linen.testing import estimate, hlo  # pylint: disable=import-outside-toplevel
+  from fp8_linen.testing import estimate, hlo, hlo_kernels  # pylint: disable=import-outside-toplevel
   from fp8_linen.testing.train_step import make_train_step  # pylint: disable=import-outside-toplevel
   kind = jax.devices()[0].device_kind
   peaks = estimate.PEAKS.get(KINDS.get(kind, ""))
@@ -179,7 +179,8 @@ def measure(widths, arms, reps: int, quick: bool) -> dict:
       rows[arm] = {}
       if peaks is not None:
         module = hlo.parse(compiled.as_text())
-        rows[arm]["estimate_ms"] = estimate.estimate(hlo.kernels(module), peaks).seconds * 1e3
+        est = estimate.estimate(hlo_kernels.kernels(module), peaks)
+        rows[arm]["estimate_ms"] = est.seconds * 1e3
       fns[arm] = (lambda s, v, x, r: lambda: s(v, x, r))(step, v, x, r)
     times = common.time_interleaved(fns, reps=reps, warmup=3)
     for arm in arms:

@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 import fp8_linen as fl
-from fp8_linen.testing import hlo
+from fp8_linen.testing import hlo_products
 from fp8_linen.testing.compile import CompileReport
 from fp8_linen.testing.train_step import make_train_step as make_grads_step
 
@@ -153,10 +153,10 @@ def memory_stats(compiled) -> dict | None:
 def gpu_products(hlo_text: str) -> dict:
   """fp8 products among all products of optimized XLA:GPU HLO (``compiled.as_text()``).
 
-  The counting is :func:`fp8_linen.testing.hlo.count_products`, the
+  The counting is :func:`fp8_linen.testing.hlo_products.count_products`, the
   same on a real GPU and in the deviceless H100 compile.
   """
-  c = hlo.count_products(hlo_text)
+  c = hlo_products.count_products(hlo_text)
   return {"fp8_products": c.fp8_products, "products": c.products, "fp8_gemms": c.fp8_gemms,
           "gemms": c.gemms, "fp8_convs": c.fp8_convs, "convs": c.convs,
           "fp8_triton_gemms": c.fp8_triton_gemms, "triton_gemms": c.triton_gemms,

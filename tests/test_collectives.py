@@ -32,7 +32,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import fp8_linen as fl
 import fp8_linen.nnx as fnnx
 from fp8_linen.testing import collectives as col
-from fp8_linen.testing import hlo
+from fp8_linen.testing import hlo, hlo_collectives, hlo_products
 from fp8_linen.testing.cases import DecoderBlock
 from fp8_linen.testing.train_step import make_train_step, train_step_inputs
 
@@ -45,7 +45,7 @@ CODES = {"u8", "s8", "f8e4m3fn", "f8e5m2"}
 
 def _gradient_reduction(r):
   """The step's largest all-reduce: the parameters' gradients."""
-  reduces = [c for c in hlo.collectives(hlo.parse(r.hlo_text))
+  reduces = [c for c in hlo_collectives.collectives(hlo.parse(r.hlo_text))
              if c.kind == "all-reduce" and not c.conditional]
   return max(reduces, key=lambda c: c.nbytes)
 
@@ -82,7 +82,7 @@ def _shard_map_reduces(arm, depth):
 
   with jax.set_mesh(mesh), fl.target_backend("cpu"):
     f = jax.jit(jax.shard_map(per_device, in_specs=(P(), P("d")), out_specs=P()))
-    found = hlo.collectives(hlo.parse(f.lower(v, x).compile().as_text()))
+    found = hlo_collectives.collectives(hlo.parse(f.lower(v, x).compile().as_text()))
   reduces = [c for c in found if c.kind == "all-reduce"]
   return (sum(not c.conditional for c in reduces), sum(c.conditional for c in reduces))
 
@@ -135,7 +135,7 @@ def test_h100_weights_are_gathered_as_codes(require_target, arm):
   assert r.gathers and r.gathers_in_codes, r.gathers
   assert r.gather_bytes <= 0.25 * r.kernel_f32_bytes
   assert r.gather_bytes <= 0.5 * bf16.gather_bytes  # XLA:GPU gathers the bf16 weights as bf16
-  counts = hlo.count_products(r.hlo_text)
+  counts = hlo_products.count_products(r.hlo_text)
   if arm == "fp8_current":  # still fp8 GEMMs: forward, dgrad, wgrad of every layer
     assert counts.fp8_gemms == 12, counts
 
@@ -165,8 +165,8 @@ def _fsdp_spec(path, a):
 
 def _kernel_gathers(text, kernel_shapes):
   """The gathered arrays shaped like a kernel: ``[(dtype, shape)]``."""
-  return [(a.dtype, a.shape) for c in hlo.collectives(hlo.parse(text)) if c.kind == "all-gather"
-          for a in c.arrays if tuple(a.shape) in kernel_shapes]
+  return [(a.dtype, a.shape) for c in hlo_collectives.collectives(hlo.parse(text))
+          if c.kind == "all-gather" for a in c.arrays if tuple(a.shape) in kernel_shapes]
 
 
 def _kernel_shapes(tree):

@@ -10,6 +10,7 @@ fills a table of ours on import.
 import ast
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -110,6 +111,33 @@ def test_core_modules_import_each_other_one_way():
   assert not bad, "\n".join(bad)
 
 
+def test_architecture_names_every_module():
+  """docs/ARCHITECTURE.md names every module of the package, as it names them.
+
+  A subpackage's module by its stem, backticked, in the row of its folder's
+  layer (``| `core/` | ... `dims` ...``) or by its path anywhere
+  (```nnx/layers.py```); a top-level module by its file name (```training.py```).
+  """
+  doc = (PKG.parent / "docs" / "ARCHITECTURE.md").read_text()
+  ticked = set(re.findall(r"`([^`]+)`", doc))
+  rows = {m.group(1): set(re.findall(r"`([^`]+)`", line)) for line in doc.splitlines()
+          if (m := re.match(r"\| `([\w/]+)/` \|", line))}
+  missing = []
+  for path in sorted(PKG.rglob("*.py")):
+    rel = path.relative_to(PKG)
+    if path.name == "__init__.py":
+      continue
+    if len(rel.parts) == 1:
+      named = rel.name in ticked
+    else:
+      folder = "/".join(rel.parts[:-1])
+      named = (path.stem in rows.get(folder, ()) or f"{folder}/{path.name}" in ticked
+               or f"{folder}/{path.stem}" in ticked)
+    if not named:
+      missing.append(str(rel))
+  assert not missing, f"docs/ARCHITECTURE.md does not name: {missing}"
+
+
 def test_owg_is_flax_collection_name():
   from flax.linen import fp8_ops
   assert fl.OWG == fp8_ops.OVERWRITE_WITH_GRADIENT
@@ -125,8 +153,8 @@ def test_public_names_are_explicit():
 
 
 # fp8_linen.testing, one idea per module: each imports only the ones before it.
-TESTING_ORDER = ["hlo", "estimate", "targets", "train_step", "compile", "cases", "cli",
-                 "collectives"]
+TESTING_ORDER = ["hlo", "hlo_products", "hlo_collectives", "hlo_kernels", "estimate", "targets",
+                 "train_step", "compile", "cases", "cli", "collectives"]
 
 
 def _testing_imports(path: pathlib.Path):

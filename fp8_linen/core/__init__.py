@@ -22,7 +22,9 @@ Its modules, each importing only modules listed above it:
 * ``int_codes``: an operand as int8 codes with the parameters that make it exact;
 * ``int_gemm``: the exact integer GEMM and convolution of codes, and their lowering;
 * ``int_product``: the integer product's custom_vjp (``int_dot_general``, ...);
-* ``serve``: served products (the QAT forward from stored codes) and conversion records.
+* ``serve``: what serving stores (the arrays' names) and the conversion records both APIs share;
+* ``fp8_serve``: fp8 served products: the QAT forward from stored fp8 codes, their records;
+* ``int_serve``: integer served products: the QAT forward from stored int8/int4 codes, records.
 
 Numerics modules are ``jnp`` functions without autodiff rules (they read the
 traced-for backend and ``shard_map``'s axes through ``lowering``); the ops

@@ -146,7 +146,7 @@ def _on_mesh(a, b, conv_cfg, which: str, local, a_scale, b_scale, out_sharding=N
 def fp8_conv_of(q_l, s_l, q_r, s_r, conv_cfg, gemm: str, out_dtype):
   """The forward convolution of two fp8 operands with scalar scales, lowered as ``gemm``.
 
-  Shared by the training product and the served model (``core/serve.py``).
+  Shared by the training product and the served model (``core/fp8_serve.py``).
   ``conv_cfg`` is :func:`conv_config`'s tuple. On a mesh the operands move as
   fp8 codes (:func:`fp8_linen.core.mesh.multiply_codes`).
   """

@@ -28,7 +28,7 @@ from fp8_linen.core.lowering import grad_gemm, relayout_like
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
 # These lived here until the block product got its own module: importable from
-# here for one release (core/serve.py imports them from here).
+# here for one release (core/fp8_serve.py imports them from here).
 from fp8_linen.core.block_dot import block_codes, block_factor, block_fold_kernel  # noqa: F401,E402
 from fp8_linen.core.lowering import relayout  # noqa: F401,E402
 
@@ -118,7 +118,7 @@ def fp8_dot_of(q_l, s_l, q_r, s_r, dn, *, recipe: Fp8Recipe, gemm: str, out_dtyp
   """The forward product of two quantized operands, as ``recipe.granularity`` multiplies them.
 
   The "multiply" half of every spec's forward, shared by the training
-  product and the served model (``core/serve.py``), as
+  product and the served model (``core/fp8_serve.py``), as
   :func:`~fp8_linen.core.conv.fp8_conv_of` is for convolutions. ``s_*`` are
   the scales the "quantize" half made: per tensor scalars, per row/channel
   arrays in the operand's layout. Block products multiply 3-D views of their

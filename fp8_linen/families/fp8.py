@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fp8_linen.core import serve, uses
+from fp8_linen.core import fp8_serve, uses
 from fp8_linen.core.conv import fp8_conv_general_dilated
 from fp8_linen.core.dot_general import fp8_dot_general
 from fp8_linen.core.owg import ROLES, RoleState, name_fp8_residual
@@ -103,10 +103,11 @@ def _stored_role(access, role: str, cfg: ScalingConfig) -> RoleState:
 
 
 def record(access, recipe: Fp8Recipe, rhs, contract, *, batch=(), conv: bool = False):
-  """The product's conversion record (:func:`~fp8_linen.core.serve.fp8_record`)."""
-  return serve.fp8_record(recipe, rhs, contract, _stored_role(access, "input", recipe.input),
-                          _stored_role(access, "kernel", recipe.kernel), conv=conv,
-                          batch=batch)
+  """The product's conversion record (:func:`~fp8_linen.core.fp8_serve.fp8_record`)."""
+  return fp8_serve.fp8_record(recipe, rhs, contract,
+                              _stored_role(access, "input", recipe.input),
+                              _stored_role(access, "kernel", recipe.kernel), conv=conv,
+                              batch=batch)
 
 
 def declare_activation(access, recipe: ActivationRecipe) -> None:

@@ -53,7 +53,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import dims, int_numerics, int_ops, int_product, lowering, serve
+from fp8_linen.core import dims, int_numerics, int_ops, int_product, int_serve, lowering
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["declare", "dot_general", "conv", "record", "quantize_operand", "operand_params"]
@@ -256,6 +256,6 @@ def conv(access, lhs, rhs, conv_kwargs: dict, recipe: IntRecipe, out_dtype=None,
 
 
 def record(access, recipe: IntRecipe, rhs, contract, *, batch=(), conv: bool = False):
-  """The product's conversion record (:func:`~fp8_linen.core.serve.int_record`)."""
+  """The product's conversion record (:func:`~fp8_linen.core.int_serve.int_record`)."""
   del batch
-  return serve.int_record(recipe, rhs, contract, access.stored, conv=conv)
+  return int_serve.int_record(recipe, rhs, contract, access.stored, conv=conv)

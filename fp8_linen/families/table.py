@@ -8,12 +8,12 @@ run its served products. Every layer of both APIs, both ``quantize_model`` s,
 registered base class), so :func:`register_recipe` makes a new family work
 in all of them.
 
-============== ========================================= ===========================
+============== ========================================= ===============================
 recipe type    QAT products, declaration, record         served products
-============== ========================================= ===========================
-``Fp8Recipe``  :mod:`fp8_linen.families.fp8`             ``core.serve.fp8_served_*``
-``IntRecipe``  :mod:`fp8_linen.families.integer`         ``core.serve.int_served_*``
-============== ========================================= ===========================
+============== ========================================= ===============================
+``Fp8Recipe``  :mod:`fp8_linen.families.fp8`             ``core.fp8_serve.fp8_served_*``
+``IntRecipe``  :mod:`fp8_linen.families.integer`         ``core.int_serve.int_served_*``
+============== ========================================= ===============================
 
 The table is written out below; nothing fills it on import.
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from fp8_linen.core import serve
+from fp8_linen.core import fp8_serve, int_serve
 from fp8_linen.families import fp8, integer
 from fp8_linen.recipes.fp8 import ActivationRecipe, Fp8Recipe, ScalingConfig
 from fp8_linen.recipes.integer import IntRecipe
@@ -103,12 +103,12 @@ class RecipeFamily:
 _TABLE: dict[type, RecipeFamily] = {
     Fp8Recipe: RecipeFamily(
         declare=fp8.declare, dot_general=fp8.dot_general, conv=fp8.conv,
-        servable=serve.fp8_servable, record=fp8.record, served_dot=serve.fp8_served_dot,
-        served_conv=serve.fp8_served_conv, ragged_dot=fp8.ragged_dot),
+        servable=fp8_serve.fp8_servable, record=fp8.record, served_dot=fp8_serve.fp8_served_dot,
+        served_conv=fp8_serve.fp8_served_conv, ragged_dot=fp8.ragged_dot),
     IntRecipe: RecipeFamily(
         declare=integer.declare, dot_general=integer.dot_general, conv=integer.conv,
-        servable=serve.int_servable, record=integer.record, served_dot=serve.int_served_dot,
-        served_conv=serve.int_served_conv),
+        servable=int_serve.int_servable, record=integer.record, served_dot=int_serve.int_served_dot,
+        served_conv=int_serve.int_served_conv),
 }
 
 

@@ -2,8 +2,14 @@
 
 One idea per module, each importing only those above it:
 
-* :mod:`~fp8_linen.testing.hlo`: reads optimized HLO text: products and the
-  dtypes that feed them, collectives, per-kernel FLOPs and bytes.
+* :mod:`~fp8_linen.testing.hlo`: parses optimized HLO text (computations,
+  instructions, their arrays and the call graph).
+* :mod:`~fp8_linen.testing.hlo_products`: the GEMMs and convolutions of a
+  parsed program, the dtypes that feed them and their FLOPs.
+* :mod:`~fp8_linen.testing.hlo_collectives`: its collectives and the bytes
+  each moves.
+* :mod:`~fp8_linen.testing.hlo_kernels`: its top-level kernels with their
+  FLOPs and bytes (the estimate's input).
 * :mod:`~fp8_linen.testing.estimate`: a step-time estimate (compile only)
   from those kernels and published peaks.
 * :mod:`~fp8_linen.testing.targets`: the targets (H100, B200, TPU v5e/v6e/7x,
@@ -27,7 +33,7 @@ are imported on first use, so ``import fp8_linen.testing`` costs nothing and
 
 Example:
   >>> from fp8_linen import testing
-  >>> testing.hlo.FP8_GEMM_TARGET
+  >>> testing.hlo_products.FP8_GEMM_TARGET
   '__cublas$lt$matmul$f8'
 """
 
@@ -35,7 +41,8 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["hlo", "estimate", "targets", "train_step", "compile", "cases", "cli", "collectives"]
+__all__ = ["hlo", "hlo_products", "hlo_collectives", "hlo_kernels", "estimate", "targets",
+           "train_step", "compile", "cases", "cli", "collectives"]
 
 
 def __getattr__(name: str):

@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from fp8_linen.core.lowering import target_backend
-from fp8_linen.testing import hlo
+from fp8_linen.testing import hlo, hlo_collectives
 from fp8_linen.testing import targets as targets_lib
 from fp8_linen.testing.compile import compile_for
 from fp8_linen.testing.train_step import make_train_step, train_step_inputs
@@ -91,7 +91,8 @@ class StepCollectives:
     every_step: ``{kind: (count, bytes)}`` of the collectives every step runs.
     first_step_only: the same for those inside a ``lax.cond`` branch (delayed
       scaling's scale from the current amax, taken while a history is empty).
-    gathers: every all-gather of a step (:class:`~fp8_linen.testing.hlo.Collective`).
+    gathers: every all-gather of a step
+      (:class:`~fp8_linen.testing.hlo_collectives.Collective`).
     kernel_f32_bytes: the kernels' bytes as float32 parameters (the
       baseline a float32 weight gather moves).
     hlo_text: the optimized HLO.
@@ -208,13 +209,13 @@ def fsdp_step(arm: str, depth: int, where: str = CPU_MESH, *, width: int = 1024,
     else:
       report = compile_for(where, step, v, x, r)
       text, device = report.hlo, DEVICES.get(where, targets_lib.get_target(where).description)
-  found = hlo.collectives(hlo.parse(text))
+  found = hlo_collectives.collectives(hlo.parse(text))
   every = [c for c in found if not c.conditional]
   return StepCollectives(
       where=where, device=device, arm=arm, depth=depth, width=width, axis_type=axis_type,
       tokens=tokens,
-      every_step=hlo.collective_totals(every),
-      first_step_only=hlo.collective_totals([c for c in found if c.conditional]),
+      every_step=hlo_collectives.collective_totals(every),
+      first_step_only=hlo_collectives.collective_totals([c for c in found if c.conditional]),
       gathers=tuple(c for c in every if c.kind == "all-gather"),
       kernel_f32_bytes=4 * depth * width * width, hlo_text=text)
 

@@ -2,7 +2,7 @@
 
 :func:`compile_for` compiles any function for a target of
 :mod:`fp8_linen.testing.targets` and returns a :class:`CompileReport`: every
-product with the dtypes it is fed (:mod:`fp8_linen.testing.hlo`), the
+product with the dtypes it is fed (:mod:`fp8_linen.testing.hlo_products`), the
 low-precision ones by kind (GPU: cuBLASLt fp8 / s8 GEMMs, cuDNN fp8
 convolutions, cuDNN block-scaled dots; TPU: convolutions by operand dtypes),
 collectives (count and bytes), planned memory, and a step-time estimate
@@ -57,7 +57,7 @@ import jax
 
 from fp8_linen.core.lowering import target_backend
 from fp8_linen.testing import estimate as estimate_lib
-from fp8_linen.testing import hlo
+from fp8_linen.testing import hlo, hlo_collectives, hlo_kernels, hlo_products
 from fp8_linen.testing.targets import Target, get_target, target_mesh, use_cpu_platform
 from fp8_linen.testing.train_step import make_train_step, train_step_inputs
 
@@ -93,19 +93,19 @@ def abstract_on(tree, mesh):
 
 
 @dataclasses.dataclass(frozen=True)
-class CompileReport(hlo.ProductCounts):
+class CompileReport(hlo_products.ProductCounts):
   """What XLA compiled for a target.
 
-  The GPU counts of :class:`fp8_linen.testing.hlo.ProductCounts`
+  The GPU counts of :class:`fp8_linen.testing.hlo_products.ProductCounts`
   (``fp8_gemms``, ``int8_gemms``, ``block_scaled_dots``, ...) plus:
 
   Attributes:
     target: the target's name.
     platform: ``'gpu'`` or ``'tpu'``.
-    product_list: every :class:`~fp8_linen.testing.hlo.Product` with the
+    product_list: every :class:`~fp8_linen.testing.hlo_products.Product` with the
       dtypes it is fed.
-    collective_list: every :class:`~fp8_linen.testing.hlo.Collective`.
-    kernel_list: the top-level :class:`~fp8_linen.testing.hlo.Kernel` s (the
+    collective_list: every :class:`~fp8_linen.testing.hlo_collectives.Collective`.
+    kernel_list: the top-level :class:`~fp8_linen.testing.hlo_kernels.Kernel` s (the
       estimate's input).
     hlo: the optimized HLO text (``compiled.as_text()``).
     temp_bytes: ``temp_size_in_bytes`` of ``compiled.memory_analysis()``: the
@@ -117,9 +117,10 @@ class CompileReport(hlo.ProductCounts):
 
   target: str = ""
   platform: str = ""
-  product_list: tuple[hlo.Product, ...] = dataclasses.field(default=(), repr=False)
-  collective_list: tuple[hlo.Collective, ...] = dataclasses.field(default=(), repr=False)
-  kernel_list: tuple[hlo.Kernel, ...] = dataclasses.field(default=(), repr=False)
+  product_list: tuple[hlo_products.Product, ...] = dataclasses.field(default=(), repr=False)
+  collective_list: tuple[hlo_collectives.Collective, ...] = dataclasses.field(default=(),
+                                                                      repr=False)
+  kernel_list: tuple[hlo_kernels.Kernel, ...] = dataclasses.field(default=(), repr=False)
   hlo: str = dataclasses.field(default="", repr=False)
   temp_bytes: int = 0
   argument_bytes: int = 0
@@ -185,7 +186,7 @@ class CompileReport(hlo.ProductCounts):
   @property
   def collective_totals(self) -> dict[str, tuple[int, float]]:
     """``{kind: (count, bytes)}`` of the collectives."""
-    return hlo.collective_totals(self.collective_list)
+    return hlo_collectives.collective_totals(self.collective_list)
 
   def estimate(self, peaks: estimate_lib.Peaks | None = None) -> estimate_lib.Estimate:
     """The step-time estimate (compile only) with this target's published peaks."""
@@ -262,13 +263,14 @@ def compile_for(target: str | Target, fn: Callable, *args,
 
 def _report(t: Target, text: str, mem, seconds: float, options) -> CompileReport:
   module = hlo.parse(text)
-  prods = hlo.products(module)
-  counts = hlo.counts_of(prods, module)
+  prods = hlo_products.products(module)
+  counts = hlo_products.counts_of(prods, module)
   get = lambda field: int(getattr(mem, field, 0) or 0) if mem is not None else 0
   return CompileReport(
       **{f.name: getattr(counts, f.name) for f in dataclasses.fields(counts)},
       target=t.name, platform=t.platform, product_list=tuple(prods),
-      collective_list=tuple(hlo.collectives(module)), kernel_list=tuple(hlo.kernels(module)),
+      collective_list=tuple(hlo_collectives.collectives(module)),
+      kernel_list=tuple(hlo_kernels.kernels(module)),
       hlo=text, temp_bytes=get("temp_size_in_bytes"),
       argument_bytes=get("argument_size_in_bytes"), output_bytes=get("output_size_in_bytes"),
       alias_bytes=get("alias_size_in_bytes"), compile_seconds=seconds,

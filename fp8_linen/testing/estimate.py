@@ -1,13 +1,13 @@
 """A step-time estimate from a compiled program and a target's published peaks.
 
 **An estimate (compile only), not a measurement.** For each top-level kernel
-of the optimized program (:func:`fp8_linen.testing.hlo.kernels`) the time is
+of the optimized program (:func:`fp8_linen.testing.hlo_kernels.kernels`) the time is
 the larger of its FLOPs at the peak rate of its operand class (bf16, fp8,
 int8, fp4, f32) and its bytes at the HBM bandwidth; the step is the sum over
 kernels plus a fixed per-kernel floor (launch and pipeline fill, which the
 roofline leaves out). A ``conditional`` counts its cheapest branch (a step
 runs one; delayed scaling's first-step branch runs once). Collectives are not included (see
-:func:`fp8_linen.testing.hlo.collectives`). It ignores caches, overlap,
+:func:`fp8_linen.testing.hlo_collectives.collectives`). It ignores caches, overlap,
 fusion inside library kernels and partial-tile waste, so it is a lower bound
 of the kind that ranks recipes, not a prediction of wall time.
 
@@ -21,9 +21,9 @@ what a bf16 one does (its MXU has fp8, no int8 mode), and f32 operands at
 DEFAULT precision cost a bf16 pass on v5e/v6e and about 1.8 on TPU7x.
 
 Example:
-  >>> from fp8_linen.testing import estimate, hlo
-  >>> k = hlo.Kernel("gemm", "custom-call", (("bf16", 2 * 8192 ** 3),), 2 * 2 * 8192 ** 2,
-  ...                2 * 8192 ** 2)
+  >>> from fp8_linen.testing import estimate, hlo_kernels
+  >>> k = hlo_kernels.Kernel("gemm", "custom-call", (("bf16", 2 * 8192 ** 3),),
+  ...                        2 * 2 * 8192 ** 2, 2 * 8192 ** 2)
   >>> round(estimate.estimate([k], estimate.PEAKS["h100"]).seconds * 1e3, 2)  # ms
   1.11
 """
@@ -34,7 +34,7 @@ import collections
 import dataclasses
 from typing import Iterable, Mapping
 
-from fp8_linen.testing import hlo
+from fp8_linen.testing import hlo_kernels
 
 __all__ = ["Peaks", "PEAKS", "KernelTime", "Estimate", "estimate"]
 
@@ -111,7 +111,7 @@ PEAKS["tpu-v6e-2x2"] = PEAKS["tpu-v6e"]
 class KernelTime:
   """One kernel's estimated time and what bounds it (``'compute'``, ``'memory'``)."""
 
-  kernel: hlo.Kernel
+  kernel: hlo_kernels.Kernel
   seconds: float
   bound: str
 
@@ -146,11 +146,11 @@ class Estimate:
     return self.low_precision_seconds / self.seconds if self.seconds else 0.0
 
 
-def estimate(kernels: Iterable[hlo.Kernel], peaks: Peaks) -> Estimate:
+def estimate(kernels: Iterable[hlo_kernels.Kernel], peaks: Peaks) -> Estimate:
   """Estimates a step's time from its kernels (an estimate, compile only).
 
   Args:
-    kernels: the program's top-level kernels (:func:`fp8_linen.testing.hlo.kernels`).
+    kernels: the program's top-level kernels (:func:`fp8_linen.testing.hlo_kernels.kernels`).
     peaks: the target's :class:`Peaks`.
 
   Returns:

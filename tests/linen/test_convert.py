@@ -21,6 +21,7 @@ import pytest
 import fp8_linen as fl
 from fp8_linen.core import block_numerics
 from fp8_linen.testing import hlo as hlo_text
+from fp8_linen.testing import hlo_products
 
 RECIPES = {
     "fp8_delayed": fl.Fp8Recipe(),
@@ -178,7 +179,7 @@ def test_served_params_hold_codes_and_no_training_state(layer, recipe):
 
 def _dots(hlo: str):
   """``(lhs type, rhs type, out type)`` of every dot / convolution in an optimized HLO module."""
-  return [(*p.operands, p.out) for p in hlo_text.products(hlo_text.parse(hlo))
+  return [(*p.operands, p.out) for p in hlo_products.products(hlo_text.parse(hlo))
           if p.kind in ("dot", "convolution")]
 
 

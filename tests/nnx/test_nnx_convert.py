@@ -17,6 +17,7 @@ from flax import nnx
 
 import fp8_linen as fl
 from fp8_linen.testing import hlo as hlo_text
+from fp8_linen.testing import hlo_products
 
 _CHANNEL = fl.IntQuantConfig(granularity="channel")
 RECIPES = {
@@ -198,7 +199,7 @@ def test_served_int_forward_is_one_s8_gemm_fed_by_the_stored_codes():
   x = _train(model, (4, 64))
   graphdef, state = nnx.split(fl.nnx.convert(model, x))
   hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, x).compile().as_text()
-  dots = [(*p.operands, p.out) for p in hlo_text.products(hlo_text.parse(hlo))
+  dots = [(*p.operands, p.out) for p in hlo_products.products(hlo_text.parse(hlo))
           if p.kind == "dot"]
   assert dots == [("s8", "s8", "s32")]
   assert "s8[64,64]" in hlo.split("\n", 1)[0]  # an entry parameter is the int8 kernel

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import fp8_linen as fl
-from fp8_linen.testing import cases, hlo, targets
+from fp8_linen.testing import cases, hlo_products, targets
 from fp8_linen.testing.compile import compile_for, compile_train_step
 
 LAYERS = ["qdense", "qdensegeneral", "qeinsum"]
@@ -27,7 +27,7 @@ def test_b200_runs_forward_dgrad_and_wgrad_as_block_scaled_dots(require_target, 
   report = cases.compile_case(f"{layer}-{fmt}", "b200")
   dtype, cls = FORMATS[fmt]
   assert report.by_kind == {"cuDNN block-scaled": 3}, report.summary()
-  assert dict(report.custom_calls) == {hlo.BLOCK_SCALED_DOT_TARGET: 3}, report.summary()
+  assert dict(report.custom_calls) == {hlo_products.BLOCK_SCALED_DOT_TARGET: 3}, report.summary()
   assert [p.operands for p in report.product_list] == [(dtype, dtype)] * 3
   assert report.classes == {cls: 3}
 
@@ -88,7 +88,7 @@ def test_b200_served_forward_is_one_block_scaled_dot_per_layer_fed_the_stored_co
   report = cases.compile_case(f"served-{fmt}", "b200")
   dtype, cls = FORMATS[fmt]
   assert report.by_kind == {"cuDNN block-scaled": 2}, report.summary()
-  assert dict(report.custom_calls) == {hlo.BLOCK_SCALED_DOT_TARGET: 2}, report.summary()
+  assert dict(report.custom_calls) == {hlo_products.BLOCK_SCALED_DOT_TARGET: 2}, report.summary()
   assert [p.operands for p in report.product_list] == [(dtype, dtype)] * 2
   assert report.classes == {cls: 2}
 

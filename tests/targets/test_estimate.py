@@ -12,14 +12,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from fp8_linen.testing import estimate, hlo
+from fp8_linen.testing import estimate, hlo_kernels
 from fp8_linen.testing.compile import compile_for, compile_train_step
 
 N = 8192
 
 
 def _k(flops=(), read=0.0, written=0.0, count=1):
-  return hlo.Kernel("k", "fusion", tuple(flops), read, written, count)
+  return hlo_kernels.Kernel("k", "fusion", tuple(flops), read, written, count)
 
 
 def test_a_kernel_costs_the_larger_of_compute_and_memory_plus_the_floor():
@@ -67,9 +67,9 @@ def test_large_gemm_estimates_match_the_published_peaks(require_target, target, 
 
 def test_a_conditional_counts_its_cheapest_branch():
   peaks = estimate.PEAKS["h100"]
-  big = hlo.Kernel("cast", "fusion", (), 2 ** 30, 2 ** 30, branch=("cond", 0))
-  small = hlo.Kernel("noop", "fusion", (), 1024, 1024, branch=("cond", 1))
-  always = hlo.Kernel("gemm", "custom-call", (("bf16", 2 * 4096 ** 3),), 2 ** 25, 2 ** 25)
+  big = hlo_kernels.Kernel("cast", "fusion", (), 2 ** 30, 2 ** 30, branch=("cond", 0))
+  small = hlo_kernels.Kernel("noop", "fusion", (), 1024, 1024, branch=("cond", 1))
+  always = hlo_kernels.Kernel("gemm", "custom-call", (("bf16", 2 * 4096 ** 3),), 2 ** 25, 2 ** 25)
   both = estimate.estimate([big, small, always], peaks)
   alone = estimate.estimate([small, always], peaks)
   assert both.seconds == alone.seconds

@@ -1,8 +1,9 @@
-"""``fp8_linen.testing.hlo`` on hand-written optimized HLO (needs no plugin)."""
+"""``fp8_linen.testing.hlo`` and its readers (``hlo_products``, ``hlo_collectives``,
+``hlo_kernels``) on hand-written optimized HLO (needs no plugin)."""
 
 import pytest
 
-from fp8_linen.testing import hlo
+from fp8_linen.testing import hlo, hlo_collectives, hlo_kernels, hlo_products
 
 # A TPU-style module: every product is a `convolution`, some inside fusions; a batched
 # matmul written as a windowed convolution over dilated inputs; an all-reduce over a
@@ -55,32 +56,33 @@ ENTRY %main (a: f8e4m3fn[64,32], b: f8e5m2[32,16], q: bf16[4,512,2,128], g: f32[
 
 
 def test_tpu_products_read_the_operand_dtypes_inside_fusions():
-  ps = {p.name: p for p in hlo.products(hlo.parse(_TPU))}
+  ps = {p.name: p for p in hlo_products.products(hlo.parse(_TPU))}
   assert ps["c"].operands == ("f8e4m3fn", "f8e5m2") and ps["c"].operand_class == "fp8"
   assert ps["c"].kind == "convolution" and ps["c"].low_precision
   assert ps["s"].operands == ("bf16", "bf16") and not ps["s"].low_precision
 
 
 def test_flops_of_a_gemm_written_as_a_convolution():
-  ps = {p.name: p for p in hlo.products(hlo.parse(_TPU))}
+  ps = {p.name: p for p in hlo_products.products(hlo.parse(_TPU))}
   assert ps["c"].flops == 2 * 64 * 16 * 32
 
 
 def test_flops_of_a_batched_matmul_written_as_a_dilated_window_convolution():
   # (b=4, h=2) batches of 512x128 @ 128x512: the window only ever finds one real element.
-  ps = {p.name: p for p in hlo.products(hlo.parse(_TPU))}
+  ps = {p.name: p for p in hlo_products.products(hlo.parse(_TPU))}
   assert ps["s"].flops == 2 * 4 * 2 * 512 * 512 * 128
 
 
 def test_collectives_count_each_operation_once_with_its_full_bytes():
-  cs = hlo.collectives(hlo.parse(_TPU))
-  assert hlo.collective_totals(cs) == {"all-gather": (1, 256 * 32), "all-reduce": (1, 1280 * 4)}
+  cs = hlo_collectives.collectives(hlo.parse(_TPU))
+  assert hlo_collectives.collective_totals(cs) == {"all-gather": (1, 256 * 32),
+                                                   "all-reduce": (1, 1280 * 4)}
   (gather,) = [c for c in cs if c.kind == "all-gather"]
   assert gather.dtypes == ("f8e4m3fn",)
 
 
 def test_kernels_take_loop_trip_counts_and_skip_bookkeeping():
-  ks = {k.name: k for k in hlo.kernels(hlo.parse(_TPU))}
+  ks = {k.name: k for k in hlo_kernels.kernels(hlo.parse(_TPU))}
   assert set(ks) == {"f1", "f2", "m", "out"}
   assert ks["m"].count == 5 and ks["m"].flops == (("bf16", 2 * 8 * 8 * 8),)
   assert ks["f1"].flops == (("fp8", 2 * 64 * 16 * 32),)
@@ -92,7 +94,7 @@ def test_kernels_take_loop_trip_counts_and_skip_bookkeeping():
                                           ("f4e2m1fn", "f4e2m1fn", "fp4"), ("f32", "bf16", "f32"),
                                           ("bf16", "bf16", "bf16"), ("f8e4m3fn", "bf16", "bf16")])
 def test_operand_class(lhs, rhs, want):
-  assert hlo.operand_class(lhs, rhs) == want
+  assert hlo_products.operand_class(lhs, rhs) == want
 
 
 def test_sub_byte_and_fp8_array_sizes():
@@ -149,7 +151,7 @@ ENTRY %main (a: f8e4m3fn[16,16], b: f8e5m2[16,16], c: bf16[16,16], x: f8e4m3fn[1
 
 
 def test_count_products_reads_optimized_gpu_hlo():
-  c = hlo.count_products(_GPU)
+  c = hlo_products.count_products(_GPU)
   assert (c.fp8_gemms, c.gemms) == (1, 2)
   assert (c.fp8_convs, c.convs) == (1, 2)
   assert (c.fp8_triton_gemms, c.triton_gemms) == (1, 2)

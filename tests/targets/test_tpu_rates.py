@@ -1,7 +1,7 @@
 """What each TPU generation's MXU does with each operand dtype, by XLA's own cost model.
 
 XLA:TPU writes its estimate of every kernel's cycles into the compiled
-program (``estimated_cycles``; :attr:`fp8_linen.testing.hlo.Kernel.xla_cycles`).
+program (``estimated_cycles``; :attr:`fp8_linen.testing.hlo_kernels.Kernel.xla_cycles`).
 For one 4096^3 GEMM per operand dtype it shows what the published peaks say
 (JAX's Pallas TPU hardware table): v5e and v6e run int8 at twice the bf16
 rate but have no e4m3 mode (an e4m3 x e4m3 GEMM costs what a bf16 one does;

@@ -1,0 +1,151 @@
+"""The top-level kernels of a compiled program with their FLOPs and bytes: the estimate's input.
+
+:func:`kernels` lists what the device runs one after another (a parsed
+module's top-level instructions: fusions, library calls, ...; a ``while``
+body counted its known trip count times, ``conditional`` branches marked) as
+:class:`Kernel` s, each with the FLOPs of its products by operand class
+(:mod:`fp8_linen.testing.hlo_products`), the bytes it reads and writes, and
+XLA:TPU's own cycle estimate where the program carries one. Collectives are
+not kernels here (:mod:`fp8_linen.testing.hlo_collectives`). The step-time
+estimate built on them is :mod:`fp8_linen.testing.estimate`.
+
+Example:
+  >>> from fp8_linen.testing import hlo, hlo_kernels
+  >>> text = '''ENTRY %main (a: bf16[16,32], b: bf16[32,8]) -> f32[16,8] {
+  ...   %a = bf16[16,32]{1,0} parameter(0)
+  ...   %b = bf16[32,8]{1,0} parameter(1)
+  ...   ROOT %d = f32[16,8]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ... }'''
+  >>> [(k.name, k.flops, k.bytes_read, k.bytes_written)
+  ...  for k in hlo_kernels.kernels(hlo.parse(text))]
+  [('d', (('bf16', 8192),), 1536, 512)]
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+from fp8_linen.testing.hlo import Module, branches, reachable
+from fp8_linen.testing.hlo_collectives import KINDS as COLLECTIVE_KINDS
+from fp8_linen.testing.hlo_products import Product, products
+
+__all__ = ["Kernel", "kernels"]
+
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+
+# Asynchronous copies (prefetches between memory spaces) overlap the kernels around them,
+# and the kernel that reads the copy counts those bytes itself.
+_NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
+                "conditional", "call", "after-all", "partition-id", "replica-id",
+                "add-dependency", "opt-barrier", "domain", "copy-start", "copy-done",
+                "send-done", "recv-done", "async-done", "async-update", ""}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One top-level kernel of a compiled program (what the device runs in sequence).
+
+  Attributes:
+    name: instruction name; ``opcode`` its opcode.
+    flops: ``((operand class, FLOPs), ...)`` of the products it runs (empty
+      for a kernel without products).
+    bytes_read: bytes of its operands.
+    bytes_written: bytes of its results (a GEMM's workspace excluded).
+    count: how many times it runs per step (a loop body's trip count).
+    xla_cycles: XLA:TPU's own cost-model estimate of the kernel's cycles (the
+      ``estimated_cycles`` of its backend config), or None (other targets).
+    branch: ``(conditional, branch index)`` when the kernel runs only in one
+      branch of a ``conditional`` (a ``lax.cond``), else None.
+  """
+
+  name: str
+  opcode: str
+  flops: tuple[tuple[str, int], ...]
+  bytes_read: float
+  bytes_written: float
+  count: int = 1
+  xla_cycles: int | None = None
+  branch: tuple[str, int] | None = None
+
+  @property
+  def is_product(self) -> bool:
+    return bool(self.flops)
+
+
+def _top_level(module: Module) -> list[tuple[str, int, tuple[str, int] | None]]:
+  """``(computation, times per step, branch)`` of the computations whose instructions are kernels.
+
+  ``branch`` is ``(conditional, branch index)`` of the outermost ``conditional``
+  the computation runs under, or None.
+  """
+  out, todo, seen = [], [(module.entry, 1, None)], set()
+  while todo:
+    comp, times, branch = todo.pop()
+    if comp in seen or comp not in module.computations:
+      continue
+    seen.add(comp)
+    out.append((comp, times, branch))
+    for inst in module.computations[comp]:
+      if inst.opcode == "while":
+        m = _TRIP.search(inst.attrs)
+        if inst.body:
+          todo.append((inst.body, times * (int(m.group(1)) if m else 1), branch))
+      elif inst.opcode == "call":
+        if inst.to_apply:
+          todo.append((inst.to_apply, times, branch))
+      elif inst.opcode == "conditional":
+        todo.extend((n, times, branch or (inst.name, i))
+                    for i, n in enumerate(branches(inst)))
+      elif inst.opcode in ("async-start",) and inst.calls:
+        todo.append((inst.calls, times, branch))
+  return out
+
+
+def kernels(module: Module) -> list[Kernel]:
+  """The top-level kernels of a compiled program with their FLOPs and memory traffic.
+
+  Collectives are not kernels here (see
+  :func:`~fp8_linen.testing.hlo_collectives.collectives`); nor are
+  parameters, tuples, bitcasts and control flow, whose bodies are read in
+  their place (a ``while`` body counts its known trip count).
+  """
+  by_comp: dict[str, list[Product]] = collections.defaultdict(list)
+  for p in products(module):
+    by_comp[p.computation].append(p)
+  fused = module.fusion_computations()
+  inner: dict[str, list[Product]] = {}
+
+  def inner_products(comp: str) -> list[Product]:
+    if comp not in inner:
+      inner[comp] = [p for c in reachable(module, [comp]) for p in by_comp.get(c, ())]
+    return inner[comp]
+
+  out = []
+  for comp, times, branch in _top_level(module):
+    if comp in fused:
+      continue
+    own = {p.name: p for p in by_comp.get(comp, ())}
+    for inst in module.computations[comp]:
+      op = inst.opcode
+      base = op[:-len("-start")] if op.endswith("-start") else op
+      if op in _NOT_KERNELS or base in COLLECTIVE_KINDS or op.endswith("-done"):
+        continue
+      if op == "fusion" and inst.calls and inst.name not in own:
+        prods = inner_products(inst.calls)
+      else:
+        prods = [own[inst.name]] if inst.name in own else []
+      flops = collections.Counter()
+      for p in prods:
+        flops[p.operand_class] += p.flops
+      read = sum(a.nbytes for arrays in module.operand_arrays(comp, inst) for a in arrays)
+      res = inst.result
+      if op == "custom-call" and len(res) > 1 and res[-1].dtype in ("s8", "u8"):
+        res = res[:-1]  # a library call's scratch workspace
+      cycles = _CYCLES.search(inst.attrs)
+      out.append(Kernel(inst.name, op, tuple(sorted(flops.items())), read,
+                        sum(a.nbytes for a in res), times,
+                        int(cycles.group(1)) if cycles else None, branch))
+  return out
