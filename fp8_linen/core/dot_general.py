@@ -27,11 +27,6 @@ from fp8_linen.core.fp8_vjp import DotSpec, fp8_vjp
 from fp8_linen.core.lowering import grad_gemm, relayout_like
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
-# These lived here until the block product got its own module: importable from
-# here for one release (core/fp8_serve.py imports them from here).
-from fp8_linen.core.block_dot import block_codes, block_factor, block_fold_kernel  # noqa: F401,E402
-from fp8_linen.core.lowering import relayout  # noqa: F401,E402
-
 __all__ = ["TensorDot", "RowDot", "fp8_dot_general", "fp8_dot_of", "row_quantize"]
 
 

@@ -35,8 +35,8 @@ from jax import lax
 
 from fp8_linen.core import conv as conv_ops
 from fp8_linen.core import dims, lowering, numerics
-from fp8_linen.core.dot_general import (BlockDot, block_factor, block_fold_kernel, fp8_dot_of,
-                                        row_quantize)
+from fp8_linen.core.block_dot import BlockDot, block_factor, block_fold_kernel
+from fp8_linen.core.dot_general import fp8_dot_of, row_quantize
 from fp8_linen.core.serve import ServedRecord, record, require_arrays
 from fp8_linen.recipes.fp8 import Fp8Recipe, ScalingConfig
 
