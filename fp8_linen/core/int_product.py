@@ -64,13 +64,6 @@ from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["int_dot_general", "int_conv_general_dilated", "operand_params", "run_product"]
 
-# These lived here until the codes and the GEMM got modules of their own
-# (core/int_codes.py, core/int_gemm.py): importable from here for one release
-# (core/int_serve.py and the layers import them from here).
-from fp8_linen.core.int_codes import encode  # noqa: F401,E402
-from fp8_linen.core.int_gemm import (INT_GEMMS, code_bound, conv_static,  # noqa: F401,E402
-                                     dot_supported, kernel_code_sum)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Spec:

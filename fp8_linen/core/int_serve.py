@@ -6,7 +6,7 @@ A weight is quantized once (:func:`fold_int_kernel`) with exactly the scale
 trained observer range or learned step (:func:`freeze_int_input`). The served
 products (:func:`int_dot`, :func:`int_conv`) then compute the forward of the
 QAT product from those arrays with the same functions the QAT product calls
-(:func:`~fp8_linen.core.int_product.int_gemm`), so serving and QAT agree by
+(:func:`~fp8_linen.core.int_gemm.int_gemm`), so serving and QAT agree by
 construction. A right operand that is not a weight is quantized on the fly
 (:func:`live_int_kernel`). :func:`int_record` is what a conversion run
 records of one product; :func:`int_served_dot` / :func:`int_served_conv` are
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from jax import lax
 
-from fp8_linen.core import dims, int_numerics, int_ops, int_product, lowering, numerics
+from fp8_linen.core import dims, int_codes, int_gemm, int_numerics, int_ops, lowering, numerics
 from fp8_linen.core.serve import ServedRecord, record, require_arrays, unservable_error
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
@@ -40,8 +40,8 @@ __all__ = ["storage_dtype", "fold_int_kernel", "freeze_int_input", "live_int_ker
 _INT4_SHIFT = 8  # unsigned 4-bit grids [0, 15] are stored shifted into int4's [-8, 7]
 
 
-def _operand(cfg: IntQuantConfig, role: str, contract) -> int_product.Operand:
-  return int_product.Operand(cfg=cfg, role=role, contract=tuple(contract))
+def _operand(cfg: IntQuantConfig, role: str, contract) -> int_codes.Operand:
+  return int_codes.Operand(cfg=cfg, role=role, contract=tuple(contract))
 
 
 def storage_dtype(cfg: IntQuantConfig):
@@ -49,7 +49,7 @@ def storage_dtype(cfg: IntQuantConfig):
   return jnp.int4 if cfg.bits <= 4 else jnp.int8
 
 
-def _store_shift(op: int_product.Operand) -> int:
+def _store_shift(op: int_codes.Operand) -> int:
   """What is subtracted from an ``int8`` code (already shifted) to store it."""
   if op.cfg.bits > 4:
     return 0
@@ -76,7 +76,7 @@ def fold_int_kernel(cfg: IntQuantConfig, w, contract, params, *,
     ['kernel_centre'], ['kernel_offset'], ['kernel_colsum']}``.
   """
   op = _operand(cfg, "kernel", contract)
-  c, _, _ = int_product.quantize(op, jnp.asarray(w), tuple(params))
+  c, _, _ = int_codes.quantize(op, jnp.asarray(w), tuple(params))
   k = _store_shift(op)
   codes = c.codes
   if k:
@@ -88,20 +88,20 @@ def fold_int_kernel(cfg: IntQuantConfig, w, contract, params, *,
   if c.offset is not None:
     out["kernel_offset"] = jnp.asarray(c.offset, jnp.float32)
   if with_code_sum:  # of the stored (shifted) codes, which serving multiplies
-    out["kernel_colsum"] = int_product.kernel_code_sum(codes, contract,
+    out["kernel_colsum"] = int_gemm.kernel_code_sum(codes, contract,
                                                        cfg.granularity == "group")
   return out
 
 
-def _kernel_codes(cfg: IntQuantConfig, kernel, arrays, contract) -> int_product.Codes:
-  """The weight's :class:`~fp8_linen.core.int_product.Codes` from its stored arrays.
+def _kernel_codes(cfg: IntQuantConfig, kernel, arrays, contract) -> int_codes.Codes:
+  """The weight's :class:`~fp8_linen.core.int_codes.Codes` from its stored arrays.
 
   ``kernel`` may arrive cast to a float type by the layer (exact for integer
   codes); it is cast back to ``int8``.
   """
   codes = jnp.asarray(kernel).astype(jnp.int8)
   view, _ = int_numerics.int_view(codes, contract, cfg)
-  return int_product.Codes(view, arrays["kernel_scale"], arrays.get("kernel_centre"),
+  return int_codes.Codes(view, arrays["kernel_scale"], arrays.get("kernel_centre"),
                            arrays.get("kernel_offset"), arrays.get("kernel_colsum"))
 
 
@@ -131,15 +131,15 @@ def freeze_int_input(cfg: IntQuantConfig, params) -> dict:
   return out
 
 
-def _input_codes(cfg: IntQuantConfig, x, arrays) -> int_product.Codes:
+def _input_codes(cfg: IntQuantConfig, x, arrays) -> int_codes.Codes:
   """The activation's codes with frozen parameters (the QAT quantizer's expressions)."""
   op = _operand(cfg, "input", tuple(range(jnp.ndim(x))))
   s = arrays["input_scale"]
   if op.kind == "observer":
     z = arrays.get("input_zero_point", jnp.zeros((), jnp.float32))
-    return int_product.encode(op, jnp.asarray(x), s, z)[0]
+    return int_codes.encode(op, jnp.asarray(x), s, z)[0]
   params = (s,) if op.kind == "lsq" else (s, arrays["input_offset"])
-  c, _, _ = int_product.quantize(op, jnp.asarray(x), params)
+  c, _, _ = int_codes.quantize(op, jnp.asarray(x), params)
   return c
 
 
@@ -153,12 +153,12 @@ def live_int_kernel(cfg: IntQuantConfig, params) -> dict:
   return out
 
 
-def _live_codes(cfg: IntQuantConfig, x, arrays, contract) -> int_product.Codes:
+def _live_codes(cfg: IntQuantConfig, x, arrays, contract) -> int_codes.Codes:
   op = _operand(cfg, "kernel", contract)
   params = () if not cfg.learned else (
       (arrays["kernel_step"],) if cfg.estimator == "lsq" else
       (arrays["kernel_step"], arrays["kernel_offset"]))
-  c, _, _ = int_product.quantize(op, jnp.asarray(x), params)
+  c, _, _ = int_codes.quantize(op, jnp.asarray(x), params)
   return c
 
 
@@ -184,9 +184,9 @@ def int_dot(lhs, kernel, dimension_numbers, *, recipe: IntRecipe, arrays: dict, 
   wc = (_kernel_codes(recipe.kernel, kernel, arrays, rc) if folded
         else _live_codes(recipe.kernel, kernel, arrays, rc))
   x_op, w_op = _operand(recipe.input, "input", lc), _operand(recipe.kernel, "kernel", rc)
-  how = int_product.resolve_int_gemm(
-      recipe.gemm, int_product.contracted(recipe.kernel, kernel.shape, rc), x_op, w_op)
-  y = int_product.int_gemm(xc, wc, dn, lhs_shape=lhs.shape, how=how,
+  how = int_gemm.resolve_int_gemm(
+      recipe.gemm, int_gemm.contracted(recipe.kernel, kernel.shape, rc), x_op, w_op)
+  y = int_gemm.int_gemm(xc, wc, dn, lhs_shape=lhs.shape, how=how,
                            group=recipe.kernel.granularity == "group")
   return y.astype(out_dtype)
 
@@ -194,23 +194,23 @@ def int_dot(lhs, kernel, dimension_numbers, *, recipe: IntRecipe, arrays: dict, 
 def int_conv(lhs, kernel, conv_kwargs: dict, *, recipe: IntRecipe, arrays: dict, out_dtype):
   """The served integer convolution from the stored kernel codes.
 
-  Recipes :func:`~fp8_linen.core.int_product.conv_supported` accepts run on
-  codes (:func:`~fp8_linen.core.int_product.int_conv`); the others (LSQ+,
+  Recipes :func:`~fp8_linen.core.int_gemm.conv_supported` accepts run on
+  codes (:func:`~fp8_linen.core.int_gemm.int_conv`); the others (LSQ+,
   zero-point grids) are computed as QAT computes them: the fake-quantized
   input (frozen parameters) and the dequantized stored kernel, convolved in
   ``recipe.compute_dtype`` resolved against ``lhs`` as QAT resolves it
-  (:func:`~fp8_linen.core.int_product.resolve_compute_dtype`).
+  (:func:`~fp8_linen.core.int_gemm.resolve_compute_dtype`).
   """
   lhs, kernel = jnp.asarray(lhs), jnp.asarray(kernel)
   dn = lax.conv_dimension_numbers(lhs.shape, kernel.shape, conv_kwargs["dimension_numbers"])
   lc, rc = dims.conv_contract(lhs.ndim, kernel.ndim, dn)
   wc = _kernel_codes(recipe.kernel, kernel, arrays, rc)
-  if int_product.conv_supported(recipe):
+  if int_gemm.conv_supported(recipe):
     xc = _input_codes(recipe.input, lhs, arrays)
     x_op, w_op = _operand(recipe.input, "input", lc), _operand(recipe.kernel, "kernel", rc)
-    how = int_product.resolve_int_gemm(
-        recipe.gemm, int_product.contracted(recipe.kernel, kernel.shape, rc), x_op, w_op)
-    y = int_product.int_conv(xc, wc, int_product.conv_static(lhs.ndim, conv_kwargs, dn),
+    how = int_gemm.resolve_int_gemm(
+        recipe.gemm, int_gemm.contracted(recipe.kernel, kernel.shape, rc), x_op, w_op)
+    y = int_gemm.int_conv(xc, wc, int_gemm.conv_static(lhs.ndim, conv_kwargs, dn),
                              how=how)
     return y.astype(out_dtype)
   cfg = recipe.input
@@ -222,8 +222,8 @@ def int_conv(lhs, kernel, conv_kwargs: dict, *, recipe: IntRecipe, arrays: dict,
   else:
     xq = int_ops.lsq_plus_fake_quant(lhs, arrays["input_scale"], arrays["input_offset"],
                                      qmin=cfg.qmin, qmax=cfg.qmax)
-  wq = int_product.dequantize(wc, kernel.dtype).reshape(kernel.shape)
-  cd = int_product.resolve_compute_dtype(recipe.compute_dtype, lhs.dtype)
+  wq = int_codes.dequantize(wc, kernel.dtype).reshape(kernel.shape)
+  cd = int_gemm.resolve_compute_dtype(recipe.compute_dtype, lhs.dtype)
   xq, wq = xq.astype(cd), wq.astype(cd)
   y = lowering.lax_conv_general_dilated(xq, wq, **conv_kwargs, preferred_element_type=jnp.float32,
                                         out_sharding=lowering.conv_out_sharding(xq, wq, dn))
@@ -233,7 +233,7 @@ def int_conv(lhs, kernel, conv_kwargs: dict, *, recipe: IntRecipe, arrays: dict,
 def int_servable(recipe: IntRecipe, conv: bool = False) -> str | None:
   """Why ``recipe`` cannot be served, or ``None`` when it can."""
   del conv  # integer convolutions serve whatever their dots serve
-  if int_product.dot_supported(recipe):
+  if int_gemm.dot_supported(recipe):
     return None
   role = "input" if recipe.input is None else "kernel"
   return (f"recipe.{role} is None, so QAT runs a float product of a fake-quantized "

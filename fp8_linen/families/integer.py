@@ -53,7 +53,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import dims, int_numerics, int_ops, int_product, int_serve, lowering
+from fp8_linen.core import dims, int_gemm, int_numerics, int_ops, int_product, int_serve, lowering
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["declare", "dot_general", "conv", "record", "quantize_operand", "operand_params"]
@@ -194,7 +194,7 @@ def _fake_quantized(access, lhs, rhs, lc, rc, recipe: IntRecipe, key: str):
   """Both operands fake-quantized (a role without a config passes), in the compute dtype."""
   xq = quantize_operand(access, "input", lhs, lc, recipe.input, key)
   wq = quantize_operand(access, "kernel", rhs, rc, recipe.kernel, key)
-  cd = int_product.resolve_compute_dtype(recipe.compute_dtype, lhs.dtype)
+  cd = int_gemm.resolve_compute_dtype(recipe.compute_dtype, lhs.dtype)
   return xq.astype(cd), wq.astype(cd)
 
 
@@ -213,7 +213,7 @@ def dot_general(access, lhs, rhs, dimension_numbers, recipe: IntRecipe, out_dtyp
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   (lc, rc), _ = dimension_numbers
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
-  if int_product.dot_supported(recipe):
+  if int_gemm.dot_supported(recipe):
     return _int_product(access, lhs, rhs, lc, rc, recipe, key,
                         lambda **kw: int_product.int_dot_general(
                             lhs, rhs, dimension_numbers, recipe=recipe, out_dtype=out_dtype,
@@ -244,8 +244,8 @@ def conv(access, lhs, rhs, conv_kwargs: dict, recipe: IntRecipe, out_dtype=None,
   dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, conv_kwargs["dimension_numbers"])
   l_contract, r_contract = dims.conv_contract(lhs.ndim, rhs.ndim, dn)
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
-  if int_product.conv_supported(recipe):
-    static = int_product.conv_static(lhs.ndim, conv_kwargs, dn)
+  if int_gemm.conv_supported(recipe):
+    static = int_gemm.conv_static(lhs.ndim, conv_kwargs, dn)
     return _int_product(access, lhs, rhs, l_contract, r_contract, recipe, key,
                         lambda **kw: int_product.int_conv_general_dilated(
                             lhs, rhs, static, recipe=recipe, out_dtype=out_dtype, **kw))

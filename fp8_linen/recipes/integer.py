@@ -162,7 +162,7 @@ class IntRecipe:
   Example:
     >>> import jax.numpy as jnp
     >>> import fp8_linen as fl
-    >>> from fp8_linen.core.int_product import resolve_compute_dtype
+    >>> from fp8_linen.core.int_gemm import resolve_compute_dtype
     >>> fl.IntRecipe(kernel=fl.IntQuantConfig(bits=4)).kernel.qmax
     7
     >>> r = fl.IntRecipe()  # compute_dtype='auto'

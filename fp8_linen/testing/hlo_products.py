@@ -7,8 +7,8 @@ and plain dots on a GPU; ``convolution`` instructions (every GEMM on a TPU is
 one), with the dtypes of the operands they are fed and their FLOPs (taps on
 padding or dilation holes excluded). :func:`operand_class` names what a
 product multiplies (fp8, int8, fp4, bf16, f32) for a peak-rate table, and
-:func:`count_products` keeps the GPU summary :class:`ProductCounts` the H100
-proofs were first written against.
+:func:`count_products` gives the GPU summary :class:`ProductCounts` the H100
+proof tests assert on.
 
 Example:
   >>> from fp8_linen.testing import hlo, hlo_products
