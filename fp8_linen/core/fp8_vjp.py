@@ -46,7 +46,7 @@ from jax import lax
 
 from fp8_linen.core import dims, lowering, mesh, owg
 
-__all__ = ["Fp8Spec", "DotSpec", "fp8_vjp"]
+__all__ = ["Fp8Spec", "DotSpec", "fp8_vjp", "backward_with_state"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -144,6 +144,31 @@ def _fp8_vjp_fwd(spec, lhs, rhs, states, chain):
   return (y, chain), res
 
 
+def backward_with_state(spec, q_l, q_r, g, states, amaxes, ct_chain, grads):
+  """``((d_lhs, d_rhs), state_cts, chain_ct)``: a product's backward and its new state.
+
+  ``grads()`` runs the two gradient products, ``-> (d_lhs, d_rhs, amax_g)``;
+  ``amaxes`` are the forward's ``(amax_lhs, amax_rhs)``. Shared by every fp8
+  product's custom_vjp (GEMMs, convolutions, grouped GEMMs).
+  """
+  empty = q_l.size == 0 or q_r.size == 0 or g.size == 0
+  if empty:
+    # A product with an empty operand or output (an empty batch, a VALID
+    # convolution smaller than its kernel, no routed tokens) is identically
+    # zero: both gradients are zero and it observes nothing, so the state
+    # stays as it was.
+    d_l, d_r = jnp.zeros(q_l.shape, spec.lhs_dtype), jnp.zeros(q_r.shape, spec.rhs_dtype)
+    a_l = a_r = a_g = jnp.zeros((), jnp.float32)
+  else:
+    (a_l, a_r), (d_l, d_r, a_g) = amaxes, grads()
+  if spec.frozen:
+    # Frozen quantizers observe nothing, so the state comes back as it was.
+    a_l = a_r = a_g = jnp.zeros((), jnp.float32)
+  state_cts, chain_ct = owg.state_cotangents(spec.cfgs, states, (a_l, a_r, a_g), ct_chain,
+                                             spec.first, empty=empty or spec.frozen)
+  return (d_l, d_r), state_cts, chain_ct
+
+
 def _fp8_vjp_bwd(spec, res, cts):
   with mesh.sharing_bytes():
     return _backward(spec, res, cts)
@@ -154,20 +179,9 @@ def _backward(spec, res, cts):
   q_l = mesh.from_bytes(b_l, spec.cfgs[0].jnp_dtype)
   q_r = mesh.from_bytes(b_r, spec.cfgs[1].jnp_dtype)
   g, ct_chain = cts
-  empty = q_l.size == 0 or q_r.size == 0 or g.size == 0
-  if empty:
-    # A product with an empty operand or output (an empty batch, a VALID
-    # convolution smaller than its kernel) is identically zero: both gradients
-    # are zero and it observes nothing, so the state stays as it was.
-    d_l, d_r = jnp.zeros(q_l.shape, spec.lhs_dtype), jnp.zeros(q_r.shape, spec.rhs_dtype)
-    a_l = a_r = a_g = jnp.zeros((), jnp.float32)
-  else:
-    d_l, d_r, a_g = spec.backward(q_l, q_r, extras, states, g)
-  if spec.frozen:
-    # Frozen quantizers observe nothing, so the state comes back as it was.
-    a_l = a_r = a_g = jnp.zeros((), jnp.float32)
-  state_cts, chain_ct = owg.state_cotangents(spec.cfgs, states, (a_l, a_r, a_g), ct_chain,
-                                             spec.first, empty=empty or spec.frozen)
+  (d_l, d_r), state_cts, chain_ct = backward_with_state(
+      spec, q_l, q_r, g, states, (a_l, a_r), ct_chain,
+      lambda: spec.backward(q_l, q_r, extras, states, g))
   d_l, d_r = lowering.reshard_like(d_l, q_l), lowering.reshard_like(d_r, q_r)
   return (owg.match_varying(d_l, q_l, lax.psum), owg.match_varying(d_r, q_r, lax.psum),
           state_cts, chain_ct)

@@ -38,7 +38,7 @@ from jax import lax
 from jax.lax import ragged_dot as lax_ragged_dot
 
 from fp8_linen.core import lowering, numerics, owg
-from fp8_linen.core.fp8_vjp import Fp8Spec
+from fp8_linen.core.fp8_vjp import Fp8Spec, backward_with_state
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
 __all__ = ["fp8_ragged_dot", "ragged_gemm"]
@@ -85,15 +85,10 @@ def _fwd(spec, lhs, rhs, group_sizes, states, chain):
 
 
 def _bwd(spec, res, cts):
-  (q_l, q_r, s_l, s_r, (a_l, a_r)), group_sizes, states = res
+  (q_l, q_r, s_l, s_r, amaxes), group_sizes, states = res
   g, ct_chain = cts
-  empty = q_l.size == 0 or q_r.size == 0 or g.size == 0
-  if empty:
-    # No rows (or no groups): the product is zero, its gradients too, and it
-    # observes nothing.
-    d_l, d_r = jnp.zeros(q_l.shape, spec.lhs_dtype), jnp.zeros(q_r.shape, spec.rhs_dtype)
-    a_l = a_r = a_g = jnp.zeros((), jnp.float32)
-  else:
+
+  def grads():
     q_g, s_g, a_g = numerics.quantize_with(spec.cfgs[2], *states[2], g)
     # dgrad: g (m, n) x rhs[i]^T (n, k) per group.
     d_l = ragged_gemm(q_g, jnp.swapaxes(q_r, 1, 2), group_sizes, spec.gemm)
@@ -101,10 +96,10 @@ def _bwd(spec, res, cts):
     # wgrad: lhs rows^T (k, m_i) x g rows (m_i, n) per group.
     d_r = ragged_gemm(q_l, q_g, group_sizes, spec.gemm, _RAGGED_CONTRACTING)
     d_r = lowering.scaled(d_r, numerics.scale_product(s_g, s_l), spec.rhs_dtype)
-  if spec.frozen:
-    a_l = a_r = a_g = jnp.zeros((), jnp.float32)
-  state_cts, chain_ct = owg.state_cotangents(spec.cfgs, states, (a_l, a_r, a_g), ct_chain,
-                                             spec.first, empty=empty or spec.frozen)
+    return d_l, d_r, a_g
+
+  (d_l, d_r), state_cts, chain_ct = backward_with_state(spec, q_l, q_r, g, states, amaxes,
+                                                         ct_chain, grads)
   zero_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
   return d_l, d_r, zero_sizes, state_cts, chain_ct
 
