@@ -60,14 +60,16 @@ def test_params_unchanged_state_at_layer_paths_and_parity_with_q_layers():
       return nn.Dense(3, name="logits")(h.mean(1))
 
   twin = Twin()
-  np.testing.assert_array_equal(qm.apply(v, x), twin.apply(v, x))
+  # Jitted: eager quantized convolutions cost seconds each.
+  y = jax.jit(qm.apply)(v, x)
+  np.testing.assert_array_equal(y, jax.jit(twin.apply)(v, x))
   ct = jax.random.normal(jax.random.key(2), (2, 3))
   g1 = jax.jit(jax.grad(lambda v: jnp.sum(qm.apply(v, x) * ct)))(v)
   g2 = jax.jit(jax.grad(lambda v: jnp.sum(twin.apply(v, x) * ct)))(v)
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
   # The logits layer stayed in f32: same output as the unquantized model's layer.
-  assert not np.array_equal(qm.apply(v, x), model.apply(vf, x))
+  assert not np.array_equal(y, jax.jit(model.apply)(vf, x))
 
 
 def test_raw_calls_get_per_call_site_state():

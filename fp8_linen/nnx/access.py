@@ -35,7 +35,9 @@ import contextlib
 import dataclasses
 import weakref
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from fp8_linen.core import lowering, settings, uses
@@ -192,7 +194,8 @@ def converting(model: nnx.Module):
 def calibrate(model: nnx.Module, *args, **kwargs) -> None:
   """Initialises the LSQ/LSQ+ activation steps (and offsets) from one batch.
 
-  Runs ``model(*args, **kwargs)`` eagerly (not under a transform); every layer
+  Runs ``model(*args, **kwargs)`` once (under ``nnx.jit`` when every input is
+  an array, eagerly otherwise: a Python flag stays a Python flag); every layer
   with a learned activation quantizer sets ``input_step``/``input_offset`` from
   the activations it sees, as the Linen layers do at ``init``. Other state is
   left as it was.
@@ -206,5 +209,15 @@ def calibrate(model: nnx.Module, *args, **kwargs) -> None:
     >>> round(float(layer.input_step[0]), 4), layer.kernel_step.shape
     (0.1775, (1, 4))
   """
+  arrays = all(isinstance(leaf, (jax.Array, np.ndarray))
+               for leaf in jax.tree.leaves((args, kwargs)))
   with _CALIBRATING.set(True):
-    model(*args, **kwargs)
+    # Jitted, one compile replaces an op-by-op forward of every quantized product.
+    (_call_jitted if arrays else _call)(model, *args, **kwargs)
+
+
+def _call(model, *args, **kwargs):
+  return model(*args, **kwargs)
+
+
+_call_jitted = nnx.jit(_call)

@@ -62,13 +62,18 @@ def _apply(model, x):
   return model(x)
 
 
+@nnx.jit
+def _update_state(model, x):
+  fl.nnx.update_state(model, fl.nnx.grad(lambda m, x: jnp.sum(m(x) ** 2))(model, x))
+
+
 def _train(model, shape, seed=0):
   """A few steps that update the quantization state (params stay); returns an inside batch."""
   keys = jax.random.split(jax.random.key(seed), 3)
   xs = [2.0 * jax.random.normal(k, shape) for k in keys]
   fl.nnx.calibrate(model, xs[0])  # LSQ activation steps from data (no-op otherwise)
-  for x in xs:
-    fl.nnx.update_state(model, fl.nnx.grad(lambda m, x: jnp.sum(m(x) ** 2))(model, x))
+  for x in xs:  # jitted: op by op, a quantized backward costs seconds
+    _update_state(model, x)
   return 0.5 * xs[1]
 
 
@@ -153,10 +158,10 @@ def test_frozen_evaluation_leaves_the_state_unchanged():
   model.eval()
   _apply(model, big)
   # Differentiated, every state's "gradient" is the state itself: writing it changes nothing.
-  fl.nnx.update_state(model, fl.nnx.grad(lambda m: jnp.sum(m(big) ** 2))(model))
+  _update_state(model, big)
   jax.tree.map(np.testing.assert_array_equal, nnx.state(model, fl.nnx.QuantState), before)
   model.train()
-  fl.nnx.update_state(model, fl.nnx.grad(lambda m: jnp.sum(m(big) ** 2))(model))
+  _update_state(model, big)
   after = nnx.state(model, fl.nnx.QuantState)
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after),
                                                        jax.tree.leaves(before)))

@@ -72,17 +72,19 @@ def _assert_same_program(linen_call, nnx_model, nnx_call, variables, arrays, ct)
 
 
 def _check(linen_model, nnx_model, x):
-  variables = linen_model.init(jax.random.key(0), x)
+  variables = jax.jit(linen_model.init)(jax.random.key(0), x)
   variables = {"params": variables["params"], fl.OWG: _used_state(variables.get(fl.OWG, {}))}
   nnx.update(nnx_model, nnx.State(dict(variables["params"])))
   for k, v in variables[fl.OWG].items():
     getattr(nnx_model, k)[...] = v
-  r = jax.random.normal(jax.random.key(5), linen_model.apply(variables, x).shape)
+  r = jax.random.normal(jax.random.key(5), jax.eval_shape(linen_model.apply, variables, x).shape)
 
-  y_l, (g_l, dx_l) = jax.value_and_grad(
-      lambda v, x: (linen_model.apply(v, x) * r).sum(), argnums=(0, 1))(variables, x)
-  y_n, (g_n, dx_n) = nnx.value_and_grad(
-      lambda m, x: (m(x) * r).sum(), argnums=(nnx.DiffState(0, fnnx.DIFF), 1))(nnx_model, x)
+  # Both jitted (op by op, a quantized backward costs seconds); the programs are
+  # compared below as well.
+  y_l, (g_l, dx_l) = jax.jit(jax.value_and_grad(
+      lambda v, x: (linen_model.apply(v, x) * r).sum(), argnums=(0, 1)))(variables, x)
+  y_n, (g_n, dx_n) = nnx.jit(nnx.value_and_grad(
+      lambda m, x: (m(x) * r).sum(), argnums=(nnx.DiffState(0, fnnx.DIFF), 1)))(nnx_model, x)
   np.testing.assert_array_equal(y_l, y_n)
   np.testing.assert_array_equal(dx_l, dx_n)
   g_n = nnx.to_pure_dict(g_n)
@@ -158,9 +160,9 @@ def test_quantizer_matches_fp8_activation():
   q = fnnx.Quantizer()
   for k, val in v[fl.OWG].items():
     getattr(q, k)[...] = val
-  g_l = jax.grad(lambda v, x: (100.0 * lin.apply(v, x)).sum(), argnums=(0, 1))(v, x)
-  g_n = nnx.grad(lambda q, x: (100.0 * q(x)).sum(),
-                 argnums=(nnx.DiffState(0, fnnx.DIFF), 1))(q, x)
+  g_l = jax.jit(jax.grad(lambda v, x: (100.0 * lin.apply(v, x)).sum(), argnums=(0, 1)))(v, x)
+  g_n = nnx.jit(nnx.grad(lambda q, x: (100.0 * q(x)).sum(),
+                         argnums=(nnx.DiffState(0, fnnx.DIFF), 1)))(q, x)
   np.testing.assert_array_equal(g_l[1], g_n[1])
   for k, val in g_l[0][fl.OWG].items():
     np.testing.assert_array_equal(val, nnx.to_pure_dict(g_n[0])[k], err_msg=k)
@@ -181,9 +183,10 @@ def test_fp8_einsum_compiles_as_linen_s(name, case):
   lhs = jax.random.normal(jax.random.key(1), lhs_shape)
   rhs = jax.random.normal(jax.random.key(2), rhs_shape)
   linen = fl.Fp8Einsum(recipe=recipe)
-  v = linen.init(jax.random.key(0), eq, lhs, rhs)
+  v = jax.jit(lambda k, l, r: linen.init(k, eq, l, r))(jax.random.key(0), lhs, rhs)
   v = {fl.OWG: _used_state(v.get(fl.OWG, {}))}
   model = fnnx.Fp8Einsum(recipe=recipe)
-  ct = jax.random.normal(jax.random.key(3), linen.apply(v, eq, lhs, rhs).shape)
+  out = jax.eval_shape(lambda v, l, r: linen.apply(v, eq, l, r), v, lhs, rhs)
+  ct = jax.random.normal(jax.random.key(3), out.shape)
   _assert_same_program(lambda v, l, r: linen.apply(v, eq, l, r), model,
                        lambda m, l, r: m(eq, l, r), v, (lhs, rhs), ct)
