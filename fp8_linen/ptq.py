@@ -201,7 +201,9 @@ def ptq(model, variables: Mapping, batches: Sequence, *, recipe=None,
       raise TypeError(f"{who}: model must be a Linen module or a QuantizedModel, got "
                       f"{type(model).__name__}")
     qmodel = model
-  init_vars = qmodel.init(jax.random.key(seed), *args[0], **kwargs)
+  # Jitted: an eager init dispatches every op of the quantized model one by one.
+  init_vars = jax.jit(lambda key, *a: qmodel.init(key, *a, **kwargs))(jax.random.key(seed),
+                                                                       *args[0])
   qvars = _load_float(who, init_vars, variables)
 
   def run(v, *a):

@@ -1,0 +1,306 @@
+"""Post-training quantization (Linen): fl.ptq, its calibration methods and GPTQ.
+
+The NNX entry point and the Linen/NNX parity are in tests/nnx/test_nnx_ptq.py.
+"""
+
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8_linen as fl
+from fp8_linen.core import calibration as core_calibration
+from fp8_linen.core import gptq as core_gptq
+from fp8_linen.core.numerics import SCALE_FLOOR
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.relu(nn.Dense(64)(x))
+    return nn.Dense(8)(h)
+
+
+class CNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(8, (3, 3))(x))
+    return nn.Dense(4)(x.reshape(x.shape[0], -1))
+
+
+def _batches(shape, n=2, seed=0):
+  keys = jax.random.split(jax.random.key(seed), n)
+  return [jax.random.normal(k, shape) for k in keys]
+
+
+@functools.lru_cache(maxsize=None)
+def _mlp():
+  model = MLP()
+  batches = _batches((64, 32))
+  return model, model.init(jax.random.key(7), batches[0]), batches
+
+
+@functools.lru_cache(maxsize=None)
+def _ptq(recipe, config=fl.PtqConfig()):
+  model, params, batches = _mlp()
+  return fl.ptq(model, params, batches, recipe=recipe, config=config)
+
+
+def _frozen(model, variables, x):
+  @jax.jit
+  def f(v, x):
+    with fl.frozen_quantizers():
+      return model.apply(v, x)
+  return f(variables, x)
+
+
+def _serve(res, x):
+  return jax.jit(res.served.apply)(res.served_params, x)
+
+
+def _rel_err(y, ref):
+  return float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+
+
+CASES = {
+    "int8 weight-only per channel": (fl.weight_only(8), fl.PtqConfig()),
+    "int4 weight-only per group": (fl.weight_only(4, granularity="group", group_size=16),
+                                   fl.PtqConfig()),
+    "int4 weight-only GPTQ per group": (fl.weight_only(4, granularity="group", group_size=16),
+                                        fl.PtqConfig(weights="gptq")),
+    "w8a8 int8 STE percentile": (fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel")),
+                                 fl.PtqConfig(activation="percentile", percentile=99.9)),
+    "w8a8 int8 LSQ mse": (fl.int8_lsq(), fl.PtqConfig(activation="mse", mse_grid=20)),
+    "fp8 delayed": (fl.delayed_scaling(16), fl.PtqConfig()),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_served_is_the_calibrated_qat_model_bit_for_bit(name):
+  recipe, config = CASES[name]
+  res = _ptq(recipe, config)
+  x_new = jax.random.normal(jax.random.key(99), (64, 32)) * 2.0  # beyond the calibration
+  for x in (_mlp()[2][0], x_new):
+    y = jax.jit(res.served.apply)(res.served_params, x)
+    chex.assert_trees_all_equal(y, _frozen(res.model, res.variables, x))
+  kernel = res.served_params["params"]["Dense_0"]["kernel"]
+  chex.assert_shape(kernel, (32, 64))
+  want = {8: jnp.int8, 4: jnp.int4}.get(getattr(recipe.kernel, "bits", None),
+                                         jnp.float8_e4m3fn)
+  chex.assert_type(kernel, want)
+
+
+def test_weight_only_ptq_is_close_to_float():
+  model, params, batches = _mlp()
+  ref = jax.jit(model.apply)(params, batches[0])
+  errs = {}
+  for name in ("int8 weight-only per channel", "int4 weight-only per group",
+               "int4 weight-only GPTQ per group"):
+    res = _ptq(*CASES[name])
+    errs[name] = _rel_err(_serve(res, batches[0]), ref)
+  print("PTQ ||y - y_float|| / ||y_float||:", errs)
+  assert errs["int8 weight-only per channel"] < 0.01
+  assert errs["int4 weight-only per group"] < 0.15
+  # The weights now take a quarter / an eighth of float32's bytes (plus scales).
+  res = _ptq(*CASES["int8 weight-only per channel"])
+  kernels = lambda p: {k: v["kernel"] for k, v in p["params"].items()}
+  assert fl.weight_bytes(kernels(res.served_params)) * 4 == fl.weight_bytes(kernels(params))
+
+
+def test_w8a8_and_fp8_ptq_are_close_to_float():
+  model, params, batches = _mlp()
+  ref = jax.jit(model.apply)(params, batches[1])
+  errs = {}
+  for name in ("w8a8 int8 STE percentile", "w8a8 int8 LSQ mse", "fp8 delayed"):
+    res = _ptq(*CASES[name])
+    errs[name] = _rel_err(_serve(res, batches[1]), ref)
+  print("PTQ ||y - y_float|| / ||y_float|| (a batch not calibrated on):", errs)
+  # e4m3 keeps 3 mantissa bits: about 4% rms rounding error per operand.
+  assert errs["w8a8 int8 STE percentile"] < 0.05 and errs["w8a8 int8 LSQ mse"] < 0.05, errs
+  assert errs["fp8 delayed"] < 0.1, errs
+
+
+def test_convolutions_and_library_layers():
+  model = CNN()
+  batches = _batches((4, 6, 6, 3))
+  params = model.init(jax.random.key(0), batches[0])
+  for recipe in (fl.weight_only(8), fl.IntRecipe()):
+    res = fl.ptq(model, params, batches, recipe=recipe)
+    chex.assert_type(res.served_params["params"]["Conv_0"]["kernel"], jnp.int8)
+    chex.assert_trees_all_equal(_serve(res, batches[0]),
+                                _frozen(res.model, res.variables, batches[0]))
+    assert _rel_err(_serve(res, batches[0]),
+                    jax.jit(model.apply)(params, batches[0])) < 0.05
+  # A model built from the library's layers carries its own recipe.
+  layer = fl.QDense(8, recipe=fl.weight_only(8))
+  x = _batches((8, 16))
+  float_params = nn.Dense(8).init(jax.random.key(1), x[0])
+  res = fl.ptq(layer, float_params, x)
+  assert isinstance(res.served, fl.ServedModule)
+  chex.assert_trees_all_close(_serve(res, x[0]),
+                              nn.Dense(8).apply(float_params, x[0]), atol=0.03)
+
+
+def _heavy_tailed(n=8192, seed=0):
+  return jax.random.t(jax.random.key(seed), 3.0, (n,))
+
+
+def test_percentile_and_mse_clip_outliers_and_mse_lowers_the_error():
+  x = _heavy_tailed()
+  cfg = fl.IntQuantConfig(bits=4)
+  qdq = core_calibration.int_qdq(cfg)
+  lo, hi = x.min(), x.max()
+  ranges = {m: core_calibration.choose_range(x, lo, hi, method=m, percentile=99.0, qdq=qdq)
+            for m in core_calibration.METHODS}
+  width = {m: float(r[1] - r[0]) for m, r in ranges.items()}
+  assert width["percentile"] < width["minmax"] and width["mse"] < width["minmax"]
+  err = {m: float(core_calibration.qdq_error(x, *r, qdq)) for m, r in ranges.items()}
+  assert err["mse"] < err["minmax"] and err["mse"] <= err["percentile"]
+  # The symmetric percentile is the percentile of |x|.
+  np.testing.assert_allclose(ranges["percentile"][1], np.quantile(np.abs(np.asarray(x)), 0.99),
+                             rtol=1e-5)
+  # fp8's grid: its MSE range never does worse than min/max either.
+  fq = core_calibration.fp8_qdq(fl.ScalingConfig())
+  r = core_calibration.choose_range(x, lo, hi, method="mse", qdq=fq)
+  assert core_calibration.qdq_error(x, *r, fq) <= core_calibration.qdq_error(x, lo, hi, fq)
+
+
+def test_ptq_activation_methods_set_the_observer_range():
+  model = nn.Dense(4)
+  xs = [x.reshape(64, 16) * 0.3 for x in (_heavy_tailed(1024, 1), _heavy_tailed(1024, 2))]
+  params = model.init(jax.random.key(0), xs[0])
+  recipe = fl.IntRecipe(input=fl.IntQuantConfig(bits=4), kernel=fl.IntQuantConfig(bits=4))
+  x = jnp.concatenate([x.ravel() for x in xs])
+  widths = {"minmax": float(x.max() - x.min())}
+  errors = {"minmax": float(core_calibration.qdq_error(x, x.min(), x.max(),
+                                                       core_calibration.int_qdq(recipe.input)))}
+  for method in ("percentile", "mse"):
+    res = fl.ptq(model, params, xs, recipe=recipe,
+                 config=fl.PtqConfig(activation=method, percentile=99.0, mse_grid=50))
+    rng = res.variables[fl.OWG]["input_range"]
+    widths[method] = float(rng.sum())
+    errors[method] = float(core_calibration.qdq_error(
+        x, -rng[0], rng[1], core_calibration.int_qdq(recipe.input)))
+  assert widths["percentile"] < widths["minmax"] and widths["mse"] < widths["minmax"]
+  assert errors["mse"] < errors["minmax"]
+
+
+# ---------------------------------------------------------------------------- GPTQ
+
+
+def _gptq_reference(w, h, qmin, qmax, group_size, damping):
+  """GPTQ in float64 numpy, written from the paper's update rule with explicit loops."""
+  w = np.array(w, np.float64)
+  h = np.array(h, np.float64)
+  k_rows, n = w.shape
+  dead = np.diag(h) == 0
+  h[dead, dead] = 1.0
+  w[dead, :] = 0.0
+  h += np.eye(k_rows) * damping * np.mean(np.diag(h))
+  u = np.linalg.cholesky(np.linalg.inv(h)).T
+  codes = np.zeros((k_rows, n), np.int64)
+  scales = []
+  for k in range(k_rows):
+    if k % group_size == 0:
+      block = w[k:k + group_size]
+      s = np.maximum(-np.minimum(block.min(0), 0.0), np.maximum(block.max(0), 0.0)) / qmax
+      s = np.where(s > SCALE_FLOOR, s, 1.0)
+      scales.append(s)
+    for j in range(n):
+      codes[k, j] = min(max(np.round(w[k, j] / s[j]), qmin), qmax)
+      err = (w[k, j] - codes[k, j] * s[j]) / u[k, k]
+      for i in range(k + 1, k_rows):
+        w[i, j] -= u[k, i] * err
+  return codes, np.stack(scales)
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_problem():
+  # Correlated inputs, as a layer's activations are: where GPTQ's feedback pays.
+  z = jax.random.normal(jax.random.key(0), (512, 32))
+  mix = jnp.eye(32) + 0.5 * jax.random.normal(jax.random.key(1), (32, 32))
+  x = z @ mix
+  w = jax.random.normal(jax.random.key(2), (32, 12))
+  return x, w
+
+
+@pytest.mark.parametrize("granularity,group_size", [("channel", None), ("group", 8)])
+def test_gptq_matches_a_float64_reference_and_beats_round_to_nearest(granularity, group_size):
+  x, w = _layer_problem()
+  cfg = fl.IntQuantConfig(bits=4, granularity=granularity, group_size=group_size)
+  h = core_gptq.hessian(x, (1,))
+  np.testing.assert_allclose(h, np.asarray(x, np.float64).T @ np.asarray(x, np.float64),
+                             rtol=1e-5, atol=1e-3)
+  codes, scales = jax.jit(functools.partial(core_gptq.gptq, cfg=cfg, damping=0.01))(w, h)
+  chex.assert_shape(codes, w.shape)
+  chex.assert_type(codes, jnp.int32)
+  gs = group_size or w.shape[0]
+  ref_codes, ref_scales = _gptq_reference(w, h, cfg.qmin, cfg.qmax, gs, 0.01)
+  np.testing.assert_allclose(scales, ref_scales, rtol=1e-4)
+  diff = np.abs(np.asarray(codes) - ref_codes)
+  # float32 against float64: a code may round the other way at a tie.
+  assert diff.max() <= 1 and (diff > 0).mean() < 0.02, (diff > 0).mean()
+  deq = codes * jnp.repeat(scales, gs, axis=0)
+  # Round to nearest with the same scales (per group: the weight's own).
+  view = w.reshape(-1, gs, w.shape[1])
+  s_rtn = jnp.max(jnp.abs(view), axis=1, keepdims=True) / cfg.qmax
+  rtn = (jnp.clip(jnp.round(view / s_rtn), cfg.qmin, cfg.qmax) * s_rtn).reshape(w.shape)
+  e_gptq = float(jnp.linalg.norm(x @ w - x @ deq))
+  e_rtn = float(jnp.linalg.norm(x @ w - x @ rtn))
+  print(f"{granularity}: ||XW - XQ|| GPTQ {e_gptq:.3f}, round to nearest {e_rtn:.3f}")
+  assert e_gptq < e_rtn
+
+
+def test_gptq_ptq_lowers_the_layer_error_on_calibration_data():
+  model, params, batches = _mlp()
+  ref = jax.jit(model.apply)(params, batches[0])
+  err = {}
+  for name in ("int4 weight-only per group", "int4 weight-only GPTQ per group"):
+    res = _ptq(*CASES[name])
+    err[name] = float(jnp.linalg.norm(_serve(res, batches[0]) - ref))
+  print("int4 per group, ||y - y_float|| on calibration data:", err)
+  assert err["int4 weight-only GPTQ per group"] < err["int4 weight-only per group"]
+  # GPTQ's kernel is on the grid its scale defines: the served codes are GPTQ's.
+  res = _ptq(*CASES["int4 weight-only GPTQ per group"])
+  k, step = res.variables["params"]["Dense_0"]["kernel"], res.variables["params"]["Dense_0"][
+      "kernel_step"]
+  codes = res.served_params["params"]["Dense_0"]["kernel"].astype(jnp.float32)
+  np.testing.assert_array_equal(codes.reshape(2, 16, 64) * step, k.reshape(2, 16, 64))
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_bad_input_is_named():
+  model, params, batches = _mlp()
+  with pytest.raises(ValueError, match="batches is empty"):
+    fl.ptq(model, params, [], recipe=fl.weight_only(8))
+  with pytest.raises(ValueError, match=r"batches\[1\] holds NaN"):
+    fl.ptq(model, params, [batches[0], batches[1].at[0, 0].set(jnp.nan)],
+           recipe=fl.weight_only(8))
+  with pytest.raises(TypeError, match="batches must be a sequence"):
+    fl.ptq(model, params, batches[0], recipe=fl.weight_only(8))
+  with pytest.raises(ValueError, match="PtqConfig.activation='max'"):
+    fl.PtqConfig(activation="max")
+  with pytest.raises(ValueError, match="PtqConfig.weights='awq'"):
+    fl.PtqConfig(weights="awq")
+  with pytest.raises(ValueError, match="PtqConfig.percentile"):
+    fl.PtqConfig(percentile=0)
+  with pytest.raises(ValueError, match="ran no quantized product"):
+    fl.ptq(model, params, batches, recipe=fl.weight_only(8),
+           rules=[fl.QuantizationRule(module_path=".*", quantize=False)])
+  with pytest.raises(ValueError, match="weights='gptq'.*fp8"):
+    fl.ptq(model, params, batches, recipe=fl.delayed_scaling(16),
+           config=fl.PtqConfig(weights="gptq"))
+  with pytest.raises(ValueError, match="estimator='lsq'"):
+    fl.ptq(model, params, batches, recipe=fl.IntRecipe(), config=fl.PtqConfig(weights="gptq"))
+  with pytest.raises(ValueError, match="variables has no 'params/Dense_1/bias'"):
+    bad = {"params": {**params["params"], "Dense_1": {"kernel": params["params"]["Dense_1"][
+        "kernel"]}}}
+    fl.ptq(model, bad, batches, recipe=fl.weight_only(8))
+  with pytest.raises(TypeError, match="rules= needs a recipe"):
+    fl.ptq(model, params, batches, rules=[fl.QuantizationRule()])
