@@ -221,14 +221,8 @@ def ptq(model, variables: Mapping, batches: Sequence, *, recipe=None,
     raise calibration.no_product_error(who)
   for path, st in stats.items():
     values, kernel = calibration.calibrated(st, config, where="/".join(path) or "<root>")
-    if kernel is not None:
-      if st.kernel_at == 1:  # Fp8DotGeneral inside a flax layer: the parent's kernel
-        path_k = path[:-1]
-      else:
-        path_k = path
-      _apply(who, qvars, path, values, None)
-      _apply(who, qvars, path_k, {}, kernel)
-    else:
-      _apply(who, qvars, path, values, None)
+    _apply(who, qvars, path, values, None)
+    if kernel is not None:  # Fp8DotGeneral in a flax layer multiplies its parent's kernel
+      _apply(who, qvars, path if st.kernel_at == 0 else path[:-1], {}, kernel)
   served, served_params = convert(qmodel, qvars, *args[0], **kwargs)
   return PtqResult(served, served_params, qmodel, qvars)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fp8_linen.core import int_numerics
+from fp8_linen.core import int_numerics, lowering
 from fp8_linen.recipes.integer import IntQuantConfig
 
 __all__ = ["gptq", "hessian"]
@@ -49,7 +49,11 @@ def hessian(x, contract_axes) -> jax.Array:
   for a in contract_axes:
     k *= x.shape[a]
   x2 = jnp.transpose(x, free + contract_axes).reshape(-1, k)
-  return jnp.matmul(x2.T, x2, precision=jax.lax.Precision.HIGHEST)
+  # The original lax function lowering binds: under fl.quantize_model this Hessian is not
+  # a product of the model.
+  return lowering.lax_dot_general(x2, x2, (((0,), (0,)), ((), ())),
+                                  precision=jax.lax.Precision.HIGHEST,
+                                  preferred_element_type=jnp.float32)
 
 
 def _scale(rows, cfg: IntQuantConfig, all_rows: bool):
