@@ -275,6 +275,33 @@ def test_gptq_ptq_lowers_the_layer_error_on_calibration_data():
   np.testing.assert_array_equal(codes.reshape(2, 16, 64) * step, k.reshape(2, 16, 64))
 
 
+class GeneralMLP(nn.Module):
+  """Weights with several free and several contracting axes."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.DenseGeneral((4, 8), axis=-1)(x)                     # kernel (16, 4, 8)
+    return nn.DenseGeneral(6, axis=(-2, -1))(nn.relu(h))        # kernel (4, 8, 6)
+
+
+def test_gptq_on_multi_axis_weights_and_fp8_dot_general_layers():
+  xs = _batches((32, 2, 16))
+  model = GeneralMLP()
+  params = model.init(jax.random.key(3), xs[0])
+  res = fl.ptq(model, params, xs, recipe=fl.weight_only(4), config=fl.PtqConfig(weights="gptq"))
+  steps = [v["kernel_step"] for v in res.variables["params"].values()]
+  chex.assert_shape(steps, [(1, 4, 8), (1, 1, 6)])
+  chex.assert_trees_all_equal(_serve(res, xs[1]), _frozen(res.model, res.variables, xs[1]))
+  # A product module in a flax layer rounds its parent's kernel.
+  dg = functools.partial(fl.Fp8DotGeneral, recipe=fl.weight_only(4))
+  layer, x = nn.Dense(3, dot_general_cls=dg), [x.reshape(32, 32) for x in xs]
+  res = fl.ptq(layer, nn.Dense(3).init(jax.random.key(0), x[0]), x,
+               config=fl.PtqConfig(weights="gptq"))
+  chex.assert_shape(res.variables["params"]["Fp8DotGeneral_0"]["kernel_step"], (1, 3))
+  chex.assert_type(res.served_params["params"]["kernel"], jnp.int4)
+  chex.assert_trees_all_equal(_serve(res, x[1]), _frozen(layer, res.variables, x[1]))
+
+
 # ---------------------------------------------------------------------------- errors
 
 

@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -61,6 +62,7 @@ def subsample(x, n: int, seed: int = 0):
   return flat[idx]
 
 
+@functools.lru_cache(maxsize=None)  # one function per grid: a jit of choose_range reuses it
 def int_qdq(cfg: IntQuantConfig) -> Callable:
   """``qdq(x, lo, hi)``: ``x`` through the integer grid ``cfg`` with the range ``[lo, hi]``."""
   def qdq(x, lo, hi):
@@ -69,6 +71,7 @@ def int_qdq(cfg: IntQuantConfig) -> Callable:
   return qdq
 
 
+@functools.lru_cache(maxsize=None)
 def fp8_qdq(cfg: ScalingConfig) -> Callable:
   """``qdq(x, lo, hi)``: ``x`` through ``cfg``'s fp8 format scaled for ``amax = max(-lo, hi)``."""
   fmax = cfg.fp8_max

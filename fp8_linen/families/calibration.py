@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -201,60 +202,89 @@ def _amax(x) -> float:
   return float(np.max(np.abs(np.asarray(x, np.float32)), initial=0.0))
 
 
+# The host-side steps run as small jitted programs: run op by op, each of their jnp calls
+# would be compiled on its own, for every layer.
+_choose_range = jax.jit(core_calibration.choose_range,
+                        static_argnames=("method", "percentile", "symmetric", "qdq", "grid"))
+
+
 def _range(stats: ProductStats, config: PtqConfig, symmetric: bool, qdq):
-  lo, hi = core_calibration.choose_range(
-      stats.sample, stats.lo, stats.hi, method=config.activation,
+  lo, hi = _choose_range(
+      stats.sample, np.float32(stats.lo), np.float32(stats.hi), method=config.activation,
       percentile=config.percentile, symmetric=symmetric, qdq=qdq, grid=config.mse_grid)
   return float(lo), float(hi)
 
 
-def _int_input(stats: ProductStats, cfg: IntQuantConfig, config: PtqConfig) -> dict:
-  lo, hi = _range(stats, config, cfg.symmetric, core_calibration.int_qdq(cfg))
+@functools.partial(jax.jit, static_argnums=(1,))
+def _input_values(lo_hi, cfg: IntQuantConfig) -> dict:
+  """An integer activation quantizer's variables spanning ``[lo, hi]``."""
+  lo, hi = lo_hi[0], lo_hi[1]
   if cfg.estimator == "ste":
-    return {"input_range": jnp.array([-lo, hi], jnp.float32)}
+    return {"input_range": jnp.stack([-lo, hi])}
   if cfg.estimator == "lsq":
-    s, _ = int_numerics.int_params_from_range(jnp.asarray(lo), jnp.asarray(hi), cfg)
+    s, _ = int_numerics.int_params_from_range(lo, hi, cfg)
     return {"input_step": jnp.reshape(s, (1,))}
-  s, b = int_numerics.lsq_plus_init(jnp.array([lo, hi]), (0,), cfg.qmin, cfg.qmax)
+  s, b = int_numerics.lsq_plus_init(lo_hi, (0,), cfg.qmin, cfg.qmax)
   return {"input_step": jnp.reshape(s, (1,)), "input_offset": jnp.reshape(b, (1,))}
 
 
-def _step_layout(scales, rhs_shape, contract, cfg: IntQuantConfig):
+def _int_input(stats: ProductStats, cfg: IntQuantConfig, config: PtqConfig) -> dict:
+  lo, hi = _range(stats, config, cfg.symmetric, core_calibration.int_qdq(cfg))
+  return _input_values(np.array([lo, hi], np.float32), cfg)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _rtn_steps(rhs, contract: tuple, cfg: IntQuantConfig) -> dict:
+  """An LSQ / LSQ+ weight quantizer's variables spanning the weight's own range."""
+  view, axes = int_numerics.int_view(rhs.astype(jnp.float32), contract, cfg)
+  if cfg.estimator == "lsq":
+    s, _ = int_numerics.int_params_from_range(jnp.min(view, axis=axes, keepdims=True),
+                                              jnp.max(view, axis=axes, keepdims=True), cfg)
+    return {"kernel_step": s}
+  s, b = int_numerics.lsq_plus_init(view, axes, cfg.qmin, cfg.qmax)
+  return {"kernel_step": s, "kernel_offset": b}
+
+
+def _step_layout(scales: np.ndarray, rhs_shape, contract, cfg: IntQuantConfig) -> np.ndarray:
   """GPTQ's ``(G, N)`` scales in the layout of the LSQ ``kernel_step`` of ``rhs``."""
   free = [a for a in range(len(rhs_shape)) if a not in contract]
   free_shape = [rhs_shape[a] for a in free]
-  if cfg.granularity != "group":
-    out = np.ones(len(rhs_shape), int).tolist()
+  if cfg.granularity == "tensor":
+    return np.reshape(scales[0, :1], (1,) * len(rhs_shape))
+  if cfg.granularity == "channel":
+    out = [1] * len(rhs_shape)
     for a, d in zip(free, free_shape):
       out[a] = d
-    if cfg.granularity == "tensor":
-      return jnp.reshape(scales[0, :1], (1,) * len(rhs_shape))
-    return jnp.reshape(scales, out)
+    return np.reshape(scales, out)
   (a,) = contract
-  g = scales.shape[0]
-  t = jnp.reshape(scales, [g] + free_shape)          # (G, free...)
-  t = jnp.moveaxis(t, 0, a)                          # G at the contracting axis
-  return jnp.expand_dims(t, a + 1)                   # the group_size axis, reduced
+  t = np.reshape(scales, [scales.shape[0]] + free_shape)  # (G, free...)
+  t = np.moveaxis(t, 0, a)                                # G at the contracting axis
+  return np.expand_dims(t, a + 1)                         # the group_size axis, reduced
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _gptq_rounded(w2, hessian, cfg: IntQuantConfig, damping: float):
+  """GPTQ's scales and its rounded weight (codes x scale), ``(K, N)``; one program per shape."""
+  codes, scales = core_gptq.gptq(w2, hessian, cfg, damping=damping)
+  gs = cfg.group_size if cfg.granularity == "group" else w2.shape[0]
+  return scales, codes.astype(jnp.float32) * jnp.repeat(scales, gs, axis=0)
 
 
 def _gptq_kernel(stats: ProductStats, cfg: IntQuantConfig, config: PtqConfig, where: str):
-  """``(kernel_step, rounded rhs)`` of GPTQ for one product."""
-  rhs = jnp.asarray(stats.rhs)
+  """``(kernel_step, rounded rhs)`` of GPTQ for one product (layouts moved on the host)."""
+  rhs = np.asarray(stats.rhs)
   rc = tuple(a % rhs.ndim for a in stats.contract)
   free = tuple(a for a in range(rhs.ndim) if a not in rc)
   k = math.prod(rhs.shape[a] for a in rc)
-  w2 = jnp.transpose(rhs, rc + free).reshape(k, -1)
   if stats.hessian.shape != (k, k):
     raise ValueError(f"{where}: PtqConfig(weights='gptq') needs the Hessian of the product's "
                      "input, which a convolution or a product with batch axes does not "
                      "record; quantize it with weights='rtn' (a rule with another recipe)")
-  codes, scales = core_gptq.gptq(w2, jnp.asarray(stats.hessian, jnp.float32), cfg,
-                                 damping=config.gptq_damping)
-  gs = cfg.group_size if cfg.granularity == "group" else k
-  deq = codes.astype(jnp.float32) * jnp.repeat(scales, gs, axis=0)
-  back = jnp.reshape(deq, [rhs.shape[a] for a in rc + free])
-  back = jnp.transpose(back, np.argsort(rc + free)).astype(rhs.dtype)
-  return _step_layout(scales, rhs.shape, rc, cfg), back
+  w2 = np.transpose(rhs, rc + free).reshape(k, -1).astype(np.float32)
+  scales, deq = _gptq_rounded(w2, stats.hessian.astype(np.float32), cfg, config.gptq_damping)
+  scales, deq = np.asarray(scales), np.asarray(deq)
+  back = np.transpose(deq.reshape([rhs.shape[a] for a in rc + free]), np.argsort(rc + free))
+  return _step_layout(scales, rhs.shape, rc, cfg), back.astype(rhs.dtype)
 
 
 def _int_kernel(stats: ProductStats, cfg: IntQuantConfig, config: PtqConfig, where: str):
@@ -268,21 +298,20 @@ def _int_kernel(stats: ProductStats, cfg: IntQuantConfig, config: PtqConfig, whe
     return {"kernel_step": step}, kernel
   if not cfg.learned:
     return {}, None
-  view, axes = int_numerics.int_view(jnp.asarray(stats.rhs, jnp.float32), stats.contract, cfg)
-  if cfg.estimator == "lsq":
-    s, _ = int_numerics.int_params_from_range(jnp.min(view, axis=axes, keepdims=True),
-                                              jnp.max(view, axis=axes, keepdims=True), cfg)
-    return {"kernel_step": s}, None
-  s, b = int_numerics.lsq_plus_init(view, axes, cfg.qmin, cfg.qmax)
-  return {"kernel_step": s, "kernel_offset": b}, None
+  return _rtn_steps(stats.rhs, tuple(stats.contract), cfg), None
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _fp8_state(amax, cfg) -> tuple:
+  hist = jnp.zeros((cfg.history_length,), jnp.float32).at[0].set(amax)
+  return hist, numerics.scale_from_amax(jnp.reshape(amax, (1,)), jnp.ones((1,), jnp.float32),
+                                        cfg)
 
 
 def _fp8_role(role: str, cfg, amax: float) -> dict:
   if cfg.scaling != "delayed" or not cfg.keeps_state:
     return {}
-  hist = jnp.zeros((cfg.history_length,), jnp.float32).at[0].set(amax)
-  scale = numerics.scale_from_amax(jnp.array([amax], jnp.float32),
-                                   jnp.ones((1,), jnp.float32), cfg)
+  hist, scale = _fp8_state(np.float32(amax), cfg)
   return {f"{role}_amax_history": hist, f"{role}_scale": scale}
 
 
