@@ -74,7 +74,7 @@ def _node(tree, path):
 
 
 def _load_float(who: str, init_vars: dict, float_vars: Mapping) -> dict:
-  """``init_vars`` with every array the float variables hold; the quantizers' own left as they are."""
+  """``init_vars`` holding every array of the float variables; the quantizers' own stay."""
   out = flax.core.unfreeze(init_vars)
   source = {"/".join((c,) + p): v for c in float_vars if c != OWG
             for p, v in _flat(flax.core.unfreeze(float_vars[c]))}

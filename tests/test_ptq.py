@@ -172,6 +172,21 @@ def test_percentile_and_mse_clip_outliers_and_mse_lowers_the_error():
   assert core_calibration.qdq_error(x, *r, fq) <= core_calibration.qdq_error(x, lo, hi, fq)
 
 
+def test_merged_samples_stay_bounded_and_draw_from_every_batch():
+  from fp8_linen.families import calibration
+  stats = None
+  for b in range(4):
+    x = jnp.full((50, 20), float(b))  # batch b holds only the value b
+    rec = calibration.record(x, jnp.ones((20, 3)), (1,), (0,), (), recipe=fl.IntRecipe(),
+                             samples=200, with_hessian=True)
+    stats = calibration.merge(stats, rec)
+  chex.assert_shape(stats.sample, (200,))
+  counts = np.bincount(stats.sample.astype(int), minlength=4)
+  assert counts.min() > 25, counts                       # about 50 of each
+  assert (stats.lo, stats.hi, stats.batches) == (0.0, 3.0, 4)
+  np.testing.assert_allclose(stats.hessian, 50 * 14 * np.ones((20, 20)))  # sum_b 50 * b^2
+
+
 def test_ptq_activation_methods_set_the_observer_range():
   model = nn.Dense(4)
   xs = [x.reshape(64, 16) * 0.3 for x in (_heavy_tailed(1024, 1), _heavy_tailed(1024, 2))]

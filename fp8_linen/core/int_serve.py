@@ -34,8 +34,8 @@ from fp8_linen.core.serve import ServedRecord, record, require_arrays, unservabl
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["storage_dtype", "fold_int_kernel", "freeze_int_input", "live_int_kernel", "int_dot",
-           "weight_only_dot", "int_conv", "int_servable", "int_quantizer_params", "int_record", "int_served_dot",
-           "int_served_conv"]
+           "weight_only_dot", "int_conv", "int_servable", "int_quantizer_params", "int_record",
+           "int_served_dot", "int_served_conv"]
 
 _INT4_SHIFT = 8  # unsigned 4-bit grids [0, 15] are stored shifted into int4's [-8, 7]
 

@@ -191,9 +191,19 @@ def merge(stats: ProductStats | None, rec: CalibrationRecord) -> ProductStats:
                         kernel_equal=bool(rec.kernel_equal), recipe=rec.recipe,
                         contract=rec.contract, batch=rec.batch, conv=rec.conv,
                         rhs_amax=_amax(rec.rhs))
+  both = np.concatenate([stats.sample, sample])
+  cap = max(stats.sample.size, sample.size)
+  if both.size > cap:
+    # A uniform subset of everything seen so far: the batches merged before this one
+    # (batches each) are worth that many of this one.
+    w = np.concatenate([np.full(stats.sample.size, stats.batches / stats.sample.size),
+                        np.full(sample.size, 1.0 / sample.size)])
+    idx = np.random.default_rng(stats.batches).choice(both.size, cap, replace=False,
+                                                      p=w / w.sum())
+    both = both[idx]
   return dataclasses.replace(
       stats, lo=min(stats.lo, float(rec.lo)), hi=max(stats.hi, float(rec.hi)),
-      sample=np.concatenate([stats.sample, sample]),
+      sample=both,
       hessian=stats.hessian + hess if hess.size else stats.hessian,
       rhs_amax=max(stats.rhs_amax, _amax(rec.rhs)), batches=stats.batches + 1)
 

@@ -65,16 +65,16 @@ def _run(access: VariableAccess, family: RecipeFamily, recipe, rhs, *, conv: boo
     return served(access.served_arrays(), access.path)
   if in_mode == "calibrate":
     # Post-training quantization measures the float model: the float product, and what
-    # the product saw (its conversion will later check that it can be served).
+    # the product saw. It ends in a conversion, so an unservable recipe is refused now.
     _check_servable(access, recipe, conv)
     y, lhs = calibrate()
     rhs = jnp.asarray(rhs)
     rc, rb = contract()
     samples, with_hessian = calibration.options()
+    at, kernel = access.kernel_for(rhs)
     access.record(calibration.record(
         lhs, rhs, lhs_contract(), rc, rb, recipe=recipe, samples=samples,
-        with_hessian=with_hessian, conv=conv, **dict(zip(("kernel_at", "kernel"),
-                                                         access.kernel_for(rhs)))))
+        with_hessian=with_hessian, conv=conv, kernel_at=at, kernel=kernel))
     return y
   if in_mode == "convert":
     _check_servable(access, recipe, conv)

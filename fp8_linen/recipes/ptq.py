@@ -32,9 +32,9 @@ class PtqConfig:
       on the sampled values).
     percentile: for ``activation='percentile'``, in ``(0, 100]``.
     mse_grid: for ``activation='mse'``: how many ranges are tried.
-    samples: activation values kept per product and batch (drawn at random
-      when a batch holds more) for ``'percentile'`` and ``'mse'``; the exact
-      min and max are always kept.
+    samples: activation values kept per product for ``'percentile'`` and
+      ``'mse'``: all of them, or a random subset of this size drawn evenly
+      from every batch; the exact min and max are always kept.
     weights: ``'rtn'`` (round to nearest with the scale the weight's own range
       gives) or ``'gptq'`` (GPTQ, Frantar et al. 2023: rows rounded one by one
       with the error spread by the inverse Hessian of the calibration inputs;
