@@ -190,6 +190,8 @@ def ptq(model, variables: Mapping, batches: Sequence, *, recipe=None,
                     f"...}}), got {type(variables).__name__}")
   args = calibration.check_batches(who, batches)
   if recipe is not None:
+    calibration.check_recipe(f"{who}: recipe", recipe, config)
+  if recipe is not None:
     if not isinstance(model, nn.Module) or isinstance(model, QuantizedModel):
       raise TypeError(f"{who}: recipe= quantizes an unmodified Linen model; model is "
                       f"{type(model).__name__} (leave recipe out for a QuantizedModel)")

@@ -130,10 +130,16 @@ def test_convolutions_and_library_layers():
   batches = _batches((4, 6, 6, 3))
   params = model.init(jax.random.key(0), batches[0])
   # Weight-only convolutions serve the dequantized codes (w8a8 ones run on codes, as
-  # convert's tests show for QAT models).
+  # convert's tests show for QAT models). GPTQ rounds the dense layer; the convolution,
+  # whose input has no Hessian recorded, is rounded to nearest.
   for recipe in (fl.weight_only(8),):
-    res = fl.ptq(model, params, batches, recipe=recipe)
+    res = fl.ptq(model, params, batches, recipe=recipe, config=fl.PtqConfig(weights="gptq"))
     chex.assert_type(res.served_params["params"]["Conv_0"]["kernel"], jnp.int8)
+    w = params["params"]["Conv_0"]["kernel"]
+    chex.assert_trees_all_close(res.variables["params"]["Conv_0"]["kernel_step"],
+                                jnp.max(jnp.abs(w), axis=(0, 1, 2), keepdims=True) / 127,
+                                rtol=1e-6)
+    chex.assert_trees_all_equal(res.variables["params"]["Conv_0"]["kernel"], w)
     chex.assert_trees_all_equal(_serve(res, batches[0]),
                                 _frozen(res.model, res.variables, batches[0]))
     assert _rel_err(_serve(res, batches[0]),
@@ -144,8 +150,8 @@ def test_convolutions_and_library_layers():
   float_params = nn.Dense(8).init(jax.random.key(1), x[0])
   res = fl.ptq(layer, float_params, x)
   assert isinstance(res.served, fl.ServedModule)
-  chex.assert_trees_all_close(_serve(res, x[0]),
-                              nn.Dense(8).apply(float_params, x[0]), atol=0.03)
+  chex.assert_trees_all_close(_serve(res, x[0]), x[0] @ float_params["params"]["kernel"] +
+                              float_params["params"]["bias"], atol=0.03)
 
 
 def _heavy_tailed(n=8192, seed=0):

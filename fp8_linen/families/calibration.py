@@ -18,8 +18,10 @@ int LSQ / LSQ+ activation    ``input_step`` (``input_offset``) spanning
                              ``[lo, hi]`` on the grid
 int LSQ / LSQ+ weight        ``kernel_step`` (``kernel_offset``) from the
                              weight's range per tensor / channel / group;
-                             GPTQ: its scales, and the ``kernel`` becomes
-                             GPTQ's rounded weight (codes x scale)
+                             GPTQ (dense products without batch axes;
+                             others round to nearest): its scales, and the
+                             ``kernel`` becomes GPTQ's rounded weight
+                             (codes x scale)
 int STE weight               nothing (its own min/max, as in QAT)
 fp8 delayed activation       ``input_amax_history`` = ``[max(-lo, hi), 0,
                              ...]`` and ``input_scale``
@@ -67,7 +69,8 @@ from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 from fp8_linen.recipes.ptq import PtqConfig
 
 __all__ = ["CalibrationRecord", "ProductStats", "calibrating", "record", "float_dot",
-           "float_conv", "merge", "calibrated", "check_batches", "no_product_error"]
+           "float_conv", "merge", "calibrated", "check_recipe", "check_batches",
+           "no_product_error"]
 
 # (samples per product and batch, whether products compute their input's Hessian)
 _OPTIONS = settings.TraceSetting("ptq_calibration", default=None)
@@ -287,9 +290,8 @@ def _gptq_kernel(stats: ProductStats, cfg: IntQuantConfig, config: PtqConfig, wh
   free = tuple(a for a in range(rhs.ndim) if a not in rc)
   k = math.prod(rhs.shape[a] for a in rc)
   if stats.hessian.shape != (k, k):
-    raise ValueError(f"{where}: PtqConfig(weights='gptq') needs the Hessian of the product's "
-                     "input, which a convolution or a product with batch axes does not "
-                     "record; quantize it with weights='rtn' (a rule with another recipe)")
+    raise ValueError(f"{where}: the Hessian has shape {stats.hessian.shape}, the weight's "
+                     f"{k} inputs need {(k, k)}")
   w2 = np.transpose(rhs, rc + free).reshape(k, -1).astype(np.float32)
   scales, deq = _gptq_rounded(w2, stats.hessian.astype(np.float32), cfg, config.gptq_damping)
   scales, deq = np.asarray(scales), np.asarray(deq)
@@ -297,13 +299,27 @@ def _gptq_kernel(stats: ProductStats, cfg: IntQuantConfig, config: PtqConfig, wh
   return _step_layout(scales, rhs.shape, rc, cfg), back.astype(rhs.dtype)
 
 
+def check_recipe(where: str, recipe, config: PtqConfig) -> None:
+  """Raises (naming ``where``) where PTQ cannot calibrate ``recipe`` as ``config`` asks.
+
+  Both entry points call it on the default recipe before calibrating, and
+  :func:`calibrated` on each product's.
+  """
+  if config.weights != "gptq":
+    return
+  if isinstance(recipe, Fp8Recipe):
+    raise ValueError(f"{where}: PtqConfig(weights='gptq') rounds to an integer grid; "
+                     "for an fp8 recipe use weights='rtn'")
+  if isinstance(recipe, IntRecipe) and recipe.kernel is not None and \
+      recipe.kernel.estimator != "lsq":
+    raise ValueError(
+        f"{where}: PtqConfig(weights='gptq') needs a weight quantizer whose scale is a "
+        f"parameter on a symmetric grid (estimator='lsq', as fl.weight_only gives), got "
+        f"estimator={recipe.kernel.estimator!r}")
+
+
 def _int_kernel(stats: ProductStats, cfg: IntQuantConfig, config: PtqConfig, where: str):
   if config.weights == "gptq":
-    if cfg.estimator != "lsq":
-      raise ValueError(
-          f"{where}: PtqConfig(weights='gptq') needs a weight quantizer whose scale is a "
-          f"parameter on a symmetric grid (estimator='lsq', as fl.weight_only gives), got "
-          f"estimator={cfg.estimator!r}")
     step, kernel = _gptq_kernel(stats, cfg, config, where)
     return {"kernel_step": step}, kernel
   if not cfg.learned:
@@ -337,8 +353,11 @@ def calibrated(stats: ProductStats, config: PtqConfig, *, where: str):
   """
   recipe = stats.recipe
   weight = stats.kernel_at >= 0 and stats.kernel_equal
-  if config.weights == "gptq" and not weight:
-    config = dataclasses.replace(config, weights="rtn")  # an activation: nothing to round
+  check_recipe(where, recipe, config)
+  if config.weights == "gptq" and (not weight or not stats.hessian.size):
+    # An activation has nothing to round once; a convolution's or a batched product's
+    # input has no Hessian recorded: both are rounded to nearest.
+    config = dataclasses.replace(config, weights="rtn")
   if isinstance(recipe, IntRecipe):
     values = {} if recipe.input is None else _int_input(stats, recipe.input, config)
     kernel = None
@@ -347,9 +366,6 @@ def calibrated(stats: ProductStats, config: PtqConfig, *, where: str):
       values.update(kv)
     return values, kernel
   if isinstance(recipe, Fp8Recipe):
-    if config.weights == "gptq":
-      raise ValueError(f"{where}: PtqConfig(weights='gptq') rounds to an integer grid; "
-                       "for an fp8 recipe use weights='rtn'")
     lo, hi = _range(stats, config, True, core_calibration.fp8_qdq(recipe.input))
     values = _fp8_role("input", recipe.input, max(-lo, hi))
     # A weight's own amax; a right operand that is an activation: over all batches.

@@ -96,6 +96,8 @@ def ptq(model: nnx.Module, batches: Sequence, *, recipe=None,
   if any(getattr(m, "serving", None) is not None for _, m in nnx.iter_modules(model)):
     raise TypeError(f"{who}: model is already served")
   args = calibration.check_batches(who, batches)
+  if recipe is not None:
+    calibration.check_recipe(f"{who}: recipe", recipe, config)
   qmodel = nnx.clone(model)
   if recipe is not None:
     qmodel = quantize_model(qmodel, recipe, rules)

@@ -39,7 +39,8 @@ class PtqConfig:
       gives) or ``'gptq'`` (GPTQ, Frantar et al. 2023: rows rounded one by one
       with the error spread by the inverse Hessian of the calibration inputs;
       integer weights with a learned scale (``estimator='lsq'``), as
-      :func:`fp8_linen.weight_only` gives, on dense products).
+      :func:`fp8_linen.weight_only` gives; convolutions and products with
+      batch axes are rounded to nearest).
     gptq_damping: GPTQ's diagonal damping, a fraction of the mean of the
       Hessian's diagonal.
   """

@@ -64,6 +64,28 @@ def test_linen_and_nnx_serve_the_same_arrays(name):
   chex.assert_trees_all_equal(y, jax.jit(lin.served.apply)(lin.served_params, batches[1]))
 
 
+class ConvNet(nnx.Module):
+  def __init__(self, rngs):
+    self.conv = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+    self.proj = nnx.LinearGeneral((6, 6, 8), 16, axis=(-3, -2, -1), rngs=rngs)
+    self.head = nnx.Einsum("bd,dk->bk", (16, 4), rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.relu(self.proj(nnx.relu(self.conv(x)))))
+
+
+def test_convolutions_general_layers_and_einsums():
+  xs = [jax.random.normal(k, (4, 6, 6, 3)) for k in jax.random.split(jax.random.key(0), 2)]
+  model = ConvNet(nnx.Rngs(0))
+  served, qmodel = fl.nnx.ptq(model, xs, recipe=fl.weight_only(4),
+                              config=fl.PtqConfig(weights="gptq"))
+  assert [getattr(served, n).kernel[...].dtype for n in ("conv", "proj", "head")] == [jnp.int4] * 3
+  chex.assert_shape(qmodel.proj.kernel_step[...], (1, 1, 1, 16))
+  qmodel.eval()
+  forward = nnx.jit(lambda m, x: m(x))
+  chex.assert_trees_all_equal(forward(served, xs[1]), forward(qmodel, xs[1]))
+
+
 def test_nnx_layers_and_errors():
   x = [jax.random.normal(jax.random.key(1), (8, 16))]
   layer = fl.nnx.Linear(16, 4, recipe=fl.weight_only(8), rngs=nnx.Rngs(0))
