@@ -43,6 +43,17 @@ class PtqConfig:
       batch axes are rounded to nearest).
     gptq_damping: GPTQ's diagonal damping, a fraction of the mean of the
       Hessian's diagonal.
+
+  Example:
+    >>> import fp8_linen as fl
+    >>> cfg = fl.PtqConfig(activation='mse', weights='gptq')
+    >>> cfg.mse_grid, cfg.gptq_damping
+    (100, 0.01)
+    >>> try:
+    ...   fl.PtqConfig(activation='entropy')
+    ... except ValueError as e:
+    ...   print(str(e)[:45])
+    PtqConfig.activation='entropy' is not allowed
   """
 
   activation: Literal["minmax", "percentile", "mse"] = "minmax"
