@@ -193,22 +193,26 @@ def test_merged_samples_stay_bounded_and_draw_from_every_batch():
   np.testing.assert_allclose(stats.hessian, 50 * 14 * np.ones((20, 20)))  # sum_b 50 * b^2
 
 
-def test_ptq_activation_methods_set_the_observer_range():
-  model = nn.Dense(4)
-  xs = [x.reshape(64, 16) * 0.3 for x in (_heavy_tailed(1024, 1), _heavy_tailed(1024, 2))]
-  params = model.init(jax.random.key(0), xs[0])
+def test_activation_methods_set_the_observer_range():
+  # What both ptq entry points write (the w8a8 cases above run it end to end).
+  from fp8_linen.families import calibration
   recipe = fl.IntRecipe(input=fl.IntQuantConfig(bits=4), kernel=fl.IntQuantConfig(bits=4))
+  xs = [x.reshape(64, 16) for x in (_heavy_tailed(1024, 1), _heavy_tailed(1024, 2))]
+  stats = None
+  for x in xs:
+    stats = calibration.merge(stats, calibration.record(
+        x, jnp.ones((16, 4)), (1,), (0,), (), recipe=recipe, samples=4096, with_hessian=False))
   x = jnp.concatenate([x.ravel() for x in xs])
-  widths = {"minmax": float(x.max() - x.min())}
-  errors = {"minmax": float(core_calibration.qdq_error(x, x.min(), x.max(),
-                                                       core_calibration.int_qdq(recipe.input)))}
-  for method in ("percentile", "mse"):
-    res = fl.ptq(model, params, xs, recipe=recipe,
-                 config=fl.PtqConfig(activation=method, percentile=99.0, mse_grid=50))
-    rng = res.variables[fl.OWG]["input_range"]
+  qdq = core_calibration.int_qdq(recipe.input)
+  widths, errors = {}, {}
+  for method in core_calibration.METHODS:
+    values, kernel = calibration.calibrated(
+        stats, fl.PtqConfig(activation=method, percentile=99.0, mse_grid=50), where="layer")
+    assert kernel is None and set(values) == {"input_range"}
+    rng = values["input_range"]
     widths[method] = float(rng.sum())
-    errors[method] = float(core_calibration.qdq_error(
-        x, -rng[0], rng[1], core_calibration.int_qdq(recipe.input)))
+    errors[method] = float(core_calibration.qdq_error(x, -rng[0], rng[1], qdq))
+  np.testing.assert_allclose(widths["minmax"], float(x.max() - x.min()), rtol=1e-6)
   assert widths["percentile"] < widths["minmax"] and widths["mse"] < widths["minmax"]
   assert errors["mse"] < errors["minmax"]
 
