@@ -55,6 +55,7 @@ from fp8_linen.model_quantization import (
     quantize_model,
 )
 from fp8_linen.product_report import Product, ProductReport, product_report
+from fp8_linen.ptq import PtqResult, ptq
 from fp8_linen.recipes.rules import high_precision_layers
 from fp8_linen.recipes import (
     FP4_DTYPES,
@@ -64,6 +65,7 @@ from fp8_linen.recipes import (
     IntQuantConfig,
     IntRecipe,
     RecipeConfigError,
+    PtqConfig,
     ScalingConfig,
     current_scaling,
     delayed_scaling,
@@ -76,6 +78,7 @@ from fp8_linen.recipes import (
     recipe_names,
     recipe_to_dict,
     rowwise_scaling,
+    weight_only,
 )
 from fp8_linen.training import (
     TrainState,
@@ -131,6 +134,8 @@ __all__ = [
     "IntRecipe",
     "int8_lsq",
     "int4_lsq_plus",
+    "weight_only",
+    "PtqConfig",
     "RecipeConfigError",
     "load_recipe",
     "recipe_names",
@@ -181,6 +186,9 @@ __all__ = [
     "Product",
     "ProductReport",
     "product_report",
+    # post-training quantization
+    "ptq",
+    "PtqResult",
     # Flax NNX layers (fl.nnx.Linear, ...)
     "nnx",
     # training

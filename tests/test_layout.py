@@ -34,6 +34,7 @@ ALLOWED = {
     "training": {"core"},
     "monitor": {"core"},
     "conversion": {"core", "families", "linen"},
+    "ptq": {"recipes", "core", "families", "linen", "model_quantization", "conversion"},
     "testing": {"recipes", "core", "families", "linen", "nnx", "model_quantization",
                 "product_report", "training", "conversion", "root"},
 }

@@ -24,7 +24,9 @@ Its modules, each importing only modules listed above it:
 * ``int_product``: the integer product's custom_vjp (``int_dot_general``, ...);
 * ``serve``: what serving stores (the arrays' names) and the conversion records both APIs share;
 * ``fp8_serve``: fp8 served products: the QAT forward from stored fp8 codes, their records;
-* ``int_serve``: integer served products: the QAT forward from stored int8/int4 codes, records.
+* ``int_serve``: integer served products: the QAT forward from stored int8/int4 codes, records;
+* ``calibration``: post-training quantization's activation ranges (min/max, percentile, MSE);
+* ``gptq``: GPTQ: a weight rounded row by row with its error spread by the inputs' Hessian.
 
 Numerics modules are ``jnp`` functions without autodiff rules (they read the
 traced-for backend and ``shard_map``'s axes through ``lowering``); the ops

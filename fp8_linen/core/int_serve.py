@@ -34,8 +34,8 @@ from fp8_linen.core.serve import ServedRecord, record, require_arrays, unservabl
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["storage_dtype", "fold_int_kernel", "freeze_int_input", "live_int_kernel", "int_dot",
-           "int_conv", "int_servable", "int_quantizer_params", "int_record", "int_served_dot",
-           "int_served_conv"]
+           "weight_only_dot", "int_conv", "int_servable", "int_quantizer_params", "int_record",
+           "int_served_dot", "int_served_conv"]
 
 _INT4_SHIFT = 8  # unsigned 4-bit grids [0, 15] are stored shifted into int4's [-8, 7]
 
@@ -191,6 +191,30 @@ def int_dot(lhs, kernel, dimension_numbers, *, recipe: IntRecipe, arrays: dict, 
   return y.astype(out_dtype)
 
 
+def weight_only_dot(lhs, kernel, dimension_numbers, *, recipe: IntRecipe, arrays: dict,
+                    folded: bool, out_dtype):
+  """The served ``dot_general`` of a weight-only recipe (``input=None``).
+
+  The float activation times the weight dequantized from its stored codes
+  (:func:`~fp8_linen.core.int_codes.dequantize`, bit for bit QAT's
+  fake-quantized weight), in ``recipe.compute_dtype`` resolved as QAT
+  resolves it: QAT's float product of a fake-quantized weight, from codes.
+  The weight is stored as int8/int4 codes (the memory saving); the GEMM runs
+  in float.
+  """
+  lhs, kernel = jnp.asarray(lhs), jnp.asarray(kernel)
+  (_, rc), _ = dims.canonical_dn(dimension_numbers, lhs.ndim, kernel.ndim)
+  wc = (_kernel_codes(recipe.kernel, kernel, arrays, rc) if folded
+        else _live_codes(recipe.kernel, kernel, arrays, rc))
+  wq = int_codes.dequantize(wc, kernel.dtype).reshape(kernel.shape)
+  cd = int_gemm.resolve_compute_dtype(recipe.compute_dtype, lhs.dtype)
+  xq, wq = lhs.astype(cd), wq.astype(cd)
+  y = lowering.lax_dot_general(xq, wq, dimension_numbers, preferred_element_type=jnp.float32,
+                               out_sharding=lowering.dot_out_sharding(xq, wq,
+                                                                      dimension_numbers))
+  return y.astype(out_dtype)
+
+
 def int_conv(lhs, kernel, conv_kwargs: dict, *, recipe: IntRecipe, arrays: dict, out_dtype):
   """The served integer convolution from the stored kernel codes.
 
@@ -214,7 +238,9 @@ def int_conv(lhs, kernel, conv_kwargs: dict, *, recipe: IntRecipe, arrays: dict,
                              how=how)
     return y.astype(out_dtype)
   cfg = recipe.input
-  if cfg.estimator == "ste":
+  if cfg is None:  # weight-only
+    xq = lhs
+  elif cfg.estimator == "ste":
     xq = int_numerics.int_fake_quant(lhs, arrays["input_scale"],
                                      arrays.get("input_zero_point", 0.0), cfg.qmin, cfg.qmax)
   elif cfg.estimator == "lsq":
@@ -233,11 +259,10 @@ def int_conv(lhs, kernel, conv_kwargs: dict, *, recipe: IntRecipe, arrays: dict,
 def int_servable(recipe: IntRecipe, conv: bool = False) -> str | None:
   """Why ``recipe`` cannot be served, or ``None`` when it can."""
   del conv  # integer convolutions serve whatever their dots serve
-  if int_gemm.dot_supported(recipe):
-    return None
-  role = "input" if recipe.input is None else "kernel"
-  return (f"recipe.{role} is None, so QAT runs a float product of a fake-quantized "
-          "operand; give both roles an IntQuantConfig")
+  if recipe.kernel is not None:
+    return None  # weight-only recipes (input=None) serve the dequantized codes
+  return ("recipe.kernel is None: nothing of the weight is quantized, so there are no codes "
+          "to store; give the kernel role an IntQuantConfig")
 
 
 def int_quantizer_params(role: str, cfg: IntQuantConfig, read):
@@ -264,8 +289,11 @@ def int_quantizer_params(role: str, cfg: IntQuantConfig, read):
 
 def int_record(recipe: IntRecipe, rhs, contract, read, *, conv: bool = False) -> ServedRecord:
   """What serving needs of one integer product (see :func:`int_quantizer_params` for ``read``)."""
-  lp, ok = int_quantizer_params("input", recipe.input, read)
   rp, _ = int_quantizer_params("kernel", recipe.kernel, read)
+  if recipe.input is None:  # weight-only: nothing of the activation to freeze
+    return record(fold_int_kernel(recipe.kernel, jnp.asarray(rhs), contract, rp),
+                  live_int_kernel(recipe.kernel, rp), {}, True)
+  lp, ok = int_quantizer_params("input", recipe.input, read)
   x_op = _operand(recipe.input, "input", ())
   # Dots of an activation with a zero point / offset need the weight's code sums.
   sums = not conv and (x_op.has_centre or x_op.has_offset)
@@ -285,6 +313,9 @@ def int_served_dot(lhs, rhs, dimension_numbers, *, recipe: IntRecipe, arrays: di
   """The served integer ``dot_general`` from a layer's stored ``arrays`` (:func:`int_dot`)."""
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
   _check_int_servable(where, recipe)
+  if recipe.input is None:
+    return weight_only_dot(lhs, rhs, dimension_numbers, recipe=recipe, arrays=arrays,
+                           folded="kernel_scale" in arrays, out_dtype=out_dtype)
   require_arrays(where, arrays, ("input_scale",))
   return int_dot(lhs, rhs, dimension_numbers, recipe=recipe, arrays=arrays,
                  folded="kernel_scale" in arrays, out_dtype=out_dtype)
@@ -295,5 +326,6 @@ def int_served_conv(lhs, rhs, conv_kwargs: dict, *, recipe: IntRecipe, arrays: d
   """The served integer convolution from a layer's stored ``arrays`` (:func:`int_conv`)."""
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
   _check_int_servable(where, recipe)
-  require_arrays(where, arrays, ("input_scale", "kernel_scale"))
+  require_arrays(where, arrays, ("kernel_scale",) if recipe.input is None
+                 else ("input_scale", "kernel_scale"))
   return int_conv(lhs, rhs, conv_kwargs, recipe=recipe, arrays=arrays, out_dtype=out_dtype)

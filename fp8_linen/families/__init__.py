@@ -17,7 +17,9 @@ implements once.
 * :mod:`~fp8_linen.families.modes`: training, ``'convert'`` or ``'serve'``;
 * :mod:`~fp8_linen.families.dispatch`: a product on a layer in the current
   mode; the einsum lowering;
-* :mod:`~fp8_linen.families.conversion`: what both ``convert`` s share.
+* :mod:`~fp8_linen.families.conversion`: what both ``convert`` s share;
+* :mod:`~fp8_linen.families.calibration`: what both ``ptq`` s share (the
+  ``'calibrate'`` mode's records, the quantizer values they give).
 
 Example:
   >>> import fp8_linen as fl

@@ -23,7 +23,7 @@ from jax import lax
 
 from fp8_linen.core import dims, serve
 from fp8_linen.core.dims import einsum_plan
-from fp8_linen.families import modes
+from fp8_linen.families import calibration, modes
 from fp8_linen.families.access import VariableAccess
 from fp8_linen.families.table import RecipeFamily, check_recipe, family_for
 
@@ -50,18 +50,32 @@ def _check_servable(access: VariableAccess, recipe, conv: bool) -> None:
 
 
 def _run(access: VariableAccess, family: RecipeFamily, recipe, rhs, *, conv: bool, qat, served,
-         contract):
+         contract, calibrate=None, lhs_contract=None):
   """One product in the current mode.
 
   ``qat()`` runs the family's QAT product, ``served(arrays, where)`` its served
   one; ``contract()`` gives the right operand's ``(contracting, batch)``
-  axes for the record.
+  axes for the record. ``calibrate()`` runs the float product and returns it
+  with the input, ``lhs_contract()`` the input's contracting axes.
   """
   in_mode = modes.current_mode()
   if in_mode == "serve":
     if (family.served_conv if conv else family.served_dot) is None:
       _check_servable(access, recipe, conv)
     return served(access.served_arrays(), access.path)
+  if in_mode == "calibrate":
+    # Post-training quantization measures the float model: the float product, and what
+    # the product saw. It ends in a conversion, so an unservable recipe is refused now.
+    _check_servable(access, recipe, conv)
+    y, lhs = calibrate()
+    rhs = jnp.asarray(rhs)
+    rc, rb = contract()
+    samples, with_hessian = calibration.options()
+    at, kernel = access.kernel_for(rhs)
+    access.record(calibration.record(
+        lhs, rhs, lhs_contract(), rc, rb, recipe=recipe, samples=samples,
+        with_hessian=with_hessian, conv=conv, kernel_at=at, kernel=kernel))
+    return y
   if in_mode == "convert":
     _check_servable(access, recipe, conv)
   y = qat()
@@ -108,7 +122,14 @@ def dot_general(access: VariableAccess, lhs, rhs, dimension_numbers, recipe, out
     (_, rc), (_, rb) = dims.canonical_dn(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
     return rc, rb
 
+  def lhs_contract():
+    (lc, _), _ = dims.canonical_dn(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
+    return lc
+
   return _run(access, family, recipe, rhs, conv=False, contract=contract,
+              lhs_contract=lhs_contract,
+              calibrate=lambda: (calibration.float_dot(lhs, rhs, dimension_numbers, out_dtype),
+                                 lhs),
               qat=lambda: family.dot_general(access, lhs, rhs, dimension_numbers, recipe,
                                              out_dtype, key),
               served=lambda arrays, where: family.served_dot(
@@ -129,7 +150,14 @@ def conv(access: VariableAccess, lhs, rhs, conv_kwargs: dict, recipe, out_dtype=
                                     conv_kwargs["dimension_numbers"])
     return dims.conv_contract(jnp.ndim(lhs), jnp.ndim(rhs), dn)[1], ()
 
+  def lhs_contract():
+    dn = lax.conv_dimension_numbers(jnp.shape(lhs), jnp.shape(rhs),
+                                    conv_kwargs["dimension_numbers"])
+    return dims.conv_contract(jnp.ndim(lhs), jnp.ndim(rhs), dn)[0]
+
   return _run(access, family, recipe, rhs, conv=True, contract=contract,
+              lhs_contract=lhs_contract,
+              calibrate=lambda: (calibration.float_conv(lhs, rhs, conv_kwargs, out_dtype), lhs),
               qat=lambda: family.conv(access, lhs, rhs, conv_kwargs, recipe, out_dtype, key),
               served=lambda arrays, where: family.served_conv(
                   lhs, rhs, conv_kwargs, recipe=recipe, arrays=arrays, out_dtype=out_dtype,
@@ -160,10 +188,10 @@ def ragged_dot(access: VariableAccess, lhs, rhs, group_sizes, recipe, out_dtype=
                      "(fl.delayed_scaling(), fl.current_scaling()) for the experts, or a rule "
                      "that leaves them unquantized")
   in_mode = modes.current_mode()
-  if in_mode in ("convert", "serve"):
+  if in_mode in ("convert", "serve", "calibrate"):
+    what = {"convert": "converted", "serve": "served", "calibrate": "calibrated"}[in_mode]
     raise ValueError(f"{access.path}: a quantized grouped GEMM (jax.lax.ragged_dot) cannot be "
-                     f"{'converted' if in_mode == 'convert' else 'served'} yet; convert a "
-                     "model whose rules leave the experts unquantized")
+                     f"{what} yet; convert a model whose rules leave the experts unquantized")
   return family.ragged_dot(access, lhs, rhs, group_sizes, recipe, out_dtype, key)
 
 

@@ -10,7 +10,11 @@ APIs does (:mod:`~fp8_linen.families.dispatch` reads it):
   :class:`~fp8_linen.families.VariableAccess` (``fl.convert``,
   ``fl.nnx.convert``);
 * ``'serve'``: the family's served product on the arrays conversion stored
-  (``fl.convert``'s served model; a served ``fl.nnx`` layer).
+  (``fl.convert``'s served model; a served ``fl.nnx`` layer);
+* ``'calibrate'``: the float product, and the product's calibration record
+  (:class:`~fp8_linen.families.calibration.CalibrationRecord`) written
+  through the layer's access (post-training quantization: ``fl.ptq``,
+  ``fl.nnx.ptq``).
 
 The mode is a :class:`~fp8_linen.core.settings.TraceSetting`: a function
 jitted in one mode is traced again in another.
@@ -32,7 +36,7 @@ from fp8_linen.core import settings
 
 __all__ = ["MODES", "mode", "current_mode"]
 
-MODES = ("convert", "serve")
+MODES = ("convert", "serve", "calibrate")
 _MODE = settings.TraceSetting("mode", default=None)
 
 

@@ -11,7 +11,8 @@ two activations, flax's ``Fp8Einsum`` call); the activation
 its gradient and :class:`Optimizer` writes it back (see :mod:`.training`).
 :func:`quantize_model` swaps a float NNX model's layers for these;
 :func:`convert` turns a trained model into a served one (int8/int4/fp8 codes),
-which equals the model evaluated with frozen quantizers (``model.eval()``).
+which equals the model evaluated with frozen quantizers (``model.eval()``);
+:func:`ptq` does the same for a trained float model, calibrated on a few batches.
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -28,6 +29,7 @@ from fp8_linen.nnx.access import calibrate
 from fp8_linen.nnx.activation import Quantizer
 from fp8_linen.nnx.conversion import convert
 from fp8_linen.nnx.layers import Conv, Einsum, Fp8Einsum, Linear, LinearGeneral
+from fp8_linen.nnx.ptq import PtqResult, ptq
 from fp8_linen.nnx.quantize import quantize_model
 from fp8_linen.nnx.state import DIFF, QuantState, register_owg_collection
 from fp8_linen.nnx.training import Optimizer, grad, update_state, value_and_grad
@@ -53,4 +55,6 @@ __all__ = [
     "quantize_model",
     "frozen_quantizers",
     "convert",
+    "ptq",
+    "PtqResult",
 ]

@@ -46,7 +46,7 @@ from fp8_linen.families import dispatch, modes
 from fp8_linen.families.access import VariableAccess
 from fp8_linen.nnx.state import QuantState
 
-__all__ = ["NnxAccess", "Serving", "declare", "converting", "calibrate"]
+__all__ = ["NnxAccess", "Serving", "declare", "recording", "converting", "calibrate"]
 
 # module -> its chains. Held outside the module (weakly, so it goes with the
 # module: NNX transforms run on fresh copies of the module, which disappear
@@ -150,8 +150,8 @@ class NnxAccess(VariableAccess):
   def record(self, record: ServedRecord) -> None:
     conversion = _CONVERSION.get()
     if conversion is None:
-      raise RuntimeError(f"{self.path}: 'convert' mode outside fl.nnx.convert has nowhere to "
-                         "keep the conversion record")
+      raise RuntimeError(f"{self.path}: {modes.current_mode()!r} mode outside fl.nnx.convert "
+                         "(fl.nnx.ptq) has nowhere to keep the product's record")
     conversion.records[conversion.paths.get(id(self.module), "")] = record
 
   def served_arrays(self) -> dict:
@@ -179,16 +179,22 @@ def declare(module: nnx.Module, recipe, kernel=None, kernel_contract=None) -> No
 
 
 @contextlib.contextmanager
-def converting(model: nnx.Module):
-  """Runs ``model``'s products in ``'convert'`` mode; yields the records (path -> record).
+def recording(model: nnx.Module, mode: str):
+  """Runs ``model``'s products in ``mode`` (``'convert'``, ``'calibrate'``); yields their records.
 
-  Enter it where ``model`` (the very objects that are called) is built, e.g.
-  inside the function a conversion jits.
+  The records are keyed by each layer's path. Enter it where ``model`` (the
+  very objects that are called) is built, e.g. inside the function a
+  conversion or a calibration jits.
   """
   conversion = _Conversion({id(m): "/".join(str(p) for p in path)
                             for path, m in nnx.iter_modules(model)})
-  with _CONVERSION.set(conversion), modes.mode("convert"):
+  with _CONVERSION.set(conversion), modes.mode(mode):
     yield conversion.records
+
+
+def converting(model: nnx.Module):
+  """Runs ``model``'s products in ``'convert'`` mode; yields the records (path -> record)."""
+  return recording(model, "convert")
 
 
 def calibrate(model: nnx.Module, *args, **kwargs) -> None:

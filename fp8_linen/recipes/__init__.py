@@ -7,6 +7,7 @@ else from fp8_linen.
 * :mod:`~fp8_linen.recipes.fp8`: :class:`ScalingConfig`, :class:`Fp8Recipe`,
   :class:`ActivationRecipe` and the delayed/current/row-wise/MXFP8/NVFP4 presets;
 * :mod:`~fp8_linen.recipes.integer`: :class:`IntQuantConfig`, :class:`IntRecipe`;
+* :mod:`~fp8_linen.recipes.ptq`: :class:`PtqConfig` (how post-training quantization calibrates);
 * :mod:`~fp8_linen.recipes.yaml`: recipes to and from YAML, and the shipped
   presets (``presets/*.yaml``).
 
@@ -32,7 +33,9 @@ from fp8_linen.recipes.fp8 import (
     nvfp4,
     rowwise_scaling,
 )
-from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe, int4_lsq_plus, int8_lsq
+from fp8_linen.recipes.integer import (IntQuantConfig, IntRecipe, int4_lsq_plus, int8_lsq,
+                                      weight_only)
+from fp8_linen.recipes.ptq import PtqConfig
 from fp8_linen.recipes.yaml import (
     RecipeConfigError,
     load_recipe,
@@ -58,6 +61,8 @@ __all__ = [
     "IntRecipe",
     "int4_lsq_plus",
     "int8_lsq",
+    "weight_only",
+    "PtqConfig",
     "RecipeConfigError",
     "load_recipe",
     "recipe_from_dict",

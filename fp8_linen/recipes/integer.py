@@ -13,7 +13,7 @@ from typing import Literal
 
 from fp8_linen.recipes._validate import check_bool, check_choice, check_int
 
-__all__ = ["IntQuantConfig", "IntRecipe", "int8_lsq", "int4_lsq_plus"]
+__all__ = ["IntQuantConfig", "IntRecipe", "int8_lsq", "int4_lsq_plus", "weight_only"]
 
 _INT_GRANULARITIES = ("tensor", "channel", "group")
 _ESTIMATORS = ("ste", "lsq", "lsq+")
@@ -225,3 +225,31 @@ def int4_lsq_plus(*, granularity: str = "channel") -> IntRecipe:
   return IntRecipe(input=IntQuantConfig(bits=4, symmetric=False, estimator="lsq+"),
                    kernel=IntQuantConfig(bits=4, symmetric=False, estimator="lsq+",
                                          granularity=granularity))
+
+
+def weight_only(bits: int = 8, *, granularity: str = "channel",
+                group_size: int | None = None) -> IntRecipe:
+  """Weight-only integer quantization: ``bits``-bit weights, float activations.
+
+  The weight is stored as int8 / int4 codes with its scales (a served model
+  a quarter or an eighth of float32's weight bytes) and dequantized for a
+  float GEMM; the activation is not quantized (``input=None``). Its scale is
+  a learned LSQ step (``kernel_step``), which post-training quantization
+  (:func:`fp8_linen.ptq`) sets from the weight's range or from GPTQ and
+  which QAT can go on training.
+
+  Args:
+    bits: 2..8 (4 is stored as ``jnp.int4``).
+    granularity: ``'tensor'``, ``'channel'`` (one scale per output channel)
+      or ``'group'`` (one per ``group_size`` inputs and output channel).
+    group_size: for ``granularity='group'``.
+
+  Example:
+    >>> import fp8_linen as fl
+    >>> r = fl.weight_only(4, granularity='group', group_size=32)
+    >>> r.input is None, r.kernel.bits, r.kernel.group_size
+    (True, 4, 32)
+  """
+  return IntRecipe(input=None,
+                   kernel=IntQuantConfig(bits=bits, estimator="lsq", granularity=granularity,
+                                         group_size=group_size))

@@ -386,10 +386,10 @@ def test_an_observer_that_saw_nothing_is_named():
 
 
 def test_a_recipe_that_cannot_be_served_is_named_with_the_reason():
-  model = nn.Sequential([fl.QDense(4, recipe=fl.IntRecipe(input=None))])
+  model = nn.Sequential([fl.QDense(4, recipe=fl.IntRecipe(kernel=None))])
   x = jax.random.normal(jax.random.key(0), (2, 8))
   v = model.init(jax.random.key(1), x)
-  with pytest.raises(ValueError, match=r"layers_0: recipe=.* cannot be served: recipe.input "
+  with pytest.raises(ValueError, match=r"layers_0: recipe=.* cannot be served: recipe.kernel "
                                        r"is None"):
     fl.convert(model, v, x)
 

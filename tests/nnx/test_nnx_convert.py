@@ -275,8 +275,8 @@ def test_a_layer_without_trained_state_is_named():
 
 
 def test_a_recipe_that_cannot_be_served_is_named_with_the_reason():
-  model = _mlp(fl.IntRecipe(input=None))
-  with pytest.raises(ValueError, match=r"layers/0: recipe=.* cannot be served: recipe.input "
+  model = _mlp(fl.IntRecipe(kernel=None))
+  with pytest.raises(ValueError, match=r"layers/0: recipe=.* cannot be served: recipe.kernel "
                                        r"is None"):
     fl.nnx.convert(model, jnp.ones((2, 16)))
 
