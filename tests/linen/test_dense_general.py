@@ -90,13 +90,14 @@ DG_CASES = [
 def test_dense_general_params_and_exact_parity(shape, kw):
   q, f = fl.QDenseGeneral(**kw), nn.DenseGeneral(**kw)
   x = exact(jax.random.key(1), shape, -1)
-  vq, vf = q.init(jax.random.key(0), x), f.init(jax.random.key(0), x)
+  # Jitted, both sides of the exact comparison: op by op, a quantized layer costs seconds.
+  vq, vf = jax.jit(q.init)(jax.random.key(0), x), jax.jit(f.init)(jax.random.key(0), x)
   assert jax.tree.map(jnp.shape, vq["params"]) == jax.tree.map(jnp.shape, vf["params"])
   assert set(vq[fl.OWG]) == {f"{r}_{s}" for r in fl.ROLES for s in ("scale", "amax_history")}
   kernel = exact(jax.random.key(2), vf["params"]["kernel"].shape, -3)
   params = {"kernel": kernel, "bias": vf["params"]["bias"] + 0.5}
-  y_q = q.apply(with_params(q, vq, params), x)
-  y_f = f.apply({"params": params}, x)
+  y_q = jax.jit(q.apply)(with_params(q, vq, params), x)
+  y_f = jax.jit(f.apply)({"params": params}, x)
   np.testing.assert_array_equal(np.asarray(y_q), np.asarray(y_f))
 
 
@@ -105,9 +106,10 @@ def test_dense_general_grads_straight_through(shape, kw):
   q = fl.QDenseGeneral(**kw, recipe=F32)
   f = nn.DenseGeneral(**kw)
   x = jax.random.normal(jax.random.key(1), shape)
-  v = q.init(jax.random.key(0), x)
-  ct = jax.random.normal(jax.random.key(3), q.apply(v, x).shape) * 100.0
-  gx, gv = jax.grad(lambda x, v: jnp.sum(q.apply(v, x) * ct), argnums=(0, 1))(x, v)
+  v = jax.jit(q.init)(jax.random.key(0), x)
+  ct = jax.random.normal(jax.random.key(3), jax.eval_shape(q.apply, v, x).shape) * 100.0
+  # Jitted: op by op, a quantized backward costs seconds.
+  gx, gv = jax.jit(jax.grad(lambda x, v: jnp.sum(q.apply(v, x) * ct), argnums=(0, 1)))(x, v)
   # Reference: flax layer on qdq'd operands, cotangent qdq'd to e5m2.
   p_ref = {"kernel": qdq(v["params"]["kernel"], E4), "bias": v["params"]["bias"]}
   ct_q = qdq(ct, E5)
@@ -124,7 +126,7 @@ def test_dense_general_jit_equals_eager_and_shared_use_takes_max():
   q = fl.QDenseGeneral(features=(2, 3), axis=-1)
   x1 = jax.random.normal(jax.random.key(1), (4, 5))
   x2 = 3.0 * jax.random.normal(jax.random.key(2), (4, 5))
-  v = q.init(jax.random.key(0), x1)
+  v = jax.jit(q.init)(jax.random.key(0), x1)
 
   class Twice(nn.Module):
     @nn.compact
@@ -133,8 +135,9 @@ def test_dense_general_jit_equals_eager_and_shared_use_takes_max():
       return layer(a).sum() + 2.0 * layer(b).sum()
 
   m = Twice()
-  vm = m.init(jax.random.key(0), x1, x2)
+  vm = jax.jit(m.init)(jax.random.key(0), x1, x2)
   loss = lambda v: m.apply(v, x1, x2)
+  # The eager gradient is this test's point; init is jitted.
   g_eager, g_jit = jax.grad(loss)(vm), jax.jit(jax.grad(loss))(vm)
   for a, b in zip(jax.tree.leaves(g_eager), jax.tree.leaves(g_jit)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
@@ -172,20 +175,21 @@ EIN_CASES = [
 def test_einsum_params_and_exact_parity(xs, ks, eq):
   q, f = fl.QEinsum(shape=ks, einsum_str=eq), nn.Einsum(shape=ks, einsum_str=eq)
   x = exact(jax.random.key(1), xs, 0)
-  vq, vf = q.init(jax.random.key(0), x), f.init(jax.random.key(0), x)
+  # Jitted, both sides of the exact comparison: op by op, a quantized layer costs seconds.
+  vq, vf = jax.jit(q.init)(jax.random.key(0), x), jax.jit(f.init)(jax.random.key(0), x)
   assert jax.tree.map(jnp.shape, vq["params"]) == jax.tree.map(jnp.shape, vf["params"])
   params = {"kernel": exact(jax.random.key(2), ks, -4), "bias": vf["params"]["bias"] + 1.0}
-  np.testing.assert_array_equal(np.asarray(q.apply(with_params(q, vq, params), x)),
-                                np.asarray(f.apply({"params": params}, x)))
+  np.testing.assert_array_equal(np.asarray(jax.jit(q.apply)(with_params(q, vq, params), x)),
+                                np.asarray(jax.jit(f.apply)({"params": params}, x)))
 
 
 @pytest.mark.parametrize("xs,ks,eq", EIN_CASES[1:3])
 def test_einsum_grads_straight_through(xs, ks, eq):
   q = fl.QEinsum(shape=ks, einsum_str=eq, recipe=F32, use_bias=False)
   x = jax.random.normal(jax.random.key(1), xs)
-  v = q.init(jax.random.key(0), x)
+  v = jax.jit(q.init)(jax.random.key(0), x)
   k = v["params"]["kernel"]
-  ct = jax.random.normal(jax.random.key(3), q.apply(v, x).shape)
+  ct = jax.random.normal(jax.random.key(3), jax.eval_shape(q.apply, v, x).shape)
   gx, gv = jax.jit(jax.grad(lambda x, v: jnp.sum(q.apply(v, x) * ct), argnums=(0, 1)))(x, v)
   ct_q = qdq(ct, E5)
   rx, rk = jax.grad(lambda a, b: jnp.sum(jnp.einsum(eq, a, b) * ct_q), argnums=(0, 1))(
@@ -204,7 +208,7 @@ def test_einsum_call_time_equation_scan_and_remat():
                     split_rngs={"params": True}, length=3)
   m = Scanned()
   x = jax.random.normal(jax.random.key(1), (2, 3, 4))
-  v = m.init(jax.random.key(0), x, None)
+  v = jax.jit(lambda k, x: m.init(k, x, None))(jax.random.key(0), x)
   assert v["params"]["QEinsum_0"]["kernel"].shape == (3, 4, 4)
   assert v[fl.OWG]["QEinsum_0"]["input_scale"].shape == (3, 1)
   g = jax.jit(jax.grad(lambda v: jnp.sum(m.apply(v, x, None)[0] ** 2)))(v)
