@@ -43,13 +43,14 @@ CASES = [
 def test_qconv_params_and_exact_parity(shape, kw):
   q, f = fl.QConv(**kw), nn.Conv(**kw)
   x = exact(jax.random.key(1), shape, -2)
-  vq, vf = q.init(jax.random.key(0), x), f.init(jax.random.key(0), x)
+  # Jitted, both sides of the exact comparison: op by op, a quantized layer costs seconds.
+  vq, vf = jax.jit(q.init)(jax.random.key(0), x), jax.jit(f.init)(jax.random.key(0), x)
   assert jax.tree.map(jnp.shape, vq["params"]) == jax.tree.map(jnp.shape, vf["params"])
   assert vq[fl.OWG]["kernel_amax_history"].shape == (1024,)
   params = {"kernel": exact(jax.random.key(2), vf["params"]["kernel"].shape, -5),
             "bias": vf["params"]["bias"] + 0.25}
-  y_q = q.apply({**vq, "params": params}, x)
-  y_f = f.apply({"params": params}, x)
+  y_q = jax.jit(q.apply)({**vq, "params": params}, x)
+  y_f = jax.jit(f.apply)({"params": params}, x)
   assert y_q.shape == y_f.shape and y_q.dtype == y_f.dtype
   np.testing.assert_array_equal(np.asarray(y_q), np.asarray(y_f))
 
@@ -59,8 +60,8 @@ def test_qconv_params_and_exact_parity(shape, kw):
 def test_qconv_grads_straight_through(shape, kw, recipe, tol):
   q, f = fl.QConv(**kw, recipe=recipe), nn.Conv(**kw)
   x = jax.random.normal(jax.random.key(1), shape)
-  v = q.init(jax.random.key(0), x)
-  ct = 50.0 * jax.random.normal(jax.random.key(3), q.apply(v, x).shape)
+  v = jax.jit(q.init)(jax.random.key(0), x)
+  ct = 50.0 * jax.random.normal(jax.random.key(3), jax.eval_shape(q.apply, v, x).shape)
   gx, gv = jax.jit(jax.grad(lambda x, v: jnp.sum(q.apply(v, x) * ct), argnums=(0, 1)))(x, v)
   p_ref = {"kernel": qdq(v["params"]["kernel"], E4), "bias": v["params"]["bias"]}
   ct_q = qdq(ct, E5)
@@ -87,8 +88,8 @@ def test_gpu_lowering_gradients_equal_reference_lowering(shape, kw):
   grads = {}
   for gemm in ("fp8", "f32"):
     q = fl.QConv(**kw, recipe=fl.Fp8Recipe(gemm=gemm))
-    v = q.init(jax.random.key(0), x)
-    ct = jax.random.normal(jax.random.key(3), q.apply(v, x).shape)
+    v = jax.jit(q.init)(jax.random.key(0), x)
+    ct = jax.random.normal(jax.random.key(3), jax.eval_shape(q.apply, v, x).shape)
     grads[gemm] = jax.jit(jax.grad(lambda x, v: jnp.sum(q.apply(v, x) * ct),
                                    argnums=(0, 1)))(x, v)
   for a, b in zip(jax.tree.leaves(grads["fp8"]), jax.tree.leaves(grads["f32"])):
@@ -106,7 +107,7 @@ def test_op_without_jit_matches_jit_and_uses_history_scale():
                                     kernel_state=fresh(), output_grad_state=(gs, gh), recipe=F32)
     return y
 
-  ct = 0.5 * jnp.ones(f(x, w, jnp.ones((1,)), gh).shape)  # below the stored amax
+  ct = 0.5 * jnp.ones(jax.eval_shape(f, x, w, jnp.ones((1,)), gh).shape)  # below the stored amax
   def loss(x, w, gs, gh):
     return jnp.sum(f(x, w, gs, gh) * ct)
   eager = jax.grad(loss, argnums=(0, 1, 2, 3))(x, w, jnp.ones((1,)), gh)
@@ -147,7 +148,7 @@ def test_qconv_shared_use_records_max():
   a = jax.random.normal(jax.random.key(1), (2, 6, 2))
   b = 5.0 * jax.random.normal(jax.random.key(2), (2, 6, 2))
   m = Twice()
-  v = m.init(jax.random.key(0), a, b)
+  v = jax.jit(m.init)(jax.random.key(0), a, b)
   g = jax.jit(jax.grad(lambda v: m.apply(v, a, b)))(v)[fl.OWG]["c"]
   np.testing.assert_allclose(g["input_amax_history"][0], jnp.max(jnp.abs(b)), rtol=1e-6)
   np.testing.assert_allclose(g["output_grad_amax_history"][0], 3.0, rtol=1e-6)  # not 4
@@ -164,7 +165,7 @@ def test_qconv_remat_and_scan():
   m = nn.scan(nn.remat(Block), variable_axes={"params": 0, fl.OWG: 0},
               split_rngs={"params": True}, length=2)()
   x = jax.random.normal(jax.random.key(1), (2, 5, 5, 3))
-  v = m.init(jax.random.key(0), x, None)
+  v = jax.jit(lambda k, x: m.init(k, x, None))(jax.random.key(0), x)
   g = jax.jit(jax.grad(lambda v: jnp.sum(m.apply(v, x, None)[0] ** 2)))(v)
   assert g[fl.OWG]["QConv_0"]["input_amax_history"].shape == (2, 1024)
   np.testing.assert_allclose(g[fl.OWG]["QConv_0"]["input_amax_history"][0, 0],
