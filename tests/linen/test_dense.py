@@ -19,8 +19,9 @@ def rand(shape, seed, scale=1.0, dtype=jnp.float32):
                                 dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)])
 def test_qdense_params_tree_matches_nn_dense(kw):
   x = jnp.ones((2, 3, 5))
-  vd = nn.Dense(7, **kw).init(jax.random.key(0), x)
-  vq = fl.QDense(7, **kw).init(jax.random.key(0), x)
+  # Both jitted (the kernels are compared exactly): an eager quantized init costs seconds.
+  vd = jax.jit(nn.Dense(7, **kw).init)(jax.random.key(0), x)
+  vq = jax.jit(fl.QDense(7, **kw).init)(jax.random.key(0), x)
   assert jax.tree.map(lambda a: (a.shape, a.dtype), vd["params"]) == \
       jax.tree.map(lambda a: (a.shape, a.dtype), vq["params"])
   np.testing.assert_array_equal(vd["params"]["kernel"], vq["params"]["kernel"])  # same init
@@ -38,7 +39,7 @@ def test_nn_dense_checkpoint_loads_into_qdense_and_matches_on_representable_inpu
   params = {"kernel": jnp.asarray(rng.integers(-8, 9, size=(16, 6)) * 0.5, jnp.float32),
             "bias": params["bias"] + 1.0}
   q = fl.QDense(6)
-  owg = dict(q.init(jax.random.key(0), x)[fl.OWG])
+  owg = dict(jax.jit(q.init)(jax.random.key(0), x)[fl.OWG])
   # Histories that give power-of-two scales (1/64 and 1/16): every x/s and w/s
   # is then representable in e4m3 and the fp8 product is exact.
   owg["input_amax_history"] = owg["input_amax_history"].at[0].set(448.0 / 64)
@@ -52,17 +53,18 @@ def test_dot_general_cls_injection_equals_qdense():
   x = rand((4, 8), 0)
   inj = nn.Dense(5, dot_general_cls=fl.Fp8DotGeneral)
   q = fl.QDense(5)
-  vi = inj.init(jax.random.key(0), x)
-  vq = q.init(jax.random.key(0), x)
+  # Both sides jitted (compared exactly): op by op, a quantized backward costs seconds.
+  vi = jax.jit(inj.init)(jax.random.key(0), x)
+  vq = jax.jit(q.init)(jax.random.key(0), x)
   ct = rand((4, 5), 1)
-  gi = jax.grad(lambda v: jnp.sum(inj.apply(v, x) * ct))(vi)
-  gq = jax.grad(lambda v: jnp.sum(q.apply(v, x) * ct))(vq)
-  np.testing.assert_array_equal(inj.apply(vi, x), q.apply(vq, x))
+  gi = jax.jit(jax.grad(lambda v: jnp.sum(inj.apply(v, x) * ct)))(vi)
+  gq = jax.jit(jax.grad(lambda v: jnp.sum(q.apply(v, x) * ct)))(vq)
+  np.testing.assert_array_equal(jax.jit(inj.apply)(vi, x), jax.jit(q.apply)(vq, x))
   np.testing.assert_array_equal(gi["params"]["kernel"], gq["params"]["kernel"])
   for k, v in gq[fl.OWG].items():
     np.testing.assert_array_equal(gi[fl.OWG]["Fp8DotGeneral_0"][k], v)
   custom = functools.partial(fl.Fp8DotGeneral, recipe=fl.delayed_scaling(16))
-  v = nn.Dense(5, dot_general_cls=custom).init(jax.random.key(0), x)
+  v = jax.eval_shape(nn.Dense(5, dot_general_cls=custom).init, jax.random.key(0), x)
   assert v[fl.OWG]["Fp8DotGeneral_0"]["kernel_amax_history"].shape == (16,)
 
 
@@ -77,7 +79,7 @@ class SharedTwice(nn.Module):
 def test_module_used_twice_records_max_not_sum(use_jit):
   m = SharedTwice()
   x = rand((3, 6), 0)
-  v = m.init(jax.random.key(0), x)
+  v = jax.jit(m.init)(jax.random.key(0), x)
 
   def loss(v):
     a, b = m.apply(v, x)
@@ -96,13 +98,14 @@ def test_module_used_twice_records_max_not_sum(use_jit):
 def test_qdense_bf16_forward_and_grads():
   x = rand((8, 32), 0, dtype=jnp.bfloat16)
   q = fl.QDense(16, dtype=jnp.bfloat16)
-  v = q.init(jax.random.key(0), x)
-  y = q.apply(v, x)
+  # Jitted: op by op, a quantized backward costs seconds.
+  v = jax.jit(q.init)(jax.random.key(0), x)
+  y = jax.jit(q.apply)(v, x)
   assert y.dtype == jnp.bfloat16
   ref = nn.Dense(16, dtype=jnp.float32).apply({"params": v["params"]}, x.astype(jnp.float32))
   err = float(jnp.abs(y.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
   assert err < 0.1  # e4m3 has 3 mantissa bits
-  g = jax.grad(lambda v: jnp.sum(q.apply(v, x).astype(jnp.float32)))(v)
+  g = jax.jit(jax.grad(lambda v: jnp.sum(q.apply(v, x).astype(jnp.float32))))(v)
   assert g["params"]["kernel"].dtype == jnp.float32
   assert all(np.all(np.isfinite(np.asarray(l))) for l in jax.tree.leaves(g))
 
@@ -127,7 +130,7 @@ class Block(nn.Module):
 def test_nn_scan_keeps_per_layer_state():
   x = rand((4, 8), 0, 3.0)
   m = ScannedMLP()
-  v = m.init(jax.random.key(0), x)
+  v = jax.jit(m.init)(jax.random.key(0), x)
   owg = v[fl.OWG]["blocks"]["dense"]
   assert owg["input_amax_history"].shape == (3, 1024) and owg["input_scale"].shape == (3, 1)
   g = jax.jit(jax.grad(lambda v: jnp.sum(m.apply(v, x) ** 2)))(v)[fl.OWG]["blocks"]["dense"]
@@ -137,7 +140,7 @@ def test_nn_scan_keeps_per_layer_state():
   assert np.all(np.asarray(first[1:]) < 1.0) and np.all(np.asarray(first[1:]) > 0)
   # Layer 1's state equals that of one QDense run on layer 0's output.
   k = v["params"]["blocks"]["dense"]
-  h0 = jnp.tanh(fl.QDense(8).apply({"params": jax.tree.map(lambda a: a[0], k),
+  h0 = jnp.tanh(jax.jit(fl.QDense(8).apply)({"params": jax.tree.map(lambda a: a[0], k),
                                     fl.OWG: jax.tree.map(lambda a: a[0], owg)}, x))
   assert float(first[1]) == pytest.approx(float(jnp.abs(h0).max()), rel=1e-6)
 
@@ -152,7 +155,7 @@ def test_nn_remat_gives_same_gradients():
       return cls(8, name="b")(jax.nn.relu(cls(8, name="a")(x)))
 
   x, ct = rand((4, 8), 0), rand((4, 8), 1)
-  v = Net(False).init(jax.random.key(0), x)
+  v = jax.jit(Net(False).init)(jax.random.key(0), x)
   grads = [jax.jit(jax.grad(lambda v, r=r: jnp.sum(Net(r).apply(v, x) * ct)))(v)
            for r in (False, True)]
   jax.tree.map(np.testing.assert_array_equal, grads[0], grads[1])
@@ -171,7 +174,7 @@ def test_layer_errors_are_clear():
 
 def test_history_length_mismatch_is_reported():
   x = jnp.ones((2, 4))
-  v = fl.QDense(3).init(jax.random.key(0), x)
+  v = jax.jit(fl.QDense(3).init)(jax.random.key(0), x)
   short = fl.QDense(3, recipe=fl.delayed_scaling(16))
   with pytest.raises(ValueError, match="history_length=16"):
-    short.apply(v, x)
+    jax.eval_shape(short.apply, v, x)  # raised while tracing; no need to run it
