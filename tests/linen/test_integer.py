@@ -250,7 +250,7 @@ def test_ste_layer_observer_in_owg_and_train_state(how):
   np.testing.assert_allclose(np.asarray(_leaf(state.params[fl.OWG], "input_range")), [3.0, 6.0])
   # Forward equals the reference: per-tensor input (observer), per-group kernel.
   w = np.asarray(state.params["params"]["kernel"])
-  y = model.apply(state.params, x1)
+  y = jax.jit(model.apply)(state.params, x1)
   xq = np.clip(np.round(x1 / (6.0 / 127)), -128, 127) * (6.0 / 127)
   wg = w.reshape(4, 4, 4)
   sw = np.maximum(-np.minimum(wg.min(1, keepdims=True), 0), np.maximum(wg.max(1, keepdims=True), 0)) / 7
@@ -280,14 +280,15 @@ def test_kernel_none_leaves_weight_float_and_bad_shape_errors():
   recipe = fl.IntRecipe(input=None, kernel=None)
   x = np.random.default_rng(5).normal(size=(3, 5)).astype(np.float32)
   layer = fl.QDense(2, recipe=recipe)
-  v = layer.init(jax.random.key(0), x)
-  np.testing.assert_allclose(np.asarray(layer.apply(v, x)),
-                             np.asarray(nn.Dense(2).apply(v, x)), rtol=1e-6)
+  # Jitted: an eager quantized layer costs seconds op by op.
+  v = jax.jit(layer.init)(jax.random.key(0), x)
+  np.testing.assert_allclose(np.asarray(jax.jit(layer.apply)(v, x)),
+                             np.asarray(jax.jit(nn.Dense(2).apply)(v, x)), rtol=1e-6)
   layer = fl.QDense(2, recipe=fl.int8_lsq())
-  v = layer.init(jax.random.key(0), x)
+  v = jax.jit(layer.init)(jax.random.key(0), x)
   v = {"params": {**v["params"], "kernel_step": jnp.ones((1, 3))}}
   with pytest.raises(flax.errors.ScopeParamShapeError, match="kernel_step"):
-    layer.apply(v, x)
+    jax.eval_shape(layer.apply, v, x)  # raised while tracing; no need to run it
 
 
 # --- compute_dtype='auto' in a layer -------------------------------------------
@@ -326,9 +327,8 @@ def test_auto_feeds_every_float_product_of_a_training_step_the_activations_dtype
     case, float_gemm_dtypes):
   model, shape, dtype, want = _AUTO_CASES[case]
   x = jax.random.normal(jax.random.key(0), shape).astype(dtype)
-  v = model.init(jax.random.key(1), x)
-  y = model.apply(v, x)
-  r = jax.random.normal(jax.random.key(2), y.shape)
+  v = jax.jit(model.init)(jax.random.key(1), x)
+  r = jax.random.normal(jax.random.key(2), jax.eval_shape(model.apply, v, x).shape)
   loss = lambda v, x: jnp.sum(model.apply(v, x).astype(jnp.float32) * r)
   got = float_gemm_dtypes(jax.grad(loss, argnums=(0, 1)), v, x)
   assert len(got) >= 2 and set(got) == {(want, want)}, got
