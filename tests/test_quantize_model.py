@@ -44,7 +44,7 @@ def test_params_unchanged_state_at_layer_paths_and_parity_with_q_layers():
                                                            quantize=False),
                                        fl.QuantizationRule(module_path=".*")])
   v = jax.jit(qm.init)(jax.random.key(0), x)
-  vf = model.init(jax.random.key(0), x)
+  vf = jax.jit(model.init)(jax.random.key(0), x)
   assert jax.tree.map(jnp.shape, v["params"]) == jax.tree.map(jnp.shape, vf["params"])
   assert sorted(v[fl.OWG]) == ["conv", "dg", "ein"]
   assert "kernel_scale" in v[fl.OWG]["conv"]
@@ -81,7 +81,8 @@ def test_raw_calls_get_per_call_site_state():
   y = jax.jit(qm.apply)(v, x)
   h = x @ v["params"]["w"]
   np.testing.assert_allclose(y, h @ h.T, rtol=0.15, atol=0.15 * float(jnp.max(jnp.abs(h @ h.T))))
-  g = jax.grad(lambda v: jnp.sum(qm.apply(v, x)))(v)
+  # Jitted: op by op, a quantized backward costs seconds.
+  g = jax.jit(jax.grad(lambda v: jnp.sum(qm.apply(v, x))))(v)
   np.testing.assert_allclose(g[fl.OWG]["einsum_0"]["input_amax_history"][0],
                              jnp.max(jnp.abs(x)), rtol=1e-6)
 
@@ -90,9 +91,10 @@ def test_unmatched_rule_is_reported():
   x = jnp.ones((2, 4))
   rules = [fl.QuantizationRule(module_path="no_such_layer"), fl.QuantizationRule()]
   with pytest.warns(UserWarning, match="no_such_layer"):
-    fl.quantize_model(nn.Dense(3), rules=rules).init(jax.random.key(0), x)
+    jax.jit(fl.quantize_model(nn.Dense(3), rules=rules).init)(jax.random.key(0), x)
   with pytest.raises(ValueError, match="no_such_layer"):
-    fl.quantize_model(nn.Dense(3), rules=rules, on_unmatched="raise").init(jax.random.key(0), x)
+    jax.jit(fl.quantize_model(nn.Dense(3), rules=rules, on_unmatched="raise").init)(
+        jax.random.key(0), x)
   with pytest.raises(ValueError, match="module_path"):
     fl.QuantizationRule(module_path="(")
   with pytest.raises(ValueError, match="ops"):
@@ -108,15 +110,16 @@ def test_flax_multi_head_attention_all_products_quantized():
   v = jax.jit(qm.init)(jax.random.key(0), x)
   assert sorted(v[fl.OWG]) == ["einsum_0", "einsum_1", "key", "out", "query", "value"]
   assert jax.tree.map(jnp.shape, v["params"]) == jax.tree.map(
-      jnp.shape, mha.init(jax.random.key(0), x)["params"])
+      jnp.shape, jax.eval_shape(mha.init, jax.random.key(0), x)["params"])
   y = jax.jit(qm.apply)(v, x)
-  yf = mha.apply({"params": v["params"]}, x)
+  yf = jax.jit(mha.apply)({"params": v["params"]}, x)
   assert float(jnp.max(jnp.abs(y - yf))) < 0.15 * float(jnp.max(jnp.abs(yf)))
   # Keeping the softmax path (the module's own einsums) in high precision.
   qm2 = fl.quantize_model(mha, rules=[fl.QuantizationRule(module_path="", ops=("einsum",),
                                                           quantize=False),
                                       fl.QuantizationRule()])
-  assert sorted(qm2.init(jax.random.key(0), x)[fl.OWG]) == ["key", "out", "query", "value"]
+  assert sorted(jax.jit(qm2.init)(jax.random.key(0), x)[fl.OWG]) == [
+      "key", "out", "query", "value"]
 
 
 class Decoder(nn.Module):
@@ -255,7 +258,8 @@ def test_grad_through_lifted_transform_matches_q_layers(model_cls):
   qm = fl.quantize_model(model_cls())
   v = jax.jit(qm.init)(jax.random.key(0), x)
   twin = model_cls(dense=q_dense)
-  assert jax.tree.map(jnp.shape, v) == jax.tree.map(jnp.shape, twin.init(jax.random.key(0), x))
+  assert jax.tree.map(jnp.shape, v) == jax.tree.map(
+      jnp.shape, jax.eval_shape(twin.init, jax.random.key(0), x))
   loss = lambda apply: (lambda v: jnp.sum(apply(v, x) * ct))
   g = jax.jit(jax.grad(loss(qm.apply)))(v)   # was ScopeVariableNotFoundError
   g_twin = jax.jit(jax.grad(loss(twin.apply)))(v)
@@ -298,11 +302,12 @@ def test_tied_head_nested_apply_keeps_its_state_in_the_outer_model():
   qm = fl.quantize_model(model, CURRENT)
   v = jax.jit(qm.init)(jax.random.key(0), t)   # was ScopeCollectionNotFound
   assert jax.tree.map(jnp.shape, v["params"]) == jax.tree.map(
-      jnp.shape, model.init(jax.random.key(0), t)["params"])
+      jnp.shape, jax.eval_shape(model.init, jax.random.key(0), t)["params"])
   assert sorted(v[fl.OWG]) == ["head"]           # where self.head(h) would keep it
   assert "kernel_scale" in v[fl.OWG]["head"]
   v = {**v, "params": {"emb": {"embedding": exact(jax.random.key(1), (10, 4))}}}
-  np.testing.assert_array_equal(jax.jit(qm.apply)(v, t), model.apply(v, t))
+  # Both jitted: compared exactly.
+  np.testing.assert_array_equal(jax.jit(qm.apply)(v, t), jax.jit(model.apply)(v, t))
   ct = exact_ct(jax.random.key(2), (2, 3, 10))
   g = jax.jit(jax.grad(lambda v: jnp.sum(qm.apply(v, t) * ct)))(v)
   g_ref = jax.jit(jax.grad(lambda p: jnp.sum(model.apply({"params": p}, t) * ct)))(v["params"])
@@ -396,10 +401,10 @@ def test_matmul_and_dot_are_quantized_and_x_at_w_is_reported():
   (unseen,) = report.unquantized
   assert unseen.shapes == ((2, 3, 5), (5, 4)) and "Products" in unseen.scope
   with pytest.raises(ValueError, match="never reach"):
-    fl.quantize_model(Products(), on_unquantized="raise").init(jax.random.key(0), x)
+    jax.jit(fl.quantize_model(Products(), on_unquantized="raise").init)(jax.random.key(0), x)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    fl.quantize_model(Products(), on_unquantized="ignore").init(jax.random.key(0), x)
+    jax.jit(fl.quantize_model(Products(), on_unquantized="ignore").init)(jax.random.key(0), x)
 
 
 def test_a_model_that_needs_concrete_values_still_inits():
@@ -525,9 +530,9 @@ def test_two_threads_tracing_at_once_each_get_their_own_program():
   assert not errors, errors
   assert installed == [True] * 4
   assert results["q"][0] == {"quantized": 1} and results["p"][0] == {"unseen": 1}
-  np.testing.assert_allclose(results["q"][1], twin.apply(
+  np.testing.assert_allclose(results["q"][1], jax.jit(twin.apply)(
       {"params": vq["params"]["Dense_0"], fl.OWG: vq[fl.OWG]["Dense_0"]}, x), rtol=1e-6)
-  np.testing.assert_allclose(results["p"][1], plain.apply(vp, x), rtol=1e-6)
+  np.testing.assert_allclose(results["p"][1], jax.jit(plain.apply)(vp, x), rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------
