@@ -46,7 +46,7 @@ def test_empty_batch_gives_empty_output_and_leaves_the_state_unchanged(name):
   make, twin, init_shape, shape = EMPTY[name]
   layer = make()
   x0 = jnp.asarray(np.random.default_rng(0).normal(size=init_shape), jnp.float32)
-  v = layer.init(jax.random.key(0), x0)
+  v = jax.jit(layer.init)(jax.random.key(0), x0)  # jitted: an eager quantized init costs seconds
   v = {**v, fl.OWG: _lived_in(v[fl.OWG])}
   state = fl.TrainState.create(apply_fn=layer.apply, params=v, tx=optax.sgd(0.1))
 
@@ -80,7 +80,7 @@ def test_empty_first_use_still_records_a_later_use():
   # uses observed instead of dropping it.
   x = jnp.asarray(np.random.default_rng(1).normal(size=(4, 3)) * 5, jnp.float32)
   m = TwiceFirstEmpty()
-  v = m.init(jax.random.key(0), x)
+  v = jax.jit(m.init)(jax.random.key(0), x)
   g = jax.jit(jax.grad(lambda v: m.apply(v, x)))(v)[fl.OWG]["QDense_0"]
   assert float(g["input_amax_history"][0]) == pytest.approx(float(jnp.abs(x).max()))
   assert float(g["input_amax_history"][1]) == 0.0
@@ -101,7 +101,7 @@ RECIPES = {"delayed": fl.Fp8Recipe(), "current": fl.current_scaling(),
 def test_non_finite_input_and_gradient_propagate_like_a_float_layer(recipe, bad):
   layer = fl.QDense(4, recipe=RECIPES[recipe])
   x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 8)), jnp.float32)
-  v = layer.init(jax.random.key(0), x)
+  v = jax.jit(layer.init)(jax.random.key(0), x)  # jitted: an eager quantized init costs seconds
   ref = nn.Dense(4).apply({"params": v["params"]}, x.at[1, 2].set(bad))
 
   @jax.jit
@@ -121,11 +121,11 @@ def test_non_finite_input_and_gradient_propagate_like_a_float_layer(recipe, bad)
 
 def test_finite_values_beyond_a_stale_scale_still_saturate():
   layer = fl.QDense(1, use_bias=False, kernel_init=nn.initializers.ones)
-  v = layer.init(jax.random.key(0), jnp.ones((1, 2)))
+  v = jax.jit(layer.init)(jax.random.key(0), jnp.ones((1, 2)))
   v = {**v, fl.OWG: {**v[fl.OWG], "input_amax_history": v[fl.OWG]["input_amax_history"].at[0]
                      .set(1.0), "input_scale": jnp.array([1e-30])}}
   # History says amax 1 -> scale 1/448; the huge (finite) input saturates at 448 * s.
-  y = layer.apply(v, jnp.array([[3e38, 0.5]]))
+  y = jax.jit(layer.apply)(v, jnp.array([[3e38, 0.5]]))
   assert np.isfinite(float(y[0, 0])) and float(y[0, 0]) == pytest.approx(1.5, rel=0.1)
 
 
@@ -140,7 +140,7 @@ def test_inf_batch_is_skipped_by_apply_if_finite():
   # apply_if_finite could not skip the step and the Inf batch trained the model.
   m = Net()
   x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
-  v = m.init(jax.random.key(0), x)
+  v = jax.jit(m.init)(jax.random.key(0), x)
   state = fl.TrainState.create(apply_fn=m.apply, params=v,
                                tx=optax.apply_if_finite(optax.sgd(0.1), 5))
   loss = lambda v, x: jnp.mean(m.apply(v, x) ** 2)
@@ -170,7 +170,7 @@ def test_extreme_margins_keep_scales_and_outputs_finite(margin, magnitude, scali
                         output_grad=fl.ScalingConfig(dtype="float8_e5m2", **cfg))
   layer = fl.QDense(3, recipe=recipe, use_bias=False, kernel_init=nn.initializers.constant(1e3))
   x = jnp.full((2, 4), magnitude, jnp.float32).at[0, 0].set(-magnitude)
-  v = layer.init(jax.random.key(0), x)
+  v = jax.jit(layer.init)(jax.random.key(0), x)
 
   @jax.jit
   def step(v):
@@ -211,7 +211,7 @@ def test_wrong_recipe_error_names_recipe_and_what_is_accepted(layer, bad):
   recipe, hint = BAD[bad]
   activation = layer == "Fp8Activation"
   if bad == ("activation_recipe" if activation else "int_recipe"):
-    make(recipe).init(jax.random.key(0), x)  # a recipe this layer takes
+    jax.eval_shape(make(recipe).init, jax.random.key(0), x)  # a recipe this layer takes
     return
   if activation and bad == "string":
     hint = "a name"
@@ -236,8 +236,9 @@ def test_two_arrow_einsum_is_reported_as_such():
 def test_apply_with_params_only_uses_scales_of_the_current_batch():
   m = Net()
   x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)) * 30, jnp.float32)
-  v = m.init(jax.random.key(0), x)
+  v = jax.jit(m.init)(jax.random.key(0), x)
+  # Both applies jitted (compared exactly); the warning is given while tracing.
   with pytest.warns(UserWarning, match="model.init's full variables"):
-    y = m.apply({"params": v["params"]}, x)
+    y = jax.jit(m.apply)({"params": v["params"]}, x)
   # A fresh state (empty histories) takes its scales from the current batch.
-  np.testing.assert_array_equal(y, m.apply(v, x))
+  np.testing.assert_array_equal(y, jax.jit(m.apply)(v, x))
