@@ -26,12 +26,17 @@ def rand(shape, seed, scale=1.0):
 def setup(tx=None, x=None):
   m = MLP()
   x = rand((8, 6), 0) if x is None else x
-  v = m.init(jax.random.key(0), x)
+  v = jax.jit(m.init)(jax.random.key(0), x)
   return m, fl.TrainState.create(apply_fn=m.apply, params=v, tx=tx or optax.adam(1e-2))
 
 
 def loss_fn(v, apply_fn, x, y):
   return jnp.mean((apply_fn(v, x) - y) ** 2)
+
+
+# Jitted, here and below: op by op, a quantized backward costs seconds.
+grad_fn = jax.jit(jax.grad(loss_fn), static_argnums=1)
+evaluate = jax.jit(loss_fn, static_argnums=1)
 
 
 @jax.jit
@@ -123,10 +128,10 @@ def test_hand_written_accumulation_helpers():
   ys = [rand((8, 4), 60 + i) for i in range(2)]
   acc = None
   for x, y in zip(xs, ys):
-    acc = fl.accumulate_gradients(acc, jax.grad(loss_fn)(state.params, state.apply_fn, x, y))
+    acc = fl.accumulate_gradients(acc, grad_fn(state.params, state.apply_fn, x, y))
   grads = fl.finalize_accumulated(acc, 2)
-  full = jax.grad(lambda v: 0.5 * (loss_fn(v, m.apply, xs[0], ys[0]) +
-                                   loss_fn(v, m.apply, xs[1], ys[1])))(state.params)
+  full = jax.jit(jax.grad(lambda v: 0.5 * (loss_fn(v, m.apply, xs[0], ys[0]) +
+                                           loss_fn(v, m.apply, xs[1], ys[1]))))(state.params)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                grads["params"], full["params"])
   assert float(grads[fl.OWG]["l1"]["input_amax_history"][0]) == pytest.approx(
@@ -166,8 +171,8 @@ def test_shard_map_reduce_gradients_takes_max_not_mean():
                     check_vma=False)
   g = jax.jit(f)(state.params, x, y)
   assert float(g[fl.OWG]["l1"]["input_amax_history"][0]) == 30.0
-  full = jax.grad(lambda v: 0.5 * (loss_fn(v, m.apply, x[:4], y[:4]) +
-                                   loss_fn(v, m.apply, x[4:], y[4:])))(state.params)
+  full = jax.jit(jax.grad(lambda v: 0.5 * (loss_fn(v, m.apply, x[:4], y[:4]) +
+                                           loss_fn(v, m.apply, x[4:], y[4:]))))(state.params)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                g["params"], full["params"])
   new = state.apply_gradients(grads=g)
@@ -177,7 +182,7 @@ def test_shard_map_reduce_gradients_takes_max_not_mean():
 def test_grad_works_directly_on_variables_and_merge_owg():
   m, state = setup()
   x, y = rand((8, 6), 1), rand((8, 4), 2)
-  grads = jax.grad(loss_fn)(state.params, m.apply, x, y)
+  grads = grad_fn(state.params, m.apply, x, y)
   merged = fl.merge_owg(state.params, grads)
   assert merged["params"] is state.params["params"]
   jax.tree.map(np.testing.assert_array_equal, merged[fl.OWG], grads[fl.OWG])
@@ -207,7 +212,7 @@ def test_nan_batch_leaves_state_finite_and_training_recovers():
   # the fp8 state of a NaN step can still be combined with a clean state
   clean, _ = train_step(state.replace(params={**state.params, "params": state.params["params"]}),
                         x, y)
-  assert np.isfinite(float(loss_fn(clean.params, m.apply, x, y)))
+  assert np.isfinite(float(evaluate(clean.params, m.apply, x, y)))
 
 
 def test_orbax_round_trip_is_exact(tmp_path):
@@ -237,7 +242,7 @@ def test_shard_map_with_vma_checks_reduces_state_by_max():
   assert float(g[fl.OWG]["l1"]["input_amax_history"][0]) == 30.0
   # Both devices quantize with the global amax's scale, as one device would:
   # the sum of the two halves' mean losses is twice the whole batch's.
-  summed = jax.grad(lambda v: 2 * loss_fn(v, m.apply, x, y))(state.params)
+  summed = jax.jit(jax.grad(lambda v: 2 * loss_fn(v, m.apply, x, y)))(state.params)
   jax.tree.map(lambda a, b: np.testing.assert_array_less(
       np.linalg.norm(a - b), 2e-2 * np.linalg.norm(b)), g["params"], summed["params"])
 
@@ -248,13 +253,13 @@ def test_shard_map_vma_for_finer_granularity(recipe):
   # Every fp8 op reduces its state by max (and its gradients by sum) under shard_map.
   m = fl.QDense(4, recipe=recipe)
   x = jnp.concatenate([jnp.full((4, 32), 3.0), jnp.full((4, 32), 30.0)])
-  v = m.init(jax.random.key(0), x)
+  v = jax.jit(m.init)(jax.random.key(0), x)
   mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
   f = jax.shard_map(lambda v, x: jax.grad(lambda v: jnp.sum(m.apply(v, x) ** 2))(v), mesh=mesh,
                     in_specs=(P(), P("data")), out_specs=P())
   g = jax.jit(f)(v, x)
   assert float(g[fl.OWG]["input_amax_history"][0]) == 30.0
-  full = jax.grad(lambda v: jnp.sum(m.apply(v, x) ** 2))(v)
+  full = jax.jit(jax.grad(lambda v: jnp.sum(m.apply(v, x) ** 2)))(v)
   # Each device blocks its own rows for wgrad; e2m1 codes (NVFP4) round far
   # more coarsely than fp8 when the blocks differ.
   rtol = 0.15 if recipe.is_nvfp4 else 2e-2
@@ -360,19 +365,19 @@ def test_load_float_state_from_an_orbax_checkpoint(tmp_path, layout):
 def test_params_only_train_state_trains_with_a_warning():
   m = MLP()
   x, y = rand((8, 6), 1), rand((8, 4), 2)
-  p = {"params": m.init(jax.random.key(0), x)["params"]}
+  p = {"params": jax.jit(m.init)(jax.random.key(0), x)["params"]}
   tx = optax.adam(1e-2)
   state = fl.TrainState.create(apply_fn=m.apply, params=p, tx=tx)
   assert jax.tree.structure(state.opt_state) == jax.tree.structure(tx.init(p["params"]))
   with pytest.warns(UserWarning, match="load_float_state"):
     new, _ = train_step(state, x, y)
-  assert int(new.step) == 1 and np.isfinite(float(loss_fn(new.params, m.apply, x, y)))
+  assert int(new.step) == 1 and np.isfinite(float(evaluate(new.params, m.apply, x, y)))
 
 
 def test_merge_owg_checks_history_lengths_and_resize_histories_fixes_them():
   m, state = setup()
   x, y = rand((8, 6), 1), rand((8, 4), 2)
-  grads = jax.grad(loss_fn)(state.params, m.apply, x, y)
+  grads = grad_fn(state.params, m.apply, x, y)
   short = fl.resize_histories(state.params, 16)
   assert short[fl.OWG]["l1"]["input_amax_history"].shape == (16,)
   with pytest.raises(ValueError, match=r"l1/input_amax_history has shape \(1024,\).*resize"):
@@ -386,10 +391,11 @@ def test_merge_owg_checks_history_lengths_and_resize_histories_fixes_them():
   v = {"params": {"layers_0": state.params["params"]["l1"],
                   "layers_2": state.params["params"]["l2"]},
        fl.OWG: {"layers_0": grads[fl.OWG]["l1"], "layers_2": grads[fl.OWG]["l2"]}}
+  apply16 = jax.jit(lambda v, x: m16.apply(v, x))
   with pytest.raises(ValueError, match="resize_histories"):
-    m16.apply(v, x)
+    apply16(v, x)
   v16 = fl.resize_histories(v, fl.delayed_scaling(16))
-  assert np.isfinite(np.asarray(m16.apply(v16, x))).all()
+  assert np.isfinite(np.asarray(apply16(v16, x))).all()
   assert float(v16[fl.OWG]["layers_0"]["input_amax_history"][0]) == pytest.approx(
       float(jnp.abs(x).max()))
   # A TrainState's accumulation window is resized with it.
@@ -411,10 +417,10 @@ def test_reduce_gradients_is_the_mean_with_and_without_vma_checks(check_vma):
                     check_vma=check_vma)
   g = jax.jit(f)(state.params, x, y)
   if check_vma:  # every device quantizes with the global amax: one device's numbers
-    mean = jax.grad(lambda v: loss_fn(v, m.apply, x, y))(state.params)
+    mean = grad_fn(state.params, m.apply, x, y)
   else:  # without vma tracking each device scales by its own amax
-    mean = jax.grad(lambda v: sum(loss_fn(v, m.apply, x[i:i + 4], y[i:i + 4])
-                                  for i in range(0, 16, 4)) / 4)(state.params)
+    mean = jax.jit(jax.grad(lambda v: sum(loss_fn(v, m.apply, x[i:i + 4], y[i:i + 4])
+                                          for i in range(0, 16, 4)) / 4))(state.params)
   # (fp8 rounding turns float-noise differences upstream into a few percent in
   # single elements downstream; a sum instead of the mean would be 4 times off.)
   jax.tree.map(lambda a, b: np.testing.assert_array_less(
@@ -431,10 +437,10 @@ def test_multisteps_window_with_an_empty_micro_batch_advances_once():
   state, _ = train_step(state, rand((8, 6), 3), rand((8, 4), 4))  # commit: history [a, 0, ...]
   base = state.params[fl.OWG]
   x = rand((8, 6), 5, 3.0)
-  solo = fl.merge_owg(state.params, jax.grad(loss_fn)(state.params, m.apply, x, rand((8, 4), 6)))
+  solo = fl.merge_owg(state.params, grad_fn(state.params, m.apply, x, rand((8, 4), 6)))
   state, _ = train_step(state, x, rand((8, 4), 6))
   state, _ = train_step(state, jnp.zeros((0, 6)), jnp.zeros((0, 4)))  # commits the window
-  same = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6)  # (eager vs jit)
+  same = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6)  # (two programs)
   jax.tree.map(same, state.params[fl.OWG], solo[fl.OWG])
   h = state.params[fl.OWG]["l1"]["input_amax_history"]
   assert float(h[1]) == float(base["l1"]["input_amax_history"][0]) > 0
