@@ -31,6 +31,16 @@ def _quant_values(model):
   return jax.tree.leaves(nnx.as_pure(nnx.state(model, fnnx.QuantState)))
 
 
+def _out_shape(module, *args):
+  """The output shape, traced only: op by op, a quantized forward costs seconds."""
+  return nnx.eval_shape(lambda m, *a: m(*a), module, *args).shape
+
+
+def _grad(loss):
+  """``fnnx.grad(loss)`` jitted: op by op, a quantized backward costs seconds."""
+  return nnx.jit(fnnx.grad(loss))
+
+
 def _assert_concrete(model):
   for v in _quant_values(model):
     assert isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer), type(v)
@@ -70,7 +80,8 @@ def test_float_nnx_params_load():
       jax.tree.map(jnp.shape, nnx.state(q, nnx.Param))
   nnx.update(q, nnx.state(ref, nnx.Param))
   x = _x((8, 16))
-  np.testing.assert_allclose(q(x), ref(x), rtol=0.1, atol=0.1)
+  forward = nnx.jit(lambda m, x: m(x))   # op by op, a quantized forward costs seconds
+  np.testing.assert_allclose(forward(q, x), forward(ref, x), rtol=0.1, atol=0.1)
 
 
 @pytest.mark.parametrize("recipe", [fl.Fp8Recipe(), fl.IntRecipe(), fl.int8_lsq()],
@@ -78,15 +89,15 @@ def test_float_nnx_params_load():
 def test_other_layers(recipe):
   x3 = _x((2, 5, 8))
   lg = fnnx.LinearGeneral(8, (2, 4), recipe=recipe, rngs=nnx.Rngs(0))
-  assert lg(x3).shape == (2, 5, 2, 4)
+  assert _out_shape(lg, x3) == (2, 5, 2, 4)
   assert lg.kernel[...].shape == nnx.LinearGeneral(8, (2, 4), rngs=nnx.Rngs(0)).kernel.shape
   conv = fnnx.Conv(3, 4, (3, 3), recipe=recipe, rngs=nnx.Rngs(0))
-  assert conv(_x((1, 6, 6, 3))).shape == (1, 6, 6, 4)
+  assert _out_shape(conv, _x((1, 6, 6, 3))) == (1, 6, 6, 4)
   es = fnnx.Einsum("btd,dh->bth", (8, 4), (4,), recipe=recipe, rngs=nnx.Rngs(0))
-  assert es(x3).shape == (2, 5, 4)
+  assert _out_shape(es, x3) == (2, 5, 4)
   for layer, x in ((lg, x3), (conv, _x((1, 6, 6, 3))), (es, x3)):
     fnnx.calibrate(layer, x)
-    grads = fnnx.grad(lambda m: jnp.sum(m(x) ** 2))(layer)
+    grads = _grad(lambda m, x: jnp.sum(m(x) ** 2))(layer, x)
     fnnx.update_state(layer, grads)
     _assert_concrete(layer)
 
@@ -104,12 +115,14 @@ def test_einsum_learned_weight_steps_match_qeinsum(name, equation, kernel_shape,
   recipe = RECIPES[name]
   x = _x(x_shape)
   linen = fl.QEinsum(shape=kernel_shape, einsum_str=equation, use_bias=False, recipe=recipe)
-  want = jax.tree.map(jnp.shape, linen.init(jax.random.key(0), x)["params"])
+  # Shapes only, traced: op by op, a quantized forward costs seconds.
+  want = jax.tree.map(jnp.shape, jax.eval_shape(linen.init, jax.random.key(0), x)["params"])
   layer = fnnx.Einsum(equation, kernel_shape, recipe=recipe, rngs=nnx.Rngs(0))
   got = jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(layer, nnx.Param)))
   assert got == want
   assert "kernel_step" in got and ("kernel_offset" in got) == (name == "int4_lsq_plus")
-  assert layer(x).shape == linen.apply(linen.init(jax.random.key(0), x), x).shape
+  assert _out_shape(layer, x) == jax.eval_shape(
+      lambda k, x: linen.apply(linen.init(k, x), x), jax.random.key(0), x).shape
 
 
 @pytest.mark.parametrize("name", ["int8_lsq", "int4_lsq_plus"])
@@ -136,14 +149,14 @@ def test_einsum_learned_weight_steps_train(name):
 
 def test_seed_002_quantizer_gradient_and_state():
   """x = 5 through the quantizer: cotangent 1 -> 1, cotangent 1000 -> 1000 (not 448)."""
+  def loss(q, x, ct):
+    return ct * q(x)
+
+  # Jitted, one program for both cotangents: op by op, a quantized backward costs seconds.
+  grad = nnx.jit(nnx.grad(loss, argnums=(nnx.DiffState(0, fnnx.DIFF), 1)))
   for ct in (1.0, 1000.0):
     q = fnnx.Quantizer()
-
-    def loss(q, x):
-      return ct * q(x)
-
-    grads, dx = nnx.grad(loss, argnums=(nnx.DiffState(0, fnnx.DIFF), 1))(
-        q, jnp.array(5.0, jnp.float32))
+    grads, dx = grad(q, jnp.array(5.0, jnp.float32), jnp.array(ct, jnp.float32))
     assert float(dx) == pytest.approx(ct, rel=2 ** -3)
     fnnx.update_state(q, grads)
     _assert_concrete(q)
@@ -162,7 +175,7 @@ def test_quantizer_checkpoint_name_and_forward():
 def test_module_called_twice_records_the_max():
   model = fnnx.Linear(4, 4, rngs=nnx.Rngs(0))
   x = _x((2, 4))
-  grads = fnnx.grad(lambda m: m(x).sum() + (5.0 * m(3.0 * x)).sum())(model)
+  grads = _grad(lambda m, x: m(x).sum() + (5.0 * m(3.0 * x)).sum())(model, x)
   fnnx.update_state(model, grads)
   amax = float(jnp.max(jnp.abs(x)))
   assert float(model.input_amax_history[...][0]) == pytest.approx(3.0 * amax)
@@ -191,7 +204,8 @@ def test_no_tracer_left_in_module(jit):
 def test_missing_quant_state_in_grads_is_an_error():
   model = fnnx.Linear(4, 4, rngs=nnx.Rngs(0))
   opt = fnnx.Optimizer(model, optax.sgd(0.1))
-  grads = nnx.grad(lambda m: m(jnp.ones((1, 4))).sum())(model)  # Params only
+  # Params only; jitted: op by op, a quantized backward costs seconds.
+  grads = nnx.jit(nnx.grad(lambda m: m(jnp.ones((1, 4))).sum()))(model)
   with pytest.raises(ValueError, match="DiffState"):
     opt.update(model, grads)
   with pytest.raises(ValueError, match="wrt"):
