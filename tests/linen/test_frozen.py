@@ -34,24 +34,29 @@ def _model(recipe):
                         or recipe.granularity == "tensor" else fl.QDense(4, recipe=recipe)])
 
 
-def _trained(model, shape):
-  keys = jax.random.split(jax.random.key(0), 4)
-  v = model.init(keys[3], jax.random.normal(keys[0], shape))
-  for k in keys[:3]:
-    x = jax.random.normal(k, shape)
-    v = fl.merge_owg(v, jax.grad(lambda v, x: jnp.sum(model.apply(v, x) ** 2))(v, x))
-  return v
-
-
 def _loss(model, v, x):
   return jnp.sum(model.apply(v, x) ** 2)
+
+
+def _train_grad(model):
+  """The training-mode gradient, jitted: op by op, a quantized backward costs seconds."""
+  return jax.jit(jax.grad(functools.partial(_loss, model)))
+
+
+def _trained(model, shape, grad):
+  keys = jax.random.split(jax.random.key(0), 4)
+  v = jax.jit(model.init)(keys[3], jax.random.normal(keys[0], shape))
+  for k in keys[:3]:
+    v = fl.merge_owg(v, grad(v, jax.random.normal(k, shape)))
+  return v
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_frozen_gradients_return_the_state_unchanged(name):
   model = _model(RECIPES[name])
   shape = (4, 6, 16)
-  v = _trained(model, shape)
+  train_grad = _train_grad(model)   # one program for the training steps and the check below
+  v = _trained(model, shape, train_grad)
   big = 10.0 * jax.random.normal(jax.random.key(9), shape)  # beyond every recorded range
 
   @jax.jit
@@ -65,7 +70,7 @@ def test_frozen_gradients_return_the_state_unchanged(name):
   # The parameters still get gradients (training with frozen quantizers works).
   assert any(float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(g["params"]))
   # In training mode the same batch does change the state.
-  moved = fl.merge_owg(v, jax.jit(jax.grad(functools.partial(_loss, model)))(v, big))
+  moved = fl.merge_owg(v, train_grad(v, big))
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(moved[fl.OWG]),
                                                        jax.tree.leaves(v[fl.OWG])))
 
@@ -73,8 +78,8 @@ def test_frozen_gradients_return_the_state_unchanged(name):
 def test_frozen_evaluation_returns_no_new_state_and_clips_at_the_recorded_range():
   model = fl.QDense(4, recipe=RECIPES["int8_ste_minmax"])
   x = jax.random.normal(jax.random.key(0), (8, 16))
-  v = model.init(jax.random.key(1), x)
-  v = fl.merge_owg(v, jax.grad(lambda v: _loss(model, v, x))(v))
+  v = jax.jit(model.init)(jax.random.key(1), x)
+  v = fl.merge_owg(v, _train_grad(model)(v, x))
   rng = v[fl.OWG]["input_range"]
 
   def run(v, x):
@@ -94,8 +99,8 @@ def test_the_flag_reaches_backward_rules_traced_after_the_block():
   """``jax.grad`` of a jitted frozen forward: the forward rule is traced after the block."""
   model = fl.QDense(4, recipe=RECIPES["int8_ste_minmax"])
   x = jax.random.normal(jax.random.key(0), (8, 16))
-  v = model.init(jax.random.key(1), x)
-  v = fl.merge_owg(v, jax.grad(lambda v: _loss(model, v, x))(v))
+  v = jax.jit(model.init)(jax.random.key(1), x)
+  v = fl.merge_owg(v, _train_grad(model)(v, x))
 
   @jax.jit
   def frozen_loss(v, x):
@@ -111,10 +116,14 @@ def test_a_range_that_observed_nothing_takes_the_batch():
   """An untrained observer has no range to freeze; it quantizes like the first training step."""
   model = fl.QDense(4, recipe=fl.IntRecipe())
   x = jax.random.normal(jax.random.key(0), (8, 16))
-  v = model.init(jax.random.key(1), x)
-  with fl.frozen_quantizers():
-    frozen = model.apply(v, x)
-  np.testing.assert_array_equal(frozen, model.apply(v, x))
+  v = jax.jit(model.init)(jax.random.key(1), x)
+
+  def run(v, x):
+    with fl.frozen_quantizers():
+      return model.apply(v, x)
+
+  # Both sides jitted (compared exactly): op by op, each forward costs seconds.
+  np.testing.assert_array_equal(jax.jit(run)(v, x), jax.jit(model.apply)(v, x))
 
 
 def test_quantize_model_and_fp8_dot_general_are_frozen_too():
@@ -126,8 +135,8 @@ def test_quantize_model_and_fp8_dot_general_are_frozen_too():
 
   qm = fl.quantize_model(Block(), RECIPES["int8_ste_minmax"], on_unquantized="ignore")
   x = jax.random.normal(jax.random.key(0), (8, 16))
-  v = qm.init(jax.random.key(1), x)
-  v = fl.merge_owg(v, jax.grad(lambda v: _loss(qm, v, x))(v))
+  v = jax.jit(qm.init)(jax.random.key(1), x)
+  v = fl.merge_owg(v, _train_grad(qm)(v, x))
   big = 10.0 * x
 
   def run(v, x):
