@@ -11,6 +11,8 @@ and the fix. The soak (20 steps over a 4-long history) shows the histories
 stay bounded.
 """
 
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -38,7 +40,8 @@ def _train(model, x=X, steps=STEPS, variables=None):
   The learning rate is 0: every step sees the same inputs, so a history that
   grows shows a sum, not a changing model.
   """
-  v = model.init(jax.random.key(0), x) if variables is None else variables
+  # Jitted: op by op, a quantized forward costs seconds.
+  v = jax.jit(model.init)(jax.random.key(0), x) if variables is None else variables
   state = fl.TrainState.create(apply_fn=model.apply, params=v, tx=optax.sgd(0.0))
 
   @jax.jit
@@ -170,13 +173,14 @@ def test_vmapped_instances_with_their_own_state_record_their_own_rows():
 
 def test_vmap_of_a_whole_apply_over_shared_variables_takes_the_batch_max():
   model = Plain()
-  v = model.init(jax.random.key(0), X[:1])
+  v = jax.jit(model.init)(jax.random.key(0), X[:1])
 
   def loss(v):
     y = jax.vmap(lambda r: model.apply(v, r[None]))(X)
     return jnp.mean(y ** 2)
 
-  new = jax.grad(loss)(v)[fl.OWG]["QDense_0"]["input_amax_history"]
+  # Jitted: op by op, a quantized backward costs seconds.
+  new = jax.jit(jax.grad(loss))(v)[fl.OWG]["QDense_0"]["input_amax_history"]
   assert float(new[0]) == pytest.approx(AMAX)
 
 
@@ -233,7 +237,7 @@ def test_nn_while_loop_runs_quantized_forward():
                            broadcast_variables=("params", fl.OWG))[0]
 
   model = While()
-  v = model.init(jax.random.key(0), X)
+  v = jax.jit(model.init)(jax.random.key(0), X)
   y = jax.jit(model.apply)(v, X)
   ref = jax.jit(Plain().apply)({"params": {"QDense_0": v["params"]["QDense_0"]},
                                 fl.OWG: {"QDense_0": v[fl.OWG]["QDense_0"]}}, X)
@@ -341,15 +345,21 @@ class Direct(nn.Module):
     return fl.QDense(8, recipe=R, name="d")(x)
 
 
+@functools.lru_cache(maxsize=None)
+def _direct_variables():
+  """Direct's variables, initialized once (jitted: op by op, a quantized forward costs seconds)."""
+  return jax.jit(Direct().init)(jax.random.key(0), X)
+
+
 @pytest.mark.parametrize("wrap", ["checkpoint", "jit"])
 def test_raw_transform_inside_a_method_trains(wrap):
-  v = Direct().init(jax.random.key(0), X)
+  v = _direct_variables()
   _assert_steady(_history(_train(Wrapped(wrap), variables=v), "d"), AMAX)
 
 
 @pytest.mark.parametrize("wrap", ["checkpoint", "jit"])
 def test_raw_transform_after_a_call_outside_is_linked(wrap):
-  v = Direct().init(jax.random.key(0), X)
+  v = _direct_variables()
   # Outside: x; inside (a nested trace, linked to the outer chain): x again.
   _assert_steady(_history(_train(Wrapped(wrap, outside=True), variables=v, steps=5), "d"), AMAX)
 
@@ -369,7 +379,7 @@ def test_raw_transform_init_declares_state_as_constants():
 
 
 def test_two_sibling_raw_transforms_raise():
-  v = Direct().init(jax.random.key(0), X)
+  v = _direct_variables()
   with pytest.raises(StateUseError, match=r"d is called in two JAX traces"):
     _train(Wrapped("checkpoint", times=2), variables=v, steps=1)
 
@@ -385,7 +395,7 @@ def test_forward_only_loops_do_not_raise():
       return jax.lax.scan(lambda c, _: (d(c), None), x, None, length=3)[0]
 
   model = RawScan()
-  v = model.init(jax.random.key(0), X)
+  v = jax.jit(model.init)(jax.random.key(0), X)
   chex.assert_shape(jax.jit(model.apply)(v, X), X.shape)
 
 
@@ -447,8 +457,8 @@ def test_frozen_quantizers_around_a_jitted_call_retrace():
   # The flag is part of the jit key: entering it around a compiled function
   # takes effect instead of replaying the training trace.
   model = fl.QDense(4, recipe=fl.IntRecipe())
-  v = model.init(jax.random.key(0), X)
-  v = fl.merge_owg(v, jax.grad(lambda v: model.apply(v, X).sum())(v))
+  v = jax.jit(model.init)(jax.random.key(0), X)
+  v = fl.merge_owg(v, jax.jit(jax.grad(lambda v: model.apply(v, X).sum()))(v))
   run = jax.jit(model.apply)
   train_out = run(v, 3 * X)
   with fl.frozen_quantizers():
