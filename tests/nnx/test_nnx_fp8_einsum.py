@@ -41,7 +41,7 @@ def test_matches_linen_fp8einsum_bit_for_bit(name):
   lhs, rhs = operands()
   ct = jax.random.normal(jax.random.key(3), (2, 2, 3, 5))
   linen = fl.Fp8Einsum(recipe=recipe)
-  v = linen.init(jax.random.key(0), EQ, lhs, rhs)
+  v = jax.jit(lambda k, l, r: linen.init(k, EQ, l, r))(jax.random.key(0), lhs, rhs)
   if fl.OWG in v:  # a used state, so delayed scaling reads its history
     v = {fl.OWG: {k: (jnp.linspace(0.5, 2.0, a.shape[0]) if k.endswith("history") else a)
                   for k, a in v[fl.OWG].items()}}
@@ -49,11 +49,12 @@ def test_matches_linen_fp8einsum_bit_for_bit(name):
   for k, a in v.get(fl.OWG, {}).items():
     getattr(model, k)[...] = a
 
-  y_l, (g_l, dl_l, dr_l) = jax.value_and_grad(
-      lambda v, l, r: jnp.sum(linen.apply(v, EQ, l, r) * ct), argnums=(0, 1, 2))(v, lhs, rhs)
-  y_n, (g_n, dl_n, dr_n) = nnx.value_and_grad(
+  # Both sides jitted (compared bit for bit): op by op, a quantized backward costs seconds.
+  y_l, (g_l, dl_l, dr_l) = jax.jit(jax.value_and_grad(
+      lambda v, l, r: jnp.sum(linen.apply(v, EQ, l, r) * ct), argnums=(0, 1, 2)))(v, lhs, rhs)
+  y_n, (g_n, dl_n, dr_n) = nnx.jit(nnx.value_and_grad(
       lambda m, l, r: jnp.sum(m(EQ, l, r) * ct),
-      argnums=(nnx.DiffState(0, fnnx.DIFF), 1, 2))(model, lhs, rhs)
+      argnums=(nnx.DiffState(0, fnnx.DIFF), 1, 2)))(model, lhs, rhs)
   np.testing.assert_array_equal(y_l, y_n)
   np.testing.assert_array_equal(dl_l, dl_n)
   np.testing.assert_array_equal(dr_l, dr_n)
@@ -104,10 +105,15 @@ def test_attention_trains_with_the_nnx_optimizer():
 def test_attention_output_close_to_float():
   x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 8, 16)), jnp.float32)
   model = Attention(16, 2, fl.current_scaling(), nnx.Rngs(0))
-  y = model(x)
-  qkv = model.qkv(x)
-  ref = model.out(nn.dot_product_attention(qkv[..., 0, :, :], qkv[..., 1, :, :],
-                                           qkv[..., 2, :, :]))
+
+  def reference(model, x):
+    qkv = model.qkv(x)
+    return model.out(nn.dot_product_attention(qkv[..., 0, :, :], qkv[..., 1, :, :],
+                                              qkv[..., 2, :, :]))
+
+  # Jitted: op by op, a quantized forward costs seconds.
+  y = nnx.jit(lambda m, x: m(x))(model, x)
+  ref = nnx.jit(reference)(model, x)
   chex.assert_shape(y, ref.shape)
   assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.1
 
@@ -116,7 +122,8 @@ def test_use_running_average_freezes_the_state():
   lhs, rhs = operands()
   model = fnnx.Fp8Einsum(recipe=fl.delayed_scaling(8), use_running_average=True)
   model.input_amax_history[...] = jnp.full((8,), 2.0)
-  _, g = fnnx.value_and_grad(lambda m: jnp.sum(m(EQ, lhs * 10, rhs)))(model)
+  # Jitted: op by op, a quantized backward costs seconds.
+  _, g = nnx.jit(fnnx.value_and_grad(lambda m: jnp.sum(m(EQ, lhs * 10, rhs))))(model)
   np.testing.assert_array_equal(g["input_amax_history"][...], jnp.full((8,), 2.0))
 
 
@@ -127,7 +134,8 @@ def test_lsq_input_is_calibrated_and_learned_kernel_is_refused():
   assert model.input_step[...].shape == (1,)
   fnnx.calibrate(model, EQ, lhs, rhs)
   assert float(model.input_step[...][0]) != 1.0  # set from the batch
-  assert model(EQ, lhs, rhs).shape == (2, 2, 3, 5)
+  # The shape only, traced: op by op, a quantized forward costs seconds.
+  assert nnx.eval_shape(lambda m, l, r: m(EQ, l, r), model, lhs, rhs).shape == (2, 2, 3, 5)
   with pytest.raises(ValueError, match=r"Fp8Einsum: recipe's kernel quantizer is learned "
                      r"\(lsq\).*estimator='ste'"):
     fnnx.Fp8Einsum(recipe=fl.int8_lsq())
