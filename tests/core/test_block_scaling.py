@@ -333,8 +333,9 @@ def test_a_real_blackwell_device_is_detected_from_its_compute_capability(monkeyp
 def test_nvfp4_state_holds_the_per_tensor_scale_of_e2m1():
   m = fl.QDense(8, recipe=fl.nvfp4(scaling="delayed"))
   x = jnp.asarray(_data(9, 16, 32, 8)[0])
-  v = m.init(jax.random.key(0), x)
-  g = jax.grad(lambda v: jnp.sum(m.apply(v, x) ** 2))(v)
+  # Jitted: op by op, a quantized backward costs seconds.
+  v = jax.jit(m.init)(jax.random.key(0), x)
+  g = jax.jit(jax.grad(lambda v: jnp.sum(m.apply(v, x) ** 2)))(v)
   owg = g[fl.OWG]
   assert float(owg["input_amax_history"][0]) == pytest.approx(float(jnp.abs(x).max()))
   # The stored scale maps the amax to e2m1's largest value, 6.
@@ -347,6 +348,7 @@ def test_nvfp4_delayed_scale_comes_from_the_history():
   rec = fl.nvfp4(scaling="delayed", wgrad_hadamard=0, grad_stochastic_rounding=False)
   amax = float(np.abs(x).max())
 
+  @jax.jit  # one program for the five histories: op by op, each product costs seconds
   def run(history_amax):
     st = fl.RoleState(jnp.ones((1,)), jnp.zeros((4,)).at[0].set(history_amax))
     return fl.fp8_dot_general(x, w, DN, input_state=st, kernel_state=_st(),
@@ -374,7 +376,7 @@ def test_remat_keeps_the_fp4_codes_exact():
   """The e2m1 codes are saved through remat as uint4 bits (never rounded by remat)."""
   model = fl.QDense(32, recipe=fl.nvfp4())
   x = jnp.asarray(_data(12, 16, 32, 32)[0]) * 100
-  v = model.init(jax.random.key(0), x)
+  v = jax.jit(model.init)(jax.random.key(0), x)
   loss = lambda v: jnp.sum(model.apply(v, x) ** 2)
   policy = jax.checkpoint_policies.save_only_these_names(fl.CHECKPOINT_NAME)
   plain = jax.jit(jax.grad(loss))(v)
@@ -417,7 +419,7 @@ def test_convert_serves_nvfp4_and_2d_tiles_as_their_forward():
   x = jnp.asarray(_data(13, 4, 40, 8)[0])
   for recipe in (fl.nvfp4(), dataclasses.replace(fl.mx_block_scaling(), kernel_2d_blocks=True)):
     model = fl.QDense(24, recipe=recipe)
-    v = model.init(jax.random.key(0), x)
+    v = jax.jit(model.init)(jax.random.key(0), x)
     served, sp = fl.convert(model, v, x)
 
     def frozen(v, x):
@@ -438,7 +440,7 @@ class Stack(nn.Module):
 def test_high_precision_layers_keep_the_last_layers_out_of_nvfp4():
   rules = fl.high_precision_layers("block{i}", 3, last=1) + (fl.QuantizationRule(),)
   qm = fl.quantize_model(Stack(), fl.nvfp4(), rules=rules)
-  v = qm.init(jax.random.key(0), jnp.ones((4, 32)))
+  v = jax.eval_shape(qm.init, jax.random.key(0), jnp.ones((4, 32)))  # the tree is what's checked
   assert sorted(v[fl.OWG]) == ["block0", "block1"]
   keep = fl.high_precision_layers("block{i}", 10, first=1, last=2)
   assert keep[0].module_path == "(?:.*/)?(?:block0|block8|block9)(?:/.*)?"
@@ -475,12 +477,13 @@ def _trained_mlp(recipe_name):
   rng = np.random.default_rng(14)
   x = jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)
   y = jnp.asarray(rng.normal(size=(64, 8)), jnp.float32)
-  v = model.init(jax.random.key(0), x)
+  v = jax.jit(model.init)(jax.random.key(0), x)
   import optax  # pylint: disable=import-outside-toplevel
   state = fl.TrainState.create(apply_fn=model.apply, params=v, tx=optax.adam(3e-3))
   step = jax.jit(lambda s: s.apply_gradients(grads=jax.grad(
       lambda p: jnp.mean((s.apply_fn(p, x) - y) ** 2))(s.params)))
-  loss = lambda s: float(jnp.mean((s.apply_fn(s.params, x) - y) ** 2))
+  evaluate = jax.jit(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))
+  loss = lambda s: float(evaluate(s.params))
   first = loss(state)
   for _ in range(60):
     state = step(state)
