@@ -57,7 +57,7 @@ def mlp_residuals(n_tokens=32):
                      ("fp8", fl.CHECKPOINT_NAME)):
     m = (MLP(mode) if name is None else
          nn.remat(MLP, policy=jax.checkpoint_policies.save_only_these_names(name))(mode))
-    v = m.init(jax.random.key(1), x)
+    v = jax.jit(m.init)(jax.random.key(1), x)
     out[mode] = residual_bytes(lambda v, x: m.apply(v, x), v, x)
   return out
 
@@ -72,17 +72,19 @@ def test_remat_residuals_are_half_of_bf16():
 def test_forward_is_fp8_round_trip_and_grad_is_e5m2():
   q = fl.Fp8Activation()
   x = jax.random.normal(jax.random.key(1), (4, 8)) * 3.0
-  v = q.init(jax.random.key(0), x)
-  y = q.apply(v, x)
+  # Jitted, the reference qdq too (compared exactly): op by op, each costs a compile.
+  v = jax.jit(q.init)(jax.random.key(0), x)
+  y = jax.jit(q.apply)(v, x)
   s = numerics.amax(x) / 448.0   # first step: scale from this amax
   # The op divides inside a compiled lax.cond branch (XLA multiplies by the
   # reciprocal: one ulp from an eager division); the values are its scale's.
   s_op = numerics.step_scale(q.recipe.input, jnp.ones((1,)),
                              v[fl.OWG]["input_amax_history"], x)
   np.testing.assert_allclose(s_op, [s], rtol=1e-6)
-  np.testing.assert_array_equal(y, numerics.qdq(x, jnp.float8_e4m3fn, s_op))
+  np.testing.assert_array_equal(
+      y, jax.jit(lambda x, s: numerics.qdq(x, jnp.float8_e4m3fn, s))(x, s_op))
   ct = jax.random.normal(jax.random.key(2), x.shape) * 1e4
-  gx, gv = jax.grad(lambda x, v: jnp.sum(q.apply(v, x) * ct), argnums=(0, 1))(x, v)
+  gx, gv = jax.jit(jax.grad(lambda x, v: jnp.sum(q.apply(v, x) * ct), argnums=(0, 1)))(x, v)
   s_g = numerics.amax(ct) / 57344.0
   np.testing.assert_allclose(gx, numerics.qdq(ct, jnp.float8_e5m2, s_g), rtol=1e-6)
   owg = gv[fl.OWG]
@@ -102,7 +104,7 @@ def test_shared_use_records_max_and_jit_matches_eager():
   a = jax.random.normal(jax.random.key(1), (3, 5)) * 7.0
   b = jax.random.normal(jax.random.key(2), (3, 5))
   m = Twice()
-  v = m.init(jax.random.key(0), a, b)
+  v = jax.jit(m.init)(jax.random.key(0), a, b)  # the eager gradient below is the point
   loss = lambda v: m.apply(v, a, b)
   ge, gj = jax.grad(loss)(v), jax.jit(jax.grad(loss))(v)
   for x, y in zip(jax.tree.leaves(ge), jax.tree.leaves(gj)):
@@ -117,7 +119,7 @@ def test_training_under_remat_updates_state():
   m = nn.remat(MLP, policy=jax.checkpoint_policies.save_only_these_names(
       fl.CHECKPOINT_NAME))("fp8")
   x = jax.random.normal(jax.random.key(0), (8, 64), jnp.bfloat16)
-  v = m.init(jax.random.key(1), x)
+  v = jax.jit(m.init)(jax.random.key(1), x)
   g = jax.jit(jax.grad(lambda v: jnp.mean(m.apply(v, x).astype(jnp.float32) ** 2)))(v)
   for i in range(3):
     assert float(g[fl.OWG][f"Fp8Activation_{i}"]["output_grad_amax_history"][0]) > 0
@@ -135,11 +137,12 @@ def test_remat_saved_fp8_values_survive():
   overflows e4m3fn values >= 256; the fp8 copy must come back bit-exact."""
   x = jnp.arange(1.0, 9.0)   # scaled so that the largest values quantize to 384 and 448
   m = fl.Fp8Activation()
-  v = m.init(jax.random.key(0), x)
+  v = jax.jit(m.init)(jax.random.key(0), x)
   f = lambda v, x: jnp.sum(jnp.sin(m.apply(v, x)))
   pol = jax.checkpoint_policies.save_only_these_names(fl.CHECKPOINT_NAME)
-  g_plain = jax.grad(f, argnums=(0, 1))(v, x)
-  g_remat = jax.grad(jax.checkpoint(f, policy=pol), argnums=(0, 1))(v, x)
+  # Both jitted (compared exactly): op by op, a quantized backward costs seconds.
+  g_plain = jax.jit(jax.grad(f, argnums=(0, 1)))(v, x)
+  g_remat = jax.jit(jax.grad(jax.checkpoint(f, policy=pol), argnums=(0, 1)))(v, x)
   for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat)):
     np.testing.assert_array_equal(a, b)
   assert bool(jnp.all(jnp.isfinite(g_remat[1])))
