@@ -76,7 +76,8 @@ def test_pair_forward_is_e4m3_and_gradient_is_e5m2_with_smuggled_scale(use_jit):
 
 def test_pair_second_step_uses_history():
   st = pair_state()
-  st = jax.grad(lambda st: 10.0 * qdq_pair(jnp.float32(4.0), st))(st)  # history now [4], [10]
+  # Jitted: op by op, each quantized step costs a second or more.
+  st = jax.jit(jax.grad(lambda st: 10.0 * qdq_pair(jnp.float32(4.0), st)))(st)  # now [4], [10]
   x = jnp.float32(8.0)  # twice the recorded amax: delayed scaling clips to 4
   y, vjp = jax.vjp(lambda st: qdq_pair(x, st), st)
   assert float(y) == pytest.approx(4.0)
@@ -89,7 +90,8 @@ def test_pair_second_step_uses_history():
 @pytest.mark.parametrize("use_jit", JIT)
 def test_nan_batch_does_not_poison_state(use_jit):
   st = pair_state()
-  st = jax.grad(lambda st: 10.0 * qdq_pair(jnp.float32(4.0), st))(st)
+  # The setup step jitted (op by op it costs a second); the step under test keeps its variant.
+  st = jax.jit(jax.grad(lambda st: 10.0 * qdq_pair(jnp.float32(4.0), st)))(st)
   bad = jnp.array([1.0, jnp.nan, 2.0])
   g = maybe_jit(jax.grad(lambda st: jnp.sum(qdq_pair(bad, st))), use_jit)(st)
   for leaf in jax.tree.leaves(g):
@@ -106,7 +108,7 @@ def test_pair_chain_takes_max_of_two_uses():
     yb, _ = fl.dequantize(b, s2, st["gs"], st["gh"], chain=d)
     return 7.0 * ya + 70.0 * yb
 
-  g = jax.grad(two_uses, argnums=2)(jnp.float32(3.0), jnp.float32(30.0), pair_state())
+  g = jax.jit(jax.grad(two_uses, argnums=2))(jnp.float32(3.0), jnp.float32(30.0), pair_state())
   assert float(g["ih"][0]) == 30.0 and float(g["gh"][0]) == 70.0
   np.testing.assert_allclose(g["is"], [30.0 / 448.0], rtol=1e-6)
   assert float(g["ih"][1]) == 0.0
@@ -162,9 +164,10 @@ def test_dot_general_dimension_numbers(dn, xs, ws, eq):
   x, w = rand(xs, 3), rand(ws, 4)
   states = (fresh(), fresh(), fresh())
   f = lambda x, w: dot(x, w, states, dn=dn)[0]
-  y, vjp = jax.vjp(f, x, w)
-  ct = rand(y.shape, 5)
-  gx, gw = jax.jit(vjp)(ct)
+  ct = rand(jax.eval_shape(f, x, w).shape, 5)
+  # Forward and backward in one jitted program: op by op, the forward costs seconds.
+  y, (gx, gw) = jax.jit(lambda x, w, ct: (lambda y, vjp: (y, vjp(ct)))(*jax.vjp(f, x, w)))(
+      x, w, ct)
   xq, wq = np_qdq(x, E4, np.abs(x).max()), np_qdq(w, E4, np.abs(w).max())
   gq = np_qdq(ct, E5, np.abs(ct).max())
   ref = lambda x, w: jnp.einsum(eq, x, w, precision="highest")
@@ -178,19 +181,23 @@ def test_dot_general_dimension_numbers(dn, xs, ws, eq):
 def test_dot_output_and_gradient_dtypes():
   x, w = rand((4, 8), 0).astype(jnp.bfloat16), rand((8, 3), 1)
   states = (fresh(), fresh(), fresh())
-  y, vjp = jax.vjp(lambda x, w: dot(x, w, states)[0], x, w)
+  # Dtypes only: traced with jax.eval_shape, nothing needs to run.
+  def fwd_bwd(x, w):
+    y, vjp = jax.vjp(lambda x, w: dot(x, w, states)[0], x, w)
+    return y, vjp(jnp.ones_like(y))
+  y, (gx, gw) = jax.eval_shape(fwd_bwd, x, w)
   assert y.dtype == jnp.float32  # result type of bf16 and f32
-  gx, gw = vjp(jnp.ones_like(y))
   assert gx.dtype == jnp.bfloat16 and gw.dtype == jnp.float32
-  y16, _ = fl.fp8_dot_general(x, w, DN_MATMUL, input_state=states[0], kernel_state=states[1],
-                               output_grad_state=states[2], out_dtype=jnp.bfloat16)
+  y16, _ = jax.eval_shape(lambda x, w: fl.fp8_dot_general(
+      x, w, DN_MATMUL, input_state=states[0], kernel_state=states[1],
+      output_grad_state=states[2], out_dtype=jnp.bfloat16), x, w)
   assert y16.dtype == jnp.bfloat16
 
 
 def test_dot_state_update_is_returned_as_gradient():
   x, w, ct = rand((8, 16), 0, 3.0), rand((16, 4), 1), rand((8, 4), 2, 5.0)
   states = (fresh(4), fresh(4), fresh(4))
-  g = jax.grad(lambda s: jnp.sum(dot(x, w, s)[0] * ct))(states)
+  g = jax.jit(jax.grad(lambda s: jnp.sum(dot(x, w, s)[0] * ct)))(states)  # eager costs seconds
   for st, t in zip(g, (x, w, ct)):
     a = float(jnp.abs(t).max())
     assert float(st.amax_history[0]) == pytest.approx(a)
@@ -207,7 +214,7 @@ def test_dot_chain_records_max_not_sum():
     y2, _ = dot(x2, w, states, chain=c)
     return jnp.sum(y1 * 3.0) + jnp.sum(y2 * 30.0)
 
-  g = jax.grad(f)(tuple(fresh(4) for _ in range(3)))
+  g = jax.jit(jax.grad(f))(tuple(fresh(4) for _ in range(3)))  # eager costs seconds
   assert float(g[0].amax_history[0]) == pytest.approx(float(jnp.abs(x2).max()))
   assert float(g[1].amax_history[0]) == pytest.approx(float(jnp.abs(w).max()))  # not 2x
   assert float(g[2].amax_history[0]) == pytest.approx(30.0)
