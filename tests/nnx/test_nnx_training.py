@@ -122,12 +122,18 @@ def test_data_parallel_sharded_batch_records_global_max():
   _assert_trees_equal(_pure(sharded), _pure(single))
 
 
+@nnx.jit
+def _update_state(model, x):
+  """Jitted: op by op, a quantized backward costs seconds."""
+  fnnx.update_state(model, fnnx.grad(lambda m: m(x).sum())(model))
+
+
 def test_nan_batch_never_enters_the_state():
   model = fnnx.Linear(4, 4, rngs=nnx.Rngs(0))
-  fnnx.update_state(model, fnnx.grad(lambda m: m(_x((2, 4))).sum())(model))
+  _update_state(model, _x((2, 4)))
   good = _pure(model)
   bad = _x((2, 4)).at[0, 0].set(jnp.nan)
-  fnnx.update_state(model, fnnx.grad(lambda m: m(bad).sum())(model))
+  _update_state(model, bad)
   for v in jax.tree.leaves(_pure(model)):
     assert np.isfinite(v).all()
   np.testing.assert_array_equal(model.input_scale[...], good["input_scale"])
@@ -138,8 +144,13 @@ def test_orbax_round_trip_is_exact(tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
   model = nnx.Sequential(fnnx.Quantizer(), fnnx.Linear(8, 4, rngs=nnx.Rngs(0)))
   opt = fnnx.Optimizer(model, optax.adam(1e-2))
-  _, grads = fnnx.value_and_grad(lambda m: m(_x((2, 8))).sum())(model)
-  opt.update(model, grads)
+
+  @nnx.jit  # op by op, a quantized backward costs seconds
+  def step(model, opt, x):
+    _, grads = fnnx.value_and_grad(lambda m: m(x).sum())(model)
+    opt.update(model, grads)
+
+  step(model, opt, _x((2, 8)))
   ckpt = ocp.StandardCheckpointer()
   ckpt.save(tmp_path / "state", nnx.state(model))
   ckpt.wait_until_finished()
