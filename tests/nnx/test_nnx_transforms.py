@@ -151,7 +151,7 @@ def test_nnx_model_in_a_linen_bridge_trains_with_train_state():
       return bridge.ToLinen(Net, args=())(x)
 
   model = Outer()
-  v = model.init(jax.random.key(0), X)
+  v = jax.jit(model.init)(jax.random.key(0), X)  # op by op, a quantized init costs seconds
   state = fl.TrainState.create(apply_fn=model.apply, params=v, tx=optax.sgd(0.0))
 
   @jax.jit
@@ -184,6 +184,6 @@ def test_a_stateless_recipe_keeps_no_state_and_trains_through_a_raw_scan():
     last = step(model, opt)
   assert float(last) < float(first)
   # fp8, not float: the layer's output differs from a float product with its kernel.
-  y = model(X)
+  y = nnx.jit(lambda m, x: m(x))(model, X)
   assert not np.allclose(np.asarray(y), np.asarray(X @ model.kernel[...] + model.bias[...]),
                          atol=1e-6)
