@@ -46,7 +46,9 @@ class Net(nn.Module):
     return nn.Dense(self.features, use_bias=False, dot_general_cls=self.dg)(x)
 
 
+@functools.lru_cache(maxsize=None)
 def flax_net(op, length=L):
+  # One model per op: jit_step's traces of flax's op are shared across the tests.
   return Net(functools.partial(op, amax_history_length=length))
 
 
@@ -61,10 +63,15 @@ def step(model, v, x, ct):
   return y, gv, gx
 
 
-def train(model, v, batches, lr=0.0):
+# ``step`` jitted (one trace per model: warnings are raised while it traces).
+# Op by op, a quantized backward costs seconds; comparisons run jitted on both sides.
+jit_step = jax.jit(step, static_argnums=0)
+
+
+def train(model, v, batches, lr=0.0, run=jit_step):
   """flax's own loop: SGD on params, the OWG "gradient" written over the state."""
   for x, ct in batches:
-    _, g, _ = step(model, v, x, ct)
+    _, g, _ = run(model, v, x, ct)
     params = jax.tree.map(lambda p, d: p - lr * d, v["params"], g["params"])
     v = {"params": params, OWG: g[OWG]}
   return v
@@ -82,13 +89,17 @@ def fp8_top(op):
   return 15 if op is fp8_ops.NANOOFp8DotGeneralOp else 7  # 240 = 15 * 16, 448 = 7 * 64
 
 
+@functools.lru_cache(maxsize=None)
 def exact_checkpoint(op, seed=0):
-  """A flax checkpoint (3 steps) whose histories give power-of-two scales, and a 4th batch."""
+  """A flax checkpoint (3 steps) whose histories give power-of-two scales, and a 4th batch.
+
+  Built once per (op, seed): the tests only read it.
+  """
   rng = np.random.default_rng(seed)
   top = fp8_top(op)
   w = rep(rng, (16, 4), top, 2)
   model = flax_net(op)
-  v = model.init(jax.random.key(0), jnp.ones((8, 16)))
+  v = jax.jit(model.init)(jax.random.key(0), jnp.ones((8, 16)))
   v = {"params": {"Dense_0": {"kernel": w}}, OWG: v[OWG]}
   batches = [(rep(rng, (8, 16), top, e), rep(rng, (8, 4), 7, g))
              for e, g in ((1, 0), (0, 1), (2, 2))]
@@ -105,14 +116,15 @@ def exact_checkpoint(op, seed=0):
 def test_flax_history_is_a_ring_newest_at_0_oldest_at_1(op):
   model = flax_net(op)
   x = jnp.ones((2, 16))
-  v = model.init(jax.random.key(0), x)
+  init = jax.jit(model.init)
+  v = init(jax.random.key(0), x)
   assert list(v[OWG]["Dense_0"]) == [f"{op.__name__}_0"]  # flax's auto-name
   v = train(model, v, [(x * a, jnp.ones((2, 4))) for a in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0)])
   h = v[OWG]["Dense_0"][f"{op.__name__}_0"]["input_amax_history"]
   np.testing.assert_array_equal(h, [6.0, 3.0, 4.0, 5.0])
   np.testing.assert_array_equal(flax_fp8.flax_history_order(h), [6.0, 5.0, 4.0, 3.0])
   # Before the ring is full too: [3, 0, 1, 2] is 3, 2, 1 newest first.
-  v3 = train(model, model.init(jax.random.key(0), x),
+  v3 = train(model, init(jax.random.key(0), x),
              [(x * a, jnp.ones((2, 4))) for a in (1.0, 2.0, 3.0)])
   h3 = v3[OWG]["Dense_0"][f"{op.__name__}_0"]["input_amax_history"]
   np.testing.assert_array_equal(h3, [3.0, 0.0, 1.0, 2.0])
@@ -132,7 +144,8 @@ def test_flax_scale_is_ours_amax_over_fp8_max_not_its_inverse(op):
   # fp8_linen stores, not fp8_max / amax. NANOO's e4m3fnuz max is 240.
   model = flax_net(op)
   x = jnp.ones((2, 16))
-  v = train(model, model.init(jax.random.key(0), x), [(x * 3.0, jnp.ones((2, 4)))] * 2)
+  init = jax.jit(model.init)
+  v = train(model, init(jax.random.key(0), x), [(x * 3.0, jnp.ones((2, 4)))] * 2)
   st = v[OWG]["Dense_0"][f"{op.__name__}_0"]
   e4m3_max = 240.0 if op is fp8_ops.NANOOFp8DotGeneralOp else 448.0
   np.testing.assert_allclose(st["input_scale"], [3.0 / e4m3_max], rtol=2 ** -23)
@@ -140,7 +153,7 @@ def test_flax_scale_is_ours_amax_over_fp8_max_not_its_inverse(op):
   recipe = fl.flax_fp8_recipe(op)
   assert (recipe.input.fp8_max, recipe.output_grad.fp8_max) == (e4m3_max, 57344.0)
   # flax's first step quantized with the stored scale 1 (the clip trap fp8_linen avoids).
-  v1 = train(model, model.init(jax.random.key(0), x), [(x * 3.0, jnp.ones((2, 4)))])
+  v1 = train(model, init(jax.random.key(0), x), [(x * 3.0, jnp.ones((2, 4)))])
   np.testing.assert_array_equal(v1[OWG]["Dense_0"][f"{op.__name__}_0"]["input_scale"], [1.0])
 
 
@@ -170,10 +183,10 @@ def test_first_step_equals_flax_next_step_bit_for_bit(op, how):
   model, v, x, ct = exact_checkpoint(op)
   name = f"{op.__name__}_0"
   ours = our_net(fl.flax_fp8_recipe(op, amax_history_length=L))
-  y_f, g_f, gx_f = step(model, v, x, ct)
+  y_f, g_f, gx_f = jit_step(model, v, x, ct)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    y_o, g_o, gx_o = step(ours, converted(v, how), x, ct)
+    y_o, g_o, gx_o = jit_step(ours, converted(v, how), x, ct)
   messages = [str(w.message) for w in caught]
   # The trained scales were used: the history's max (2**-4 or 2**-6 for the
   # input), not this batch's amax as a fresh state would (8x smaller).
@@ -218,7 +231,7 @@ def test_train_state_keeps_continuing_like_flax(how):
     xk, ctk = x * 2.0 ** -k, ct * 2.0 ** k
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
-      _, grads, _ = step(ours, state.params, xk, ctk)
+      _, grads, _ = jit_step(ours, state.params, xk, ctk)
     state = state.apply_gradients(grads=grads)
     ref = train(model, ref, [(xk, ctk)])
   got = state.params[OWG]["Dense_0"]
@@ -259,16 +272,16 @@ def test_shared_layer_continuing_flax_state_records_the_max_not_the_sum():
 
   x = jnp.ones((2, 16))
   flax_model = Twice(functools.partial(fp8_ops.Fp8DirectDotGeneralOp, amax_history_length=L))
-  v = flax_model.init(jax.random.key(0), x)
+  v = jax.jit(flax_model.init)(jax.random.key(0), x)
   v = train(flax_model, v, [(x, jnp.ones((2, 16)))])
   ours = Twice(functools.partial(fl.Fp8DotGeneral,
                                  recipe=fl.flax_fp8_recipe(amax_history_length=L)))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    _, g, _ = step(ours, v, x, jnp.ones((2, 16)))
+    _, g, _ = jit_step(ours, v, x, jnp.ones((2, 16)))
   h = g[OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"]
   assert float(h[0]) == 3.0  # the max of the two uses' amaxes (1 and 3), not 4
-  _, g_f, _ = step(flax_model, v, x, jnp.ones((2, 16)))
+  _, g_f, _ = jit_step(flax_model, v, x, jnp.ones((2, 16)))
   assert float(g_f[OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"][0]) == 4.0
 
 
@@ -276,12 +289,14 @@ def test_shared_layer_continuing_flax_state_records_the_max_not_the_sum():
 def test_random_training_run_first_step_scale_within_one_ulp(op):
   # A realistic checkpoint: random data, SGD on the kernel, history 8. flax
   # computes 1 / (fp8_max / amax), we amax / fp8_max: equal up to one ulp.
+  # Eager, as the claim is stated: jitted, the two expressions compile
+  # differently and can differ by more than one ulp.
   rng = np.random.default_rng(3)
   model = flax_net(op, 8)
   v = model.init(jax.random.key(0), jnp.ones((8, 16)))
   batches = [(jnp.asarray(rng.normal(size=(8, 16)) * (1 + k), jnp.float32),
               jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)) for k in range(5)]
-  v = train(model, v, batches, lr=0.1)
+  v = train(model, v, batches, lr=0.1, run=step)
   x, ct = batches[1]
   y_f, g_f, _ = step(model, v, x, ct)
   name = f"{op.__name__}_0"
@@ -358,7 +373,7 @@ def test_integer_recipe_leaves_the_flax_state_alone_and_says_so():
   _, v, x, ct = exact_checkpoint(fp8_ops.Fp8DirectDotGeneralOp)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    _, g, _ = step(our_net(fl.IntRecipe()), v, x, ct)
+    _, g, _ = jit_step(our_net(fl.IntRecipe()), v, x, ct)
   assert any("does not use the flax fp8 state found at Dense_0/Fp8DirectDotGeneralOp_0" in
              str(w.message) for w in caught)
   chex.assert_trees_all_equal(g[OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"],
@@ -381,7 +396,7 @@ def test_resize_histories_refuses_flax_ordered_state():
 def test_from_flax_fp8_resizes_keeping_the_newest_entries():
   model = flax_net(fp8_ops.Fp8DirectDotGeneralOp, 6)
   x = jnp.ones((2, 16))
-  v = train(model, model.init(jax.random.key(0), x),
+  v = train(model, jax.jit(model.init)(jax.random.key(0), x),
             [(x * a, jnp.ones((2, 4))) for a in range(1, 9)])
   np.testing.assert_array_equal(
       v[OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"],
@@ -413,8 +428,8 @@ def test_from_flax_fp8_into_layer_feeds_qdense():
       return fl.QDense(4, use_bias=False, name="Dense_0",
                        recipe=fl.flax_fp8_recipe(op, amax_history_length=L))(x)
 
-  y_o, g_o, _ = step(QNet(), moved, x, ct)
-  y_f, g_f, _ = step(model, v, x, ct)
+  y_o, g_o, _ = jit_step(QNet(), moved, x, ct)
+  y_f, g_f, _ = jit_step(model, v, x, ct)
   np.testing.assert_array_equal(y_o, y_f)
   for role in fl.ROLES:
     np.testing.assert_array_equal(g_o[OWG]["Dense_0"][f"{role}_scale"],
@@ -507,12 +522,17 @@ def flax_einsum_checkpoint():
   rng = np.random.default_rng(5)
   shapes = (2, 3, 2, 8), (2, 5, 2, 8)
   net = EinsumNet(functools.partial(fp8_ops.Fp8Einsum, amax_history_length=L))
-  v = net.init(jax.random.key(0), jnp.ones(shapes[0]), jnp.ones(shapes[1]))
+  v = jax.jit(net.init)(jax.random.key(0), jnp.ones(shapes[0]), jnp.ones(shapes[1]))
+
+  @jax.jit  # op by op, a quantized backward costs seconds
+  def new_state(v, lhs, rhs, ct):
+    _, vjp = jax.vjp(lambda v: net.apply(v, lhs, rhs), v)
+    return {OWG: vjp(ct)[0][OWG]}
+
   for e in (1, 0, 2):
     lhs, rhs = rep(rng, shapes[0], 7, e), rep(rng, shapes[1], 7, e + 1)
     ct = rep(rng, (2, 2, 3, 5), 7, e)
-    _, vjp = jax.vjp(lambda v: net.apply(v, lhs, rhs), v)
-    v = {OWG: vjp(ct)[0][OWG]}
+    v = new_state(v, lhs, rhs, ct)
   nxt = rep(rng, shapes[0], 7, 3), rep(rng, shapes[1], 7, 3), rep(rng, (2, 2, 3, 5), 7, 3)
   return net, v, nxt
 
@@ -523,6 +543,7 @@ def test_fp8einsum_continues_a_flax_einsum_checkpoint_bit_for_bit():
   conv, report = fl.from_flax_fp8(v)
   assert report.moved == (("Fp8Einsum_0", "Fp8Einsum_0", "Fp8Einsum"),)
 
+  @functools.partial(jax.jit, static_argnums=0)  # both sides jitted, compared bit for bit
   def run(m, v):
     y, vjp = jax.vjp(m.apply, v, lhs, rhs)
     return y, vjp(ct)
@@ -564,19 +585,24 @@ def test_fp8einsum_in_flax_attention_every_recipe(name):
   recipe = RECIPES[name]
   x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 16)), jnp.float32)
   q = attention(functools.partial(fl.Fp8Einsum, recipe=recipe))
-  v = q.init(jax.random.key(0), x)
-  float_y = attention(None).apply({"params": v["params"]}, x)
+  # Jitted: op by op, a quantized forward or backward costs seconds.
+  v = jax.jit(q.init)(jax.random.key(0), x)
+  float_y = jax.jit(attention(None).apply)({"params": v["params"]}, x)
   # Both einsums got their own state / quantizer parameters, under flax's auto-names.
   owners = set(v.get(OWG, {})) | {k for k in v["params"] if k.startswith("Fp8Einsum")}
   assert owners == {"Fp8Einsum_0", "Fp8Einsum_1"}, owners
   if isinstance(recipe, fl.Fp8Recipe):
     for k in ("Fp8Einsum_0", "Fp8Einsum_1"):
       assert sorted(v[OWG][k]) == sorted(flax_fp8._STATE_NAMES)
-  y = q.apply(v, x)
+
+  def loss(v):
+    y = q.apply(v, x)
+    return jnp.sum(y ** 2), y
+
+  g, y = jax.jit(jax.grad(loss, has_aux=True))(v)   # one program: the output and its gradient
   chex.assert_shape(y, float_y.shape)
   err = float(jnp.linalg.norm(y - float_y) / jnp.linalg.norm(float_y))
   assert err < 0.1, err
-  g = jax.grad(lambda v: jnp.sum(q.apply(v, x) ** 2))(v)
   assert all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(g))
   assert float(jnp.abs(g["params"]["query"]["kernel"]).sum()) > 0
 
@@ -586,7 +612,7 @@ def test_fp8einsum_attention_trains_with_train_state():
   x = jnp.asarray(rng.normal(size=(4, 8, 16)), jnp.float32)
   target = jnp.asarray(rng.normal(size=(4, 8, 16)), jnp.float32)
   q = attention(functools.partial(fl.Fp8Einsum, recipe=fl.delayed_scaling(16)))
-  v = q.init(jax.random.key(0), x)
+  v = jax.jit(q.init)(jax.random.key(0), x)
   state = fl.TrainState.create(apply_fn=q.apply, params=v, tx=optax.adam(1e-2))
   loss = lambda v: jnp.mean((q.apply(v, x) - target) ** 2)
 
@@ -615,7 +641,8 @@ class Fp8EinsumVariantsTest(chex.TestCase):
     lhs = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3, 2, 8)), jnp.float32)
     rhs = jnp.asarray(np.random.default_rng(3).normal(size=(2, 5, 2, 8)), jnp.float32)
     mod = fl.Fp8Einsum(recipe=fl.current_scaling())
-    v = mod.init(jax.random.key(0), EQ, lhs, rhs)
+    # The init is jitted in both variants (op by op it costs seconds); the apply is compared.
+    v = jax.jit(lambda k, l, r: mod.init(k, EQ, l, r))(jax.random.key(0), lhs, rhs)
     y = self.variant(lambda v, l, r: mod.apply(v, EQ, l, r))(v, lhs, rhs)
     chex.assert_shape(y, (2, 2, 3, 5))
     chex.assert_trees_all_close(y, jnp.einsum(EQ, lhs, rhs), rtol=0.15, atol=0.3)
