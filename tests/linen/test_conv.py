@@ -1,5 +1,7 @@
 """fp8 convolution op and QConv: parity with nn.Conv, straight-through gradients, state."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,7 @@ def exact(key, shape, k):
   return (x.reshape(-1).at[0].set(448.0).reshape(shape)) * 2.0 ** k
 
 
+@functools.partial(jax.jit, static_argnums=1)  # op by op, each shape costs its compiles
 def qdq(x, dtype):
   return numerics.qdq(x, dtype, numerics.amax(x) / numerics.fp8_max(dtype))
 
@@ -65,8 +68,8 @@ def test_qconv_grads_straight_through(shape, kw, recipe, tol):
   gx, gv = jax.jit(jax.grad(lambda x, v: jnp.sum(q.apply(v, x) * ct), argnums=(0, 1)))(x, v)
   p_ref = {"kernel": qdq(v["params"]["kernel"], E4), "bias": v["params"]["bias"]}
   ct_q = qdq(ct, E5)
-  rx, rp = jax.grad(lambda x, p: jnp.sum(f.apply({"params": p}, x) * ct_q), argnums=(0, 1))(
-      qdq(x, E4), p_ref)
+  rx, rp = jax.jit(jax.grad(lambda x, p: jnp.sum(f.apply({"params": p}, x) * ct_q),
+                            argnums=(0, 1)))(qdq(x, E4), p_ref)
   scale = lambda r: float(jnp.max(jnp.abs(r)))
   np.testing.assert_allclose(gx, rx, rtol=tol, atol=tol * scale(rx))
   np.testing.assert_allclose(gv["params"]["kernel"], rp["kernel"], rtol=tol,
