@@ -22,6 +22,7 @@ def exact(key, shape, k):
   return (x.reshape(-1).at[0].set(448.0).reshape(shape)) * 2.0 ** k
 
 
+@functools.partial(jax.jit, static_argnums=1)  # op by op, each shape costs its compiles
 def qdq(x, dtype):
   s = numerics.amax(x) / numerics.fp8_max(dtype)
   return numerics.qdq(x, dtype, s)
