@@ -44,6 +44,11 @@ def _run(recipe, x, w, g, dn=DN, grad_state=None):
   return (y, *vjp(g))
 
 
+# Jitted: op by op, the transform and the noise cost a compile per operation and shape.
+_random_hadamard = jax.jit(randomness.random_hadamard, static_argnums=1)
+_uniform_noise = jax.jit(randomness.uniform_noise, static_argnums=(0, 2))
+
+
 def _data(seed, m, k, n):
   rng = np.random.default_rng(seed)
   x = (rng.normal(size=(m, k)) * np.exp(rng.normal(size=(m, 1)))).astype(np.float32)
@@ -135,15 +140,15 @@ def _nv_gemm_ref(x, w, g, recipe):
   seed = randomness.bits_seed(*_st())
   u1 = None
   if sr:  # on the padded (1, M, Np) gradient
-    u1 = np.asarray(randomness.uniform_noise((1, g.shape[0], pad16(g.shape[1])), seed, 1))[0]
+    u1 = np.asarray(_uniform_noise((1, g.shape[0], pad16(g.shape[1])), seed, 1))[0]
   dx = _nv_ref(g, g_g, u=u1) @ wd.T
-  rot = (lambda t: np.asarray(randomness.random_hadamard(t, hada))) if hada else (lambda t: t)
+  rot = (lambda t: np.asarray(_random_hadamard(t, hada))) if hada else (lambda t: t)
   gt, xt = rot(g.T), rot(x.T)                                    # (N, M), (K, M)
   g_gt = _tensor_factor(gt) if hada else g_g
   g_xt = _tensor_factor(xt) if hada else g_x
   u2 = None
   if sr:  # on the padded (1, N, Mp) transposed gradient
-    u2 = np.asarray(randomness.uniform_noise((1, gt.shape[0], pad16(gt.shape[1])), seed, 2))[0]
+    u2 = np.asarray(_uniform_noise((1, gt.shape[0], pad16(gt.shape[1])), seed, 2))[0]
   dw = (_nv_ref(gt, g_gt, u=u2) @ _nv_ref(xt, g_xt).T).T
   return y, dx, dw
 
@@ -166,15 +171,15 @@ def test_random_hadamard_is_the_signed_sylvester_matrix_and_keeps_products():
   np.testing.assert_allclose(mat @ mat.T, np.eye(size), atol=1e-12)
   rng = np.random.default_rng(3)
   a, b = rng.normal(size=(3, 40)), rng.normal(size=(5, 40))  # 2 groups + 8 left alone
-  ra = np.asarray(randomness.random_hadamard(a.astype(np.float32), size), np.float64)
+  ra = np.asarray(_random_hadamard(a.astype(np.float32), size), np.float64)
   want = np.concatenate([(a[:, :32].reshape(3, 2, 16) @ mat.T).reshape(3, 32), a[:, 32:]], 1)
   np.testing.assert_allclose(ra, want, rtol=1e-5, atol=1e-6)
-  rb = np.asarray(randomness.random_hadamard(b.astype(np.float32), size), np.float64)
+  rb = np.asarray(_random_hadamard(b.astype(np.float32), size), np.float64)
   np.testing.assert_allclose(ra @ rb.T, a @ b.T, rtol=1e-5, atol=1e-5)
   # It spreads an outlier over its group.
   spike = np.zeros((1, 16), np.float32)
   spike[0, 3] = 8.0
-  np.testing.assert_allclose(np.abs(np.asarray(randomness.random_hadamard(spike, 16))), 2.0)
+  np.testing.assert_allclose(np.abs(np.asarray(_random_hadamard(spike, 16))), 2.0)
 
 
 def test_stochastic_rounding_is_unbiased_and_stays_on_neighbours():
