@@ -60,7 +60,8 @@ from fp8_linen.core import serve
 from fp8_linen.core.owg import OWG
 from fp8_linen.families import modes
 from fp8_linen.families.conversion import TRAINING_ONLY, trace_once
-from fp8_linen.linen.access import RECORD, SERVED
+from fp8_linen.linen import access
+from fp8_linen.linen.access import SERVED
 
 __all__ = ["convert", "ServedModule", "ServedModel", "weight_bytes"]
 
@@ -148,15 +149,6 @@ class ServedModel:
       return self.model.apply(variables, *args, **kwargs)
 
 
-def _records(tree, path=()):
-  """``(path, record)`` of every product a conversion run wrote in :data:`SERVED`."""
-  for k, v in tree.items():
-    if k == RECORD and isinstance(v, serve.ServedRecord):
-      yield path, v
-    elif isinstance(v, Mapping):
-      yield from _records(v, path + (k,))
-
-
 def _node(tree: dict, path) -> dict:
   for p in path:
     tree = tree.setdefault(p, {})
@@ -219,7 +211,7 @@ def convert(model, variables, *args, **kwargs):
     state = trace_once(run, variables, args, kwargs)
   except flax.errors.FlaxError as e:
     raise ValueError(f"fl.convert: the variables do not fit the model: {e}") from e
-  records = list(_records(flax.core.unfreeze(state).get(SERVED, {})))
+  records = list(access.records(flax.core.unfreeze(state).get(SERVED, {}), serve.ServedRecord))
   if not records:
     raise serve.no_product_error(
         "fl.convert", "fl.QDense/QDenseGeneral/QEinsum/QConv or wrap it with fl.quantize_model")

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from fp8_linen.conversion import ServedModel, ServedModule, convert
 from fp8_linen.core.owg import OWG
 from fp8_linen.families import calibration
-from fp8_linen.linen.access import RECORD, SERVED
+from fp8_linen.linen import access
+from fp8_linen.linen.access import SERVED
 from fp8_linen.model_quantization import QuantizedModel, quantize_model
 from fp8_linen.recipes.ptq import PtqConfig
 from fp8_linen.recipes.rules import QuantizationRule
@@ -99,14 +100,6 @@ def _load_float(who: str, init_vars: dict, float_vars: Mapping) -> dict:
   if extra:
     raise ValueError(f"{who}: variables holds arrays the model does not have: {extra[:5]}")
   return out
-
-
-def _calibration_records(tree, path=()):
-  for k, v in tree.items():
-    if k == RECORD and isinstance(v, calibration.CalibrationRecord):
-      yield path, v
-    elif isinstance(v, Mapping):
-      yield from _calibration_records(v, path + (k,))
 
 
 def _apply(who: str, variables: dict, path: tuple, values: dict, kernel) -> None:
@@ -217,7 +210,7 @@ def ptq(model, variables: Mapping, batches: Sequence, *, recipe=None,
   run = jax.jit(run)
   stats: dict = {}
   for a in args:
-    for path, rec in _calibration_records(run(qvars, *a)):
+    for path, rec in access.records(run(qvars, *a), calibration.CalibrationRecord):
       stats[path] = calibration.merge(stats.get(path), rec)
   if not stats:
     raise calibration.no_product_error(who)

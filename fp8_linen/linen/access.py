@@ -38,11 +38,20 @@ from fp8_linen.core.serve import ServedRecord
 from fp8_linen.families import dispatch
 from fp8_linen.families.access import VariableAccess
 
-__all__ = ["SERVED", "RECORD", "LinenAccess", "quantized_dot_general_on",
+__all__ = ["SERVED", "RECORD", "records", "LinenAccess", "quantized_dot_general_on",
            "quantized_ragged_dot_on", "quantized_einsum_on", "quantized_conv_on"]
 
 SERVED = "fp8_linen_served"  # the collection 'convert' mode writes
 RECORD = "conversion_record"  # a product's record in it (names are unique across collections)
+
+
+def records(tree, kind, path=()):
+  """``(path, record)`` of every :data:`RECORD` of type ``kind`` a run wrote in ``tree``."""
+  for k, v in tree.items():
+    if k == RECORD and isinstance(v, kind):
+      yield path, v
+    elif isinstance(v, Mapping):
+      yield from records(v, kind, path + (k,))
 
 _CHAINS_ATTR = "_fp8_linen_chains"
 _WARNED_ATTR = "_fp8_linen_warned_no_state"
