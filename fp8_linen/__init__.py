@@ -56,6 +56,7 @@ from fp8_linen.model_quantization import (
 )
 from fp8_linen.product_report import Product, ProductReport, product_report
 from fp8_linen.ptq import PtqResult, ptq
+from fp8_linen.lora import add_lora, join_lora, merge_lora, split_lora
 from fp8_linen.recipes.rules import high_precision_layers
 from fp8_linen.recipes import (
     FP4_DTYPES,
@@ -188,6 +189,10 @@ __all__ = [
     "product_report",
     # post-training quantization
     "ptq",
+    "add_lora",
+    "split_lora",
+    "join_lora",
+    "merge_lora",
     "PtqResult",
     # Flax NNX layers (fl.nnx.Linear, ...)
     "nnx",

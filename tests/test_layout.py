@@ -35,6 +35,7 @@ ALLOWED = {
     "monitor": {"core"},
     "conversion": {"core", "families", "linen"},
     "ptq": {"recipes", "core", "families", "linen", "model_quantization", "conversion"},
+    "lora": {"core", "families", "linen", "conversion"},
     "testing": {"recipes", "core", "families", "linen", "nnx", "model_quantization",
                 "product_report", "training", "conversion", "root"},
 }

@@ -26,7 +26,8 @@ Its modules, each importing only modules listed above it:
 * ``fp8_serve``: fp8 served products: the QAT forward from stored fp8 codes, their records;
 * ``int_serve``: integer served products: the QAT forward from stored int8/int4 codes, records;
 * ``calibration``: post-training quantization's activation ranges (min/max, percentile, MSE);
-* ``gptq``: GPTQ: a weight rounded row by row with its error spread by the inputs' Hessian.
+* ``gptq``: GPTQ: a weight rounded row by row with its error spread by the inputs' Hessian;
+* ``lora``: low-rank adapters beside a frozen served weight, and the served products' gradient.
 
 Numerics modules are ``jnp`` functions without autodiff rules (they read the
 traced-for backend and ``shard_map``'s axes through ``lowering``); the ops

@@ -40,7 +40,7 @@ from fp8_linen.core.dot_general import fp8_dot_of, row_quantize
 from fp8_linen.core.serve import ServedRecord, record, require_arrays
 from fp8_linen.recipes.fp8 import Fp8Recipe, ScalingConfig
 
-__all__ = ["fold_fp8_kernel", "freeze_fp8_input", "live_fp8_kernel", "fp8_dot", "fp8_conv",
+__all__ = ["weight_codes", "served_weight", "fold_fp8_kernel", "freeze_fp8_input", "live_fp8_kernel", "fp8_dot", "fp8_conv",
            "fp8_servable", "fp8_record", "fp8_served_dot", "fp8_served_conv"]
 
 
@@ -99,6 +99,28 @@ def fold_fp8_kernel(recipe: Fp8Recipe, w, contract, kernel_state, batch=()) -> d
     return {"kernel": q, "kernel_scale": s}
   s = numerics.select_scale(cfg, kernel_state[0], kernel_state[1], numerics.amax(w))
   return {"kernel": numerics.quantize(w, cfg.jnp_dtype, s), "kernel_scale": s}
+
+
+def weight_codes(rhs, recipe: Fp8Recipe):
+  """The stored weight codes in their storage dtype (the layer may hand them over as float)."""
+  return jnp.asarray(rhs).astype(recipe.kernel.jnp_dtype)
+
+
+def served_weight(codes, contract, batch, *, recipe: Fp8Recipe, arrays: dict, where: str):
+  """The float32 weight a served fp8 product multiplies: codes times their scale.
+
+  Per tensor and row-wise (the scale broadcasts in the weight's layout).
+
+  Raises:
+    ValueError: naming ``where``, for block recipes (MXFP8, NVFP4), whose
+      stored scales are laid out for the GEMM, not the weight.
+  """
+  del contract, batch
+  if recipe.granularity == "block":
+    raise ValueError(f"{where}: a served {recipe.kernel.dtype} block-scaled weight (MXFP8 / "
+                     "NVFP4) is not dequantized here; LoRA adapters and merging need a "
+                     "per-tensor or row-wise fp8 recipe, or an integer one")
+  return jnp.asarray(codes).astype(jnp.float32) * jnp.asarray(arrays["kernel_scale"], jnp.float32)
 
 
 def _delayed_tensor_scale(recipe: Fp8Recipe, cfg: ScalingConfig) -> bool:

@@ -33,7 +33,7 @@ from fp8_linen.core import dims, int_codes, int_gemm, int_numerics, int_ops, low
 from fp8_linen.core.serve import ServedRecord, record, require_arrays, unservable_error
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
-__all__ = ["storage_dtype", "fold_int_kernel", "freeze_int_input", "live_int_kernel", "int_dot",
+__all__ = ["storage_dtype", "weight_codes", "served_weight", "fold_int_kernel", "freeze_int_input", "live_int_kernel", "int_dot",
            "weight_only_dot", "int_conv", "int_servable", "int_quantizer_params", "int_record",
            "int_served_dot", "int_served_conv"]
 
@@ -103,6 +103,22 @@ def _kernel_codes(cfg: IntQuantConfig, kernel, arrays, contract) -> int_codes.Co
   view, _ = int_numerics.int_view(codes, contract, cfg)
   return int_codes.Codes(view, arrays["kernel_scale"], arrays.get("kernel_centre"),
                            arrays.get("kernel_offset"), arrays.get("kernel_colsum"))
+
+
+def weight_codes(rhs, recipe: IntRecipe):
+  """The stored weight codes in their storage dtype (the layer may hand them over as float)."""
+  return jnp.asarray(rhs).astype(storage_dtype(recipe.kernel))
+
+
+def served_weight(codes, contract, batch, *, recipe: IntRecipe, arrays: dict, where: str):
+  """The float32 weight a served integer product multiplies: its codes dequantized.
+
+  Bit for bit QAT's fake-quantized weight (:func:`~fp8_linen.core.int_codes.dequantize`).
+  """
+  del batch, where
+  codes = jnp.asarray(codes)
+  wc = _kernel_codes(recipe.kernel, codes, arrays, tuple(contract))
+  return int_codes.dequantize(wc, jnp.float32).reshape(codes.shape)
 
 
 def freeze_int_input(cfg: IntQuantConfig, params) -> dict:

@@ -48,8 +48,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ServedRecord", "record", "unservable_error", "with_kernel_check", "folds_kernel",
+__all__ = ["SERVED_NAMES", "ServedRecord", "record", "unservable_error", "with_kernel_check", "folds_kernel",
            "untrained_error", "no_product_error", "served_from_record", "require_arrays"]
+
+# Every array a served layer may hold next to its kernel (the table above, and what a right
+# operand quantized live keeps: an LSQ step / offset, a delayed fp8 scale).
+SERVED_NAMES = ("kernel_scale", "kernel_tensor_scale", "kernel_centre", "kernel_offset",
+                "kernel_colsum", "input_scale", "input_zero_point", "input_offset", "kernel_step",
+                "kernel_live_scale")
 
 
 @jax.tree_util.register_dataclass

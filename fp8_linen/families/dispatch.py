@@ -23,7 +23,7 @@ from jax import lax
 
 from fp8_linen.core import dims, serve
 from fp8_linen.core.dims import einsum_plan
-from fp8_linen.families import calibration, modes
+from fp8_linen.families import calibration, lora, modes
 from fp8_linen.families.access import VariableAccess
 from fp8_linen.families.table import RecipeFamily, check_recipe, family_for
 
@@ -49,25 +49,30 @@ def _check_servable(access: VariableAccess, recipe, conv: bool) -> None:
     raise err
 
 
-def _run(access: VariableAccess, family: RecipeFamily, recipe, rhs, *, conv: bool, qat, served,
-         contract, calibrate=None, lhs_contract=None):
+def _run(access: VariableAccess, family: RecipeFamily, recipe, lhs, rhs, *, qat, served,
+         float_product, contract, lhs_contract, conv_kwargs=None):
   """One product in the current mode.
 
-  ``qat()`` runs the family's QAT product, ``served(arrays, where)`` its served
-  one; ``contract()`` gives the right operand's ``(contracting, batch)``
-  axes for the record. ``calibrate()`` runs the float product and returns it
-  with the input, ``lhs_contract()`` the input's contracting axes.
+  ``qat()`` runs the family's QAT product, ``served(lhs, rhs, arrays)`` its
+  served one, ``float_product(lhs, rhs)`` the float product of the same
+  operands (calibration measures it; a served product's gradient is its
+  gradient); ``contract()`` gives the right operand's ``(contracting,
+  batch)`` axes, ``lhs_contract()`` the input's contracting axes.
+  ``conv_kwargs`` are a convolution's arguments (``None`` for a dot).
   """
+  conv = conv_kwargs is not None
   in_mode = modes.current_mode()
   if in_mode == "serve":
     if (family.served_conv if conv else family.served_dot) is None:
       _check_servable(access, recipe, conv)
-    return served(access.served_arrays(), access.path)
+    return lora.served(access, family, recipe, lhs, rhs, served_fn=served,
+                       float_fn=float_product, contract=contract, lhs_contract=lhs_contract,
+                       conv_kwargs=conv_kwargs)
   if in_mode == "calibrate":
     # Post-training quantization measures the float model: the float product, and what
     # the product saw. It ends in a conversion, so an unservable recipe is refused now.
     _check_servable(access, recipe, conv)
-    y, lhs = calibrate()
+    y = float_product(lhs, rhs)
     rhs = jnp.asarray(rhs)
     rc, rb = contract()
     samples, with_hessian = calibration.options()
@@ -126,15 +131,14 @@ def dot_general(access: VariableAccess, lhs, rhs, dimension_numbers, recipe, out
     (lc, _), _ = dims.canonical_dn(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
     return lc
 
-  return _run(access, family, recipe, rhs, conv=False, contract=contract,
-              lhs_contract=lhs_contract,
-              calibrate=lambda: (calibration.float_dot(lhs, rhs, dimension_numbers, out_dtype),
-                                 lhs),
+  return _run(access, family, recipe, lhs, rhs, contract=contract, lhs_contract=lhs_contract,
+              float_product=lambda x, w: calibration.float_dot(x, w, dimension_numbers,
+                                                               out_dtype),
               qat=lambda: family.dot_general(access, lhs, rhs, dimension_numbers, recipe,
                                              out_dtype, key),
-              served=lambda arrays, where: family.served_dot(
-                  lhs, rhs, dimension_numbers, recipe=recipe, arrays=arrays,
-                  out_dtype=out_dtype, where=where))
+              served=lambda x, w, arrays: family.served_dot(
+                  x, w, dimension_numbers, recipe=recipe, arrays=arrays,
+                  out_dtype=out_dtype, where=access.path))
 
 
 def conv(access: VariableAccess, lhs, rhs, conv_kwargs: dict, recipe, out_dtype=None,
@@ -155,13 +159,13 @@ def conv(access: VariableAccess, lhs, rhs, conv_kwargs: dict, recipe, out_dtype=
                                     conv_kwargs["dimension_numbers"])
     return dims.conv_contract(jnp.ndim(lhs), jnp.ndim(rhs), dn)[0]
 
-  return _run(access, family, recipe, rhs, conv=True, contract=contract,
-              lhs_contract=lhs_contract,
-              calibrate=lambda: (calibration.float_conv(lhs, rhs, conv_kwargs, out_dtype), lhs),
+  return _run(access, family, recipe, lhs, rhs, contract=contract, lhs_contract=lhs_contract,
+              conv_kwargs=conv_kwargs,
+              float_product=lambda x, w: calibration.float_conv(x, w, conv_kwargs, out_dtype),
               qat=lambda: family.conv(access, lhs, rhs, conv_kwargs, recipe, out_dtype, key),
-              served=lambda arrays, where: family.served_conv(
-                  lhs, rhs, conv_kwargs, recipe=recipe, arrays=arrays, out_dtype=out_dtype,
-                  where=where))
+              served=lambda x, w, arrays: family.served_conv(
+                  x, w, conv_kwargs, recipe=recipe, arrays=arrays, out_dtype=out_dtype,
+                  where=access.path))
 
 
 def ragged_dot(access: VariableAccess, lhs, rhs, group_sizes, recipe, out_dtype=None,

@@ -82,6 +82,11 @@ class RecipeFamily:
     ragged_dot: ``fn(access, lhs, rhs, group_sizes, recipe, out_dtype, key)
       -> out``: the QAT grouped GEMM (``jax.lax.ragged_dot``: an MoE's
       experts), or ``None`` when the family has none.
+    weight_codes: ``fn(rhs, recipe) -> codes``: a served weight's codes in
+      their storage dtype (the layer hands them over cast to float).
+    served_weight: ``fn(codes, contract, batch, *, recipe, arrays, where)
+      -> float32 weight``: the weight a served product multiplies, from its
+      codes (a served model's input gradient and LoRA merging), or ``None``.
 
   Example:
     >>> import fp8_linen as fl
@@ -98,17 +103,21 @@ class RecipeFamily:
   served_dot: Callable | None = None
   served_conv: Callable | None = None
   ragged_dot: Callable | None = None
+  weight_codes: Callable | None = None
+  served_weight: Callable | None = None
 
 
 _TABLE: dict[type, RecipeFamily] = {
     Fp8Recipe: RecipeFamily(
         declare=fp8.declare, dot_general=fp8.dot_general, conv=fp8.conv,
         servable=fp8_serve.fp8_servable, record=fp8.record, served_dot=fp8_serve.fp8_served_dot,
-        served_conv=fp8_serve.fp8_served_conv, ragged_dot=fp8.ragged_dot),
+        served_conv=fp8_serve.fp8_served_conv, ragged_dot=fp8.ragged_dot,
+        weight_codes=fp8_serve.weight_codes, served_weight=fp8_serve.served_weight),
     IntRecipe: RecipeFamily(
         declare=integer.declare, dot_general=integer.dot_general, conv=integer.conv,
         servable=int_serve.int_servable, record=integer.record, served_dot=int_serve.int_served_dot,
-        served_conv=int_serve.int_served_conv),
+        served_conv=int_serve.int_served_conv, weight_codes=int_serve.weight_codes,
+        served_weight=int_serve.served_weight),
 }
 
 

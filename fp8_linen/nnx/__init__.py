@@ -12,7 +12,9 @@ its gradient and :class:`Optimizer` writes it back (see :mod:`.training`).
 :func:`quantize_model` swaps a float NNX model's layers for these;
 :func:`convert` turns a trained model into a served one (int8/int4/fp8 codes),
 which equals the model evaluated with frozen quantizers (``model.eval()``);
-:func:`ptq` does the same for a trained float model, calibrated on a few batches.
+:func:`ptq` does the same for a trained float model, calibrated on a few batches;
+:func:`add_lora` gives a served model trainable adapters (:class:`LoraParam`: QLoRA) and
+:func:`merge_lora` folds them into a float model to quantize again.
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -29,6 +31,7 @@ from fp8_linen.nnx.access import calibrate
 from fp8_linen.nnx.activation import Quantizer
 from fp8_linen.nnx.conversion import convert
 from fp8_linen.nnx.layers import Conv, Einsum, Fp8Einsum, Linear, LinearGeneral
+from fp8_linen.nnx.lora import LoraParam, add_lora, merge_lora
 from fp8_linen.nnx.ptq import PtqResult, ptq
 from fp8_linen.nnx.quantize import quantize_model
 from fp8_linen.nnx.state import DIFF, QuantState, register_owg_collection
@@ -57,4 +60,7 @@ __all__ = [
     "convert",
     "ptq",
     "PtqResult",
+    "add_lora",
+    "merge_lora",
+    "LoraParam",
 ]

@@ -42,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -51,10 +52,10 @@ from flax import nnx
 from fp8_linen.core import serve
 from fp8_linen.core.owg import frozen_quantizers
 from fp8_linen.families.conversion import TRAINING_ONLY, trace_once
-from fp8_linen.nnx.access import Serving, converting
+from fp8_linen.nnx.access import Serving, recording
 from fp8_linen.nnx.state import QuantState
 
-__all__ = ["convert"]
+__all__ = ["convert", "traced_records"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,14 +77,17 @@ class _CodesAsFloat:
                         **kwargs)
 
 
-def _records(model: nnx.Module, args, kwargs) -> dict:
-  """``path -> record`` of every product ``model(*args, **kwargs)`` runs, found in one trace."""
+def traced_records(model: nnx.Module, args, kwargs, *, mode: str, context=None) -> dict:
+  """``path -> record`` of every product ``model(*args, **kwargs)`` runs in ``mode``, in one trace.
+
+  ``context`` (a context manager, entered inside the trace) sets anything
+  else the run needs.
+  """
   graphdef, state = nnx.split(model)
 
   def run(state, *a, **k):
     m = nnx.merge(graphdef, state)
-    # Frozen: the forward conversion traces is the one the served model computes.
-    with converting(m) as records, frozen_quantizers():
+    with recording(m, mode) as records, (context or contextlib.nullcontext()):
       m(*a, **k)
     return records
 
@@ -148,7 +152,8 @@ def convert(model: nnx.Module, *args: Any, **kwargs: Any) -> nnx.Module:
   if not args and not kwargs:
     raise TypeError("fl.nnx.convert(model, *example_inputs): give example inputs of the "
                     "forward (arrays or jax.ShapeDtypeStruct) so it can be traced once")
-  records = _records(model, args, kwargs)
+  # Frozen: the forward conversion traces is the one the served model computes.
+  records = traced_records(model, args, kwargs, mode="convert", context=frozen_quantizers())
   if not records:
     raise serve.no_product_error(
         "fl.nnx.convert", "fl.nnx.Linear/LinearGeneral/Einsum/Conv or wrap it with "
