@@ -37,7 +37,7 @@ from fp8_linen.testing.train_step import make_train_step as make_grads_step
 # Both spellings: HLO's (s8, u32) and jaxpr's (i8, u32) as print_saved_residuals writes them.
 _DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1,
                 "i8": 1, "i16": 2, "i32": 4, "i64": 8, "u16": 2, "s16": 2,
-                "bool": 1, "pred": 1, "s64": 8, "u64": 8}
+                "bool": 1, "pred": 1, "s64": 8, "u64": 8, "i4": 0.5, "s4": 0.5, "u4": 0.5}
 
 
 def device_name() -> str:
@@ -96,7 +96,7 @@ def saved_residuals(f: Callable, *args) -> list[dict]:
     dims = [int(s) for s in shape.split(",") if s]
     if not dt.startswith("f8") and dt not in _DTYPE_BYTES:
       raise ValueError(f"saved_residuals: unknown dtype {dt!r} in {line!r}")
-    nbytes = (1 if dt.startswith("f8") else _DTYPE_BYTES[dt]) * int(np.prod(dims))
+    nbytes = int((1 if dt.startswith("f8") else _DTYPE_BYTES[dt]) * int(np.prod(dims)))
     arg = re.match(r"from the argument (.*)", rest)
     out.append({"dtype": dt, "shape": dims, "bytes": nbytes,
                 "from_argument": arg.group(1) if arg else None,

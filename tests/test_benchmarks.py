@@ -142,6 +142,19 @@ def test_bench_int_qat_tiny(tmp_path):
   assert json.loads(out.read_text())["meta"]["device"]
 
 
+def test_qlora_memory_tiny(tmp_path):
+  q = _load("qlora_memory")
+  out = tmp_path / "qlora.json"
+  rows = q.main(["--d", "128", "--layers", "2", "--tokens", "8", "--rank", "2", "--no-h100",
+                 "--out", str(out)])["results"]
+  # The frozen int4 base: a quarter of bf16's bytes plus its scales; the backward keeps codes.
+  assert rows["qlora_int4_channel"]["base_ratio_vs_bf16"] < 0.3
+  assert rows["qlora_int4_channel"]["weight_residual_dtypes"] == ["i4"]
+  assert rows["qlora_fp8_delayed"]["weight_residual_dtypes"] == ["f8_e4m3fn"]
+  assert rows["bf16_lora"]["weight_residual_dtypes"] == ["bf16"]
+  assert json.loads(out.read_text())["meta"]["device"]
+
+
 def test_bench_dense_tiny(tmp_path):
   bd = _load("bench_dense")
   payload = bd.main(["--sizes", "64", "--reps", "2", "--out-dir", str(tmp_path)])

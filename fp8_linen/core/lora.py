@@ -104,9 +104,11 @@ def dot_delta(lhs, a, b, lhs_contract, scale, out_dtype=None):
   h = lax.dot_general(lhs.astype(cd), jnp.asarray(a).astype(cd),
                       ((tuple(lc), tuple(range(len(lc)))), ((), ())),
                       preferred_element_type=jnp.float32)
-  y = lax.dot_general(h.astype(cd), jnp.asarray(b).astype(cd), (((h.ndim - 1,), (0,)), ((), ())),
+  # Scaled at rank width, where the array is smallest.
+  h = (jnp.asarray(scale, jnp.float32) * h).astype(cd)
+  y = lax.dot_general(h, jnp.asarray(b).astype(cd), (((h.ndim - 1,), (0,)), ((), ())),
                       preferred_element_type=jnp.float32)
-  return (jnp.asarray(scale, jnp.float32) * y).astype(out_dtype)
+  return y.astype(out_dtype)
 
 
 def _feature_last(t, axis):
@@ -127,10 +129,10 @@ def conv_delta(lhs, a, b, conv_kwargs: dict, scale, out_dtype=None):
   z = lax.conv_general_dilated(lhs.astype(cd), jnp.asarray(a).astype(cd), **conv_kwargs,
                                preferred_element_type=jnp.float32)
   f = dn.out_spec[1]
-  y = jnp.tensordot(_feature_last(z, f).astype(cd), jnp.asarray(b).astype(cd), axes=1,
+  z = (jnp.asarray(scale, jnp.float32) * z).astype(cd)
+  y = jnp.tensordot(_feature_last(z, f), jnp.asarray(b).astype(cd), axes=1,
                     preferred_element_type=jnp.float32)
-  y = jnp.moveaxis(y, -1, f)
-  return (jnp.asarray(scale, jnp.float32) * y).astype(out_dtype)
+  return jnp.moveaxis(y, -1, f).astype(out_dtype)
 
 
 def dot_delta_kernel(a, b, kernel_shape, contract, scale):
@@ -197,8 +199,12 @@ def straight_through(served: Callable, float_product: Callable, lhs, rhs, arrays
                          "its served product has no input gradient (LoRA adapters before it "
                          "would not train); serve it with a per-tensor or row-wise fp8 or an "
                          "integer recipe, or train the adapters of a model without it")
-      w = weight(stored, arrays).astype(rhs_aval.dtype).reshape(rhs_aval.shape)
-      (dx,) = jax.linear_transpose(lambda x: float_product(x, w), lhs_aval)(g)
+      # The backward GEMM in the input's float dtype (bf16 training stays bf16, with float32
+      # accumulation), not the dtype the layer handed the codes over in.
+      dtype = (lhs_aval.dtype if jnp.issubdtype(lhs_aval.dtype, jnp.floating)
+               else rhs_aval.dtype)
+      w = weight(stored, arrays).astype(dtype).reshape(rhs_aval.shape)
+      (dx,) = jax.linear_transpose(lambda x: float_product(x, w).astype(g.dtype), lhs_aval)(g)
       return (dx, jnp.zeros(rhs_aval.shape, rhs_aval.dtype),
               jax.tree.map(_zero_cotangent, arrays))
     x, r, arrays = res
