@@ -145,6 +145,34 @@ class DigitsConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class FromFloatConfig:
+  """The from-float stage: PTQ, QAT from PTQ and QLoRA from the trained ``bf16`` arm.
+
+  See :mod:`fp8_linen_job.from_float`.
+
+  Attributes:
+    enabled: Run the stage after each task's ``bf16`` arm (needs ``bf16`` in
+      ``arms``; Linen models).
+    qat_fraction: Steps of the QAT-from-PTQ and QLoRA runs, as a fraction of
+      the task's steps.
+    learning_rate_scale: Their peak learning rate (QAT, and the float run of
+      as many steps) as a fraction of the task's.
+    calibration_batches: Training batches PTQ calibrates on.
+    lora_rank: Rank of the QLoRA adapters.
+    lora_alpha: Their output scale is ``lora_alpha / lora_rank``.
+    lora_learning_rate: Peak Adam learning rate of the adapters.
+  """
+
+  enabled: bool = False
+  qat_fraction: float = dataclasses.field(default=0.2, metadata=_in_range(0.001, 1.0))
+  learning_rate_scale: float = dataclasses.field(default=0.3, metadata=_in_range(0.0, 10.0))
+  calibration_batches: int = dataclasses.field(default=4, metadata=_at_least(1))
+  lora_rank: int = dataclasses.field(default=8, metadata=_at_least(1))
+  lora_alpha: float = dataclasses.field(default=16.0, metadata=_at_least(0))
+  lora_learning_rate: float = dataclasses.field(default=3e-3, metadata=_at_least(0))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class JobConfig:
   """The whole job: which tasks and arms to train, and how.
 
@@ -174,6 +202,8 @@ class JobConfig:
       data and seed).
     lm: Settings of the ``lm`` task.
     digits: Settings of the ``digits`` task.
+    from_float: The from-float stage (PTQ, QAT from PTQ, QLoRA; off by
+      default, ``--from-float``).
   """
 
   seed: int = dataclasses.field(default=0, metadata=_at_least(0))
@@ -194,6 +224,7 @@ class JobConfig:
   api: str = dataclasses.field(default='linen', metadata=_choices(*APIS))
   lm: LmConfig = dataclasses.field(default_factory=LmConfig)
   digits: DigitsConfig = dataclasses.field(default_factory=DigitsConfig)
+  from_float: FromFloatConfig = dataclasses.field(default_factory=FromFloatConfig)
 
   def __post_init__(self):
     for name in ('tasks', 'arms'):
@@ -202,6 +233,12 @@ class JobConfig:
         raise ConfigError(f'{name} must not be empty')
       if len(set(values)) != len(values):
         raise ConfigError(f'{name} has duplicates: {list(values)}')
+    if self.from_float.enabled and 'bf16' not in self.arms:
+      raise ConfigError('from_float.enabled needs the bf16 arm (its trained model is the '
+                        f'float model quantized), arms are {list(self.arms)}')
+    if self.from_float.enabled and self.api != 'linen':
+      raise ConfigError('from_float.enabled runs the Linen models (api: linen); the library '
+                        'side of NNX is fl.nnx.ptq / fl.nnx.add_lora')
     # Every recipe is checked, also those of arms not run this time, so a
     # typo surfaces when the config is loaded rather than in a later run.
     for f in dataclasses.fields(self):

@@ -96,6 +96,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument('--api', choices=config_lib.APIS,
                  help='Flax API of the models (default: linen; nnx: the '
                  'same models built from fp8_linen.nnx layers)')
+  p.add_argument('--from-float', action='store_true',
+                 help='after each task\'s bf16 arm: post-training quantization '
+                 '(int8, int4), QAT from PTQ and QLoRA from its trained model '
+                 '(from_float in the config)')
   p.add_argument('--resume', action='store_true',
                  help='continue each task/arm from its latest checkpoint in '
                  '--out (same data order and state as an uninterrupted run)')
@@ -128,6 +132,8 @@ def config_from_args(args: argparse.Namespace) -> config_lib.JobConfig:
     overrides['api'] = args.api
   if args.no_progress:
     overrides['progress'] = False
+  if args.from_float:
+    overrides['from_float'] = {'enabled': True}
   if args.steps is not None:
     for task in config_lib.TASKS:
       overrides[task] = {'steps': args.steps}
@@ -157,6 +163,7 @@ def run_job(cfg: config_lib.JobConfig, out_dir: str, *, resume: bool = False,
   # pylint: disable=g-import-not-at-top
   import jax
   from fp8_linen_job import arms as arms_lib
+  from fp8_linen_job import from_float
   from fp8_linen_job import report
   from fp8_linen_job import tasks as tasks_lib
   from fp8_linen_job import train as train_lib
@@ -164,20 +171,33 @@ def run_job(cfg: config_lib.JobConfig, out_dir: str, *, resume: bool = False,
 
   t0 = time.perf_counter()
   arms = [arms_lib.build_arm(name, cfg) for name in cfg.arms]  # Fail early.
-  results, descriptions = [], {}
+  results, descriptions, from_float_rows = [], {}, {}
   for task_name in cfg.tasks:
     task = tasks_lib.build_task(task_name, cfg)
     descriptions[task.name] = task.description
     for arm in arms:
       results.append(train_lib.train_arm(task, arm, cfg, out_dir,
                                          resume=resume, stop_after=stop_after))
+    if cfg.from_float.enabled and all(r.steps_done == r.total_steps for r in results):
+      bf16 = next(a for a in arms if a.name == 'bf16')
+      from_float_rows[task.name] = from_float.run(
+          task, cfg, train_lib.trained_variables(task, bf16, cfg, out_dir))
   wall_s = time.perf_counter() - t0
   extra = {'wall_s': wall_s, 'device': str(jax.devices()[0]),
            'backend': jax.default_backend(), 'jax_version': jax.__version__,
            'resumed': resume, 'stop_after': stop_after}
+  if from_float_rows:
+    extra['from_float'] = {t: from_float.as_dict(r) for t, r in from_float_rows.items()}
   paths = report.write_report(results, out_dir,
                               config=config_lib.to_dict(cfg),
                               descriptions=descriptions, extra=extra)
+  if from_float_rows:
+    text = '\n\n'.join(from_float.format_table(t, r) for t, r in from_float_rows.items())
+    paths['text'] += '\n\n' + text
+    with open(paths['table'], 'a', encoding='utf-8') as f:
+      f.write('\n' + text + '\n')
+    paths['from_float_png'] = os.path.join(out_dir, from_float.PLOT_PNG)
+    from_float.plot(from_float_rows, paths['from_float_png'])
   return results, paths
 
 
@@ -272,8 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return EXIT_INTERRUPTED
   print()
   print(paths['text'])
-  print(f'\nwrote {paths["table"]}, {paths["loss_png"]}, '
-        f'{paths["scales_png"]}, {paths["json"]} '
+  plots = [paths[k] for k in ('loss_png', 'scales_png', 'from_float_png') if k in paths]
+  print(f'\nwrote {paths["table"]}, {", ".join(plots)}, {paths["json"]} '
         f'({time.perf_counter() - t0:.0f} s)')
   if args.stop_after is not None:
     lines = _stopped_lines(results, args.stop_after)

@@ -347,6 +347,25 @@ def init_state(task: tasks_lib.Task, arm: arms_lib.Arm, seed: int):
   return jax.device_put(state, jax.devices()[0])
 
 
+def trained_variables(task: tasks_lib.Task, arm: arms_lib.Arm, cfg: config_lib.JobConfig,
+                      out_dir: str):
+  """The variables of ``arm``'s finished run of ``task``, from its last checkpoint in ``out_dir``.
+
+  Raises:
+    ResumeError: If there is no checkpoint of a finished run with these settings.
+  """
+  ckpt_dir = os.path.join(out_dir, 'checkpoints', task.name, arm.name)
+  manager = _manager(ckpt_dir, cfg)
+  try:
+    state, history = restore_checkpoint(manager, init_state(task, arm, cfg.seed),
+                                        fingerprint(cfg, task, arm))
+  finally:
+    manager.close()
+  if history is None or int(state.step) != task.steps:
+    raise ResumeError(f'{task.name}/{arm.name}: no checkpoint of a finished run in {ckpt_dir}')
+  return state.params
+
+
 def _param_count(state) -> int:
   return sum(int(np.prod(x.shape))
              for x in jax.tree.leaves(state.params['params']))
