@@ -221,4 +221,4 @@ def test_no_module_fills_a_table_on_import():
          for name in _module_level_calls(path) if name in ("register_recipe", "register_mode")]
   assert not bad, bad
   from fp8_linen.families import table
-  assert set(table.registered()) == {fl.Fp8Recipe, fl.IntRecipe}
+  assert set(table.registered()) == {fl.Fp8Recipe, fl.IntRecipe, fl.Fp8WeightOnly}

@@ -42,7 +42,8 @@ def _served(recipe_name: str):
   recipe = {"int4": fl.weight_only(4), "int4 group": fl.weight_only(4, granularity="group",
                                                                      group_size=16),
             "w8a8": fl.IntRecipe(), "fp8": fl.delayed_scaling(),
-            "fp8 row": fl.rowwise_scaling(), "mxfp8": fl.mx_block_scaling()}[recipe_name]
+            "fp8 row": fl.rowwise_scaling(), "mxfp8": fl.mx_block_scaling(),
+            "fp8 weight-only": fl.Fp8WeightOnly()}[recipe_name]
   batches = _batches((32, 32))
   model = MLP()
   params = model.init(jax.random.key(1), batches[0])
@@ -109,7 +110,7 @@ def test_adapter_output_against_a_float64_reference():
   np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("recipe_name", ["int4", "int4 group", "fp8 row"])
+@pytest.mark.parametrize("recipe_name", ["int4", "int4 group", "fp8 row", "fp8 weight-only"])
 def test_adapter_gradients_equal_the_float_models(recipe_name):
   """For a weight-only / fp8 base, d loss / d adapters equals the float model's, kernels merged.
 
@@ -131,7 +132,7 @@ def test_adapter_gradients_equal_the_float_models(recipe_name):
          for name in ("up", "down")}
     return jnp.mean((model.apply({"params": p}, x) - y) ** 2)
 
-  if recipe_name.startswith("fp8"):
+  if recipe_name == "fp8 row":
     # The served fp8 forward quantizes the inputs too, so the float model is no reference:
     # the chain rule written out in float64 at the served forward's activations is, with the
     # straight-through rule (the float product's gradient, weights dequantized).

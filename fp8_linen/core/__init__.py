@@ -25,6 +25,7 @@ Its modules, each importing only modules listed above it:
 * ``serve``: what serving stores (the arrays' names) and the conversion records both APIs share;
 * ``fp8_serve``: fp8 served products: the QAT forward from stored fp8 codes, their records;
 * ``int_serve``: integer served products: the QAT forward from stored int8/int4 codes, records;
+* ``fp8_weight``: weight-only fp8: fake-quantized weights in QAT, their codes in serving;
 * ``calibration``: post-training quantization's activation ranges (min/max, percentile, MSE);
 * ``gptq``: GPTQ: a weight rounded row by row with its error spread by the inputs' Hessian;
 * ``lora``: low-rank adapters beside a frozen served weight, and the served products' gradient.

@@ -28,6 +28,7 @@ fp8 delayed activation       ``input_amax_history`` = ``[max(-lo, hi), 0,
 fp8 delayed weight           ``kernel_amax_history`` / ``kernel_scale``
                              from the weight's amax
 fp8 current scaling          nothing (scales from each batch)
+``Fp8WeightOnly``            nothing (the weight's own amax)
 ============================ =============================================
 
 ``[lo, hi]`` is the range :func:`~fp8_linen.core.calibration.choose_range`
@@ -64,7 +65,7 @@ from fp8_linen.core import calibration as core_calibration
 from fp8_linen.core import gptq as core_gptq
 from fp8_linen.core import int_numerics, lowering, numerics, settings
 from fp8_linen.families import modes
-from fp8_linen.recipes.fp8 import Fp8Recipe
+from fp8_linen.recipes.fp8 import Fp8Recipe, Fp8WeightOnly
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 from fp8_linen.recipes.ptq import PtqConfig
 
@@ -307,7 +308,7 @@ def check_recipe(where: str, recipe, config: PtqConfig) -> None:
   """
   if config.weights != "gptq":
     return
-  if isinstance(recipe, Fp8Recipe):
+  if isinstance(recipe, (Fp8Recipe, Fp8WeightOnly)):
     raise ValueError(f"{where}: PtqConfig(weights='gptq') rounds to an integer grid; "
                      "for an fp8 recipe use weights='rtn'")
   if isinstance(recipe, IntRecipe) and recipe.kernel is not None and \
@@ -371,7 +372,10 @@ def calibrated(stats: ProductStats, config: PtqConfig, *, where: str):
     # A weight's own amax; a right operand that is an activation: over all batches.
     values.update(_fp8_role("kernel", recipe.kernel, stats.rhs_amax))
     return values, None
-  raise ValueError(f"{where}: post-training quantization knows IntRecipe and Fp8Recipe, not "
+  if isinstance(recipe, Fp8WeightOnly):
+    return {}, None  # the scale comes from the weight itself: nothing to calibrate
+  raise ValueError(f"{where}: post-training quantization knows IntRecipe, Fp8Recipe and "
+                   f"Fp8WeightOnly, not "
                    f"{type(recipe).__name__}")
 
 

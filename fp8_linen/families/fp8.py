@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fp8_linen.core import fp8_serve, uses
+from fp8_linen.core import fp8_serve, fp8_weight, uses
 from fp8_linen.core.conv import fp8_conv_general_dilated
 from fp8_linen.core.dot_general import fp8_dot_general
 from fp8_linen.core.owg import ROLES, RoleState, name_fp8_residual
 from fp8_linen.core.qdq import dequantize, quantize
 from fp8_linen.core.ragged_dot import fp8_ragged_dot
-from fp8_linen.recipes.fp8 import ActivationRecipe, Fp8Recipe, ScalingConfig
+from fp8_linen.recipes.fp8 import ActivationRecipe, Fp8Recipe, Fp8WeightOnly, ScalingConfig
 
 __all__ = ["role_state", "declare", "dot_general", "conv", "ragged_dot", "record", "activation",
+           "weight_only_dot", "weight_only_conv", "weight_only_record",
            "declare_activation"]
 
 
@@ -136,3 +137,24 @@ def activation(access, x, recipe: ActivationRecipe, name: str):
       "activation_output_grad",
       lambda chain: dequantize(xq, s, *st_g, grad_cfg=recipe.output_grad, dtype=x.dtype,
                                chain=chain), st_g.scale)
+
+
+def weight_only_dot(access, lhs, rhs, dimension_numbers, recipe: Fp8WeightOnly, out_dtype=None,
+                    key: str = "dot"):
+  """:class:`~fp8_linen.Fp8WeightOnly`'s QAT ``dot_general`` (it keeps no variables)."""
+  del access, key
+  return fp8_weight.dot(lhs, rhs, dimension_numbers, recipe, out_dtype)
+
+
+def weight_only_conv(access, lhs, rhs, conv_kwargs: dict, recipe: Fp8WeightOnly, out_dtype=None,
+                     key: str = "conv"):
+  """:class:`~fp8_linen.Fp8WeightOnly`'s QAT convolution."""
+  del access, key
+  return fp8_weight.conv(lhs, rhs, conv_kwargs, recipe, out_dtype)
+
+
+def weight_only_record(access, recipe: Fp8WeightOnly, rhs, contract, *, batch=(),
+                       conv: bool = False):
+  """What conversion stores of a weight-only fp8 product: codes and scales."""
+  del access, batch, conv
+  return fp8_weight.weight_record(recipe, rhs, contract)

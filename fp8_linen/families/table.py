@@ -8,12 +8,13 @@ run its served products. Every layer of both APIs, both ``quantize_model`` s,
 registered base class), so :func:`register_recipe` makes a new family work
 in all of them.
 
-============== ========================================= ===============================
-recipe type    QAT products, declaration, record         served products
-============== ========================================= ===============================
-``Fp8Recipe``  :mod:`fp8_linen.families.fp8`             ``core.fp8_serve.fp8_served_*``
-``IntRecipe``  :mod:`fp8_linen.families.integer`         ``core.int_serve.int_served_*``
-============== ========================================= ===============================
+================= ========================================= ===============================
+recipe type       QAT products, declaration, record         served products
+================= ========================================= ===============================
+``Fp8Recipe``     :mod:`fp8_linen.families.fp8`             ``core.fp8_serve.fp8_served_*``
+``IntRecipe``     :mod:`fp8_linen.families.integer`         ``core.int_serve.int_served_*``
+``Fp8WeightOnly`` ``families.fp8.weight_only_*``            ``core.fp8_weight.served_*``
+================= ========================================= ===============================
 
 The table is written out below; nothing fills it on import.
 
@@ -29,9 +30,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from fp8_linen.core import fp8_serve, int_serve
+from fp8_linen.core import fp8_serve, fp8_weight, int_serve
 from fp8_linen.families import fp8, integer
-from fp8_linen.recipes.fp8 import ActivationRecipe, Fp8Recipe, ScalingConfig
+from fp8_linen.recipes.fp8 import ActivationRecipe, Fp8Recipe, Fp8WeightOnly, ScalingConfig
 from fp8_linen.recipes.integer import IntRecipe
 from fp8_linen.recipes.yaml import recipe_names
 
@@ -118,6 +119,10 @@ _TABLE: dict[type, RecipeFamily] = {
         servable=int_serve.int_servable, record=integer.record, served_dot=int_serve.int_served_dot,
         served_conv=int_serve.int_served_conv, weight_codes=int_serve.weight_codes,
         served_weight=int_serve.served_weight),
+    Fp8WeightOnly: RecipeFamily(
+        dot_general=fp8.weight_only_dot, conv=fp8.weight_only_conv, record=fp8.weight_only_record,
+        served_dot=fp8_weight.served_dot, served_conv=fp8_weight.served_conv,
+        weight_codes=fp8_weight.weight_codes, served_weight=fp8_weight.served_weight),
 }
 
 
@@ -151,7 +156,7 @@ def register_recipe(recipe_type: type, family: RecipeFamily) -> None:
 
 def unregister_recipe(recipe_type: type) -> None:
   """Removes a family :func:`register_recipe` added (the built-in ones stay)."""
-  if recipe_type in (Fp8Recipe, IntRecipe):
+  if recipe_type in (Fp8Recipe, IntRecipe, Fp8WeightOnly):
     raise ValueError(f"unregister_recipe: {recipe_type.__name__} is built in")
   _TABLE.pop(recipe_type, None)
 

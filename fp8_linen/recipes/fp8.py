@@ -36,6 +36,7 @@ __all__ = [
     "mx_block_scaling",
     "nvfp4",
     "ActivationRecipe",
+    "Fp8WeightOnly",
 ]
 
 # Name -> numpy dtype for every fp8 format the library knows.
@@ -513,3 +514,50 @@ class ActivationRecipe:
     if name not in ("input", "output_grad"):
       raise ValueError(f"ActivationRecipe has roles 'input' and 'output_grad', not {name!r}")
     return getattr(self, name)
+
+
+_WEIGHT_ONLY_GRANULARITIES = ("tensor", "channel")
+_WEIGHT_ONLY_COMPUTE = ("auto", "float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fp8WeightOnly:
+  """Weight-only fp8: the weight stored as fp8 codes with its scales, activations in float.
+
+  The fp8 twin of :func:`~fp8_linen.weight_only`: the weight is quantized to
+  ``dtype`` with a scale from its own amax (current scaling: nothing to
+  calibrate or keep) and dequantized for a float GEMM, in QAT (the
+  straight-through estimator: the weight's gradient passes unchanged) and in
+  serving (codes times scales). It halves a bf16 weight's bytes; the GEMM runs in
+  float.
+
+  Attributes:
+    dtype: the fp8 format (:data:`FP8_DTYPES`).
+    granularity: ``'tensor'`` (one scale) or ``'channel'`` (one per output
+      channel: the weight's free axes).
+    margin: head-room as a power of two (``s *= 2**margin``).
+    compute_dtype: the float GEMM's operand dtype: ``'auto'`` (bfloat16 for a
+      bfloat16 activation, else float32), ``'float32'`` or ``'bfloat16'``.
+
+  Example:
+    >>> import fp8_linen as fl
+    >>> fl.Fp8WeightOnly().granularity
+    'channel'
+  """
+
+  dtype: str = "float8_e4m3fn"
+  granularity: str = "channel"
+  margin: int = 0
+  compute_dtype: str = "auto"
+
+  def __post_init__(self):
+    object.__setattr__(self, "dtype", canonical_fp8_dtype(self.dtype))
+    check_choice("Fp8WeightOnly", "granularity", self.granularity, _WEIGHT_ONLY_GRANULARITIES)
+    check_choice("Fp8WeightOnly", "compute_dtype", self.compute_dtype, _WEIGHT_ONLY_COMPUTE)
+    self.kernel  # pylint: disable=pointless-statement  # checks margin
+
+  @property
+  def kernel(self) -> ScalingConfig:
+    """The weight's scaling: current, from its amax."""
+    return ScalingConfig(dtype=self.dtype, scaling="current", history_length=0,
+                         margin=self.margin)
