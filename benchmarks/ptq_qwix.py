@@ -385,7 +385,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--arms", nargs="+", choices=tuple(arms()), default=None)
   ap.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                   help="rows of the timed forward (397: the test set; default 397 4096)")
-  ap.add_argument("--reps", type=int, default=None, help="timed rounds (40)")
+  ap.add_argument("--reps", type=int, default=None, help="timed rounds (100)")
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--quick", action="store_true",
                   help="a smoke run: 150 steps, the arms " + " ".join(QUICK_ARMS)
@@ -396,7 +396,7 @@ def main(argv=None) -> dict:
   steps = args.steps if args.steps is not None else (150 if quick else 600)
   keys = tuple(args.arms or (QUICK_ARMS if quick else arms()))
   batch_sizes = tuple(args.batch_sizes or ((397,) if quick else (397, 4096)))
-  reps = args.reps if args.reps is not None else (1 if quick else 40)
+  reps = args.reps if args.reps is not None else (1 if quick else 100)
   warmup = 1 if quick else args.warmup
   import qwix  # pylint: disable=import-outside-toplevel
   result = run(steps, args.seed, keys, batch_sizes, reps, warmup)
