@@ -55,6 +55,9 @@ from fp8_linen.testing import hlo_products  # noqa: E402
 FP8_LINEN = "fp8_linen"
 FP8_LINEN_S8 = "fp8_linen gemm='int8'"
 QWIX = "qwix"
+# qwix with its weight range widened by 7.5/7, i.e. fp8_linen's int4 grid (scale max|w| / 7):
+# a control arm that shows how much of the int4 difference the grid explains.
+QWIX_OUR_GRID = "qwix, absmax x 15/14"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +73,14 @@ class Arm:
     activations: ``{'fp8_linen': ..., 'qwix': ...}``: how each library
       quantizes the activations, in words (None: weight-only, float
       activations).
+    qwix_extra: ``{library label: qwix spec}``: more qwix variants of the arm.
   """
 
   name: str
   ours: dict
   qwix: dict | None
   activations: dict | None = None
+  qwix_extra: dict = dataclasses.field(default_factory=dict)
 
 
 def arms() -> dict[str, Arm]:
@@ -86,6 +91,7 @@ def arms() -> dict[str, Arm]:
   rtn, gptq = fl.PtqConfig(), fl.PtqConfig(weights="gptq")
   gptq_txt = ", config=fl.PtqConfig(weights='gptq')"
   w8a8 = fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel"))
+  widen = f"absmax,{7.5 / 7!r}"
   w8a8_txt = "fl.IntRecipe(kernel=fl.IntQuantConfig(granularity='channel')"
   static = {FP8_LINEN: "static, one scale per tensor: max |x| over all calibration batches "
                       "/ 127 (PtqConfig(activation='minmax'))",
@@ -97,10 +103,14 @@ def arms() -> dict[str, Arm]:
                   {"weight_qtype": jnp.int8}),
       "int4": Arm("int4 weight-only, channel",
                   {FP8_LINEN: (fl.weight_only(4), rtn, wo4)},
-                  {"weight_qtype": jnp.int4}),
+                  {"weight_qtype": jnp.int4},
+                  qwix_extra={QWIX_OUR_GRID: {"weight_qtype": jnp.int4,
+                                              "weight_calibration_method": widen}}),
       "int4_g32": Arm("int4 weight-only, group 32",
                       {FP8_LINEN: (g32, rtn, g32_txt)},
-                      {"weight_qtype": jnp.int4, "tile_size": 32}),
+                      {"weight_qtype": jnp.int4, "tile_size": 32},
+                      qwix_extra={QWIX_OUR_GRID: {"weight_qtype": jnp.int4, "tile_size": 32,
+                                                  "weight_calibration_method": widen}}),
       "int4_gptq": Arm("int4 weight-only, channel, GPTQ",
                        {FP8_LINEN: (fl.weight_only(4), gptq, wo4 + gptq_txt)},
                        {"weight_qtype": jnp.int4, "gptq": True}),
@@ -131,7 +141,9 @@ DIFFERENCES = {
                    "2**(b-1) - 1]. fp8_linen: scale = max|w| / (2**(b-1) - 1) (127, 7): the "
                    "largest weight lands on the top code. qwix: scale = max|w| / (2**(b-1) - "
                    "0.5) (127.5, 7.5): a finer step (7% at int4), +max|w| saturates at the top "
-                   "code (7 steps) and -max|w| rounds to the bottom one (-8).",
+                   "code (7 steps) and -max|w| rounds to the bottom one (-8). The arms "
+                   f"'{QWIX_OUR_GRID}' give qwix fp8_linen's int4 grid "
+                   "(weight_calibration_method='absmax,1.0714...': the range widened by 7.5/7).",
     "activation_scale": "fp8_linen: static, one scale per tensor from the min/max of every "
                         "calibration batch. qwix static: one scale per tensor from the mean "
                         "of the rows' max |x| (rows above the mean clip). qwix dynamic: a "
@@ -316,11 +328,12 @@ def run(steps: int, seed: int, keys: tuple[str, ...], batch_sizes: tuple[int, ..
       out[label] = {"method": f"fl.ptq(model, params, batches, recipe={text})",
                     "ptq_seconds": time.perf_counter() - t}
       served[(key, label)] = (res.served.apply, res.served_params)
-    if arm.qwix is not None:
+    qwix_specs = ({QWIX: arm.qwix} if arm.qwix is not None else {}) | arm.qwix_extra
+    for label, spec in qwix_specs.items():
       t = time.perf_counter()
-      qmodel, qparams, method = qwix_ptq(model, params, batches, arm.qwix)
-      out[QWIX] = {"method": method, "ptq_seconds": time.perf_counter() - t}
-      served[(key, QWIX)] = (qmodel.apply, qparams)
+      qmodel, qparams, method = qwix_ptq(model, params, batches, spec)
+      out[label] = {"method": method, "ptq_seconds": time.perf_counter() - t}
+      served[(key, label)] = (qmodel.apply, qparams)
     for label, row in out.items():
       p = served[(key, label)][1]
       logits = compiled((key, label), xte)(p, xte)
@@ -328,7 +341,7 @@ def run(steps: int, seed: int, keys: tuple[str, ...], batch_sizes: tuple[int, ..
                  test_accuracy=float((logits.argmax(-1) == yte).mean()),
                  logits_rel_err=_rel_err(logits, ref), weight_bytes=fl.weight_bytes(p),
                  activations=(arm.activations or {}).get(
-                     QWIX if label == QWIX else FP8_LINEN, "float (weight-only)"))
+                     QWIX if label.startswith(QWIX) else FP8_LINEN, "float (weight-only)"))
     rows[key] = out
     print(f"{arm.name}: PTQ " + ", ".join(f"{k} {r['ptq_seconds']:.1f} s" for k, r in out.items()),
           flush=True)
@@ -365,7 +378,7 @@ def table(payload: dict) -> str:
   by_name: dict[str, list] = {}
   for key, out in payload["arms"].items():
     by_name.setdefault(payload["arm_names"][key], []).extend(out.items())
-  order = {"float": 0, FP8_LINEN: 1, FP8_LINEN_S8: 2, QWIX: 3}
+  order = {"float": 0, FP8_LINEN: 1, FP8_LINEN_S8: 2, QWIX: 3, QWIX_OUR_GRID: 4}
   for name, rows in by_name.items():
     for label, r in sorted(rows, key=lambda lr: order[lr[0]]):
       times = " | ".join(f"{r['timing'][f'batch_{n}']['ratio_vs_float']:.2f}x" for n in batches)

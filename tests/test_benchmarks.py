@@ -311,7 +311,8 @@ def test_bench_gpu_peaks_follow_the_device_kind():
 @pytest.mark.filterwarnings("ignore:'VariableState' was removed:DeprecationWarning")
 def test_ptq_qwix_quick(tmp_path):
   # fl.ptq and qwix's PTQ from the same float params: the same formats give the same
-  # bytes, int8 beats int4 in both, and each w8a8 forward multiplies what it claims.
+  # bytes, int8 beats int4 in both, the same int4 grid gives the same logits, and each
+  # w8a8 forward multiplies what it claims.
   pytest.importorskip("qwix")
   pq = _load("ptq_qwix")
   out = tmp_path / "cpu-ptq-qwix.json"
@@ -322,8 +323,9 @@ def test_ptq_qwix_quick(tmp_path):
   assert saved["env"]["qwix"] and saved["env"]["jax"] and saved["env"]["flax"]
   arms = saved["arms"]
   assert set(arms) == {"float", *pq.QUICK_ARMS}
-  for key in ("int8", "int4", "w8a8_static"):
+  for key in ("int8", "w8a8_static"):
     assert set(arms[key]) == {"fp8_linen", "qwix"}, key
+  assert set(arms["int4"]) == {"fp8_linen", "qwix", pq.QWIX_OUR_GRID}
   assert set(arms["w8a8_dynamic"]) == {"qwix"}
   base = arms["float"]["float"]
   for key, rows in arms.items():
@@ -342,6 +344,9 @@ def test_ptq_qwix_quick(tmp_path):
       assert set(arms[key][lib]["cpu_dots"]) == {"f32 x f32 -> f32"}, (key, lib)
   for key in ("int8", "int4"):  # the same codes, scales and biases: the same bytes
     assert arms[key]["fp8_linen"]["weight_bytes"] == arms[key]["qwix"]["weight_bytes"], key
+  # qwix given fp8_linen's int4 grid (its range widened by 7.5/7) serves the same logits.
+  ours, same_grid = arms["int4"]["fp8_linen"], arms["int4"][pq.QWIX_OUR_GRID]
+  assert same_grid["logits_rel_err"] == pytest.approx(ours["logits_rel_err"], rel=1e-3)
   assert set(arms["w8a8_static"]["qwix"]["cpu_dots"]) == {"s8 x s8 -> s32"}
   assert set(arms["w8a8_dynamic"]["qwix"]["cpu_dots"]) == {"s8 x s8 -> s32"}
   assert set(arms["w8a8_static"]["fp8_linen"]["cpu_dots"]) <= {"s8 x s8 -> s32",
