@@ -376,8 +376,9 @@ def table(payload: dict) -> str:
           + " | ".join(f"forward, batch {n} (vs f32)" for n in batches) + " | CPU dots |")
   lines = [head, "|" + " --- |" * 2 + " ---: |" * (4 + len(batches)) + " --- |"]
   by_name: dict[str, list] = {}
-  for key, out in payload["arms"].items():
-    by_name.setdefault(payload["arm_names"][key], []).extend(out.items())
+  keys = ["float", *(k for k in arms() if k in payload["arms"])]  # the JSON's keys are sorted
+  for key in keys:
+    by_name.setdefault(payload["arm_names"][key], []).extend(payload["arms"][key].items())
   order = {"float": 0, FP8_LINEN: 1, FP8_LINEN_S8: 2, QWIX: 3, QWIX_OUR_GRID: 4}
   for name, rows in by_name.items():
     for label, r in sorted(rows, key=lambda lr: order[lr[0]]):
