@@ -18,6 +18,9 @@ Arms with matching semantics:
 * w8a8 int8 with dynamic activation ranges: qwix only (a scale per row of
   each activation, computed in the served forward); fp8_linen has no
   dynamic integer activation scaling.
+* a control: qwix's int4 round to nearest with fp8_linen's grid (its range
+  widened by 7.5/7, so its scale is max|w| / 7 as ours), which serves our
+  int4 logits: the two libraries' int4 gap is the grid.
 
 For every arm and library: the served test loss and accuracy, the relative
 error of the served logits against the float model's, the stored bytes of the
