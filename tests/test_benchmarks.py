@@ -318,3 +318,49 @@ def test_bench_gpu_peaks_follow_the_device_kind():
   assert bg.peaks_for("NVIDIA H100 80GB HBM3", None)[0] == "h100"
   assert bg.peaks_for("cpu", "b200")[0] == "b200"
   assert bg.peaks_for("NVIDIA H200", None)[1].hbm == 4.8e12
+
+
+# qwix 0.1.8 checks for flax's removed nnx.VariableState alias on every param it unboxes.
+@pytest.mark.filterwarnings("ignore:'VariableState' was removed:DeprecationWarning")
+def test_ptq_qwix_quick(tmp_path):
+  # fl.ptq and qwix's PTQ from the same float params: the same formats give the same
+  # bytes, int8 beats int4 in both, the same int4 grid gives the same logits, and each
+  # w8a8 forward multiplies what it claims.
+  pytest.importorskip("qwix")
+  pq = _load("ptq_qwix")
+  out = tmp_path / "cpu-ptq-qwix.json"
+  payload = pq.main(["--quick", "--out", str(out)])
+  saved = json.loads(out.read_text())
+  if payload["env"]["platform"] == "cpu":
+    assert saved["device"] == "CPU"
+  assert saved["env"]["qwix"] and saved["env"]["jax"] and saved["env"]["flax"]
+  arms = saved["arms"]
+  assert set(arms) == {"float", *pq.QUICK_ARMS}
+  for key in ("int8", "w8a8_static"):
+    assert set(arms[key]) == {"fp8_linen", "qwix"}, key
+  assert set(arms["int4"]) == {"fp8_linen", "qwix", pq.QWIX_OUR_GRID}
+  assert set(arms["w8a8_dynamic"]) == {"qwix"}
+  base = arms["float"]["float"]
+  for key, rows in arms.items():
+    for lib, r in rows.items():
+      assert r["test_accuracy"] > 0.8, (key, lib)  # chance is 0.1
+      assert r["timing"]["batch_397"]["runs"] == 1, (key, lib)
+      assert math.isfinite(r["timing"]["batch_397"]["ratio_vs_float"]), (key, lib)
+      assert len(r["cpu_dots"]) == 3, (key, lib)  # one product per Dense
+      if key != "float":
+        assert r["weight_bytes"] < 0.3 * base["weight_bytes"], (key, lib)
+  for lib in ("fp8_linen", "qwix"):
+    assert arms["int8"][lib]["logits_rel_err"] < 0.02, lib
+    assert arms["int8"][lib]["logits_rel_err"] < arms["int4"][lib]["logits_rel_err"], lib
+    assert arms["int4"][lib]["weight_bytes"] < arms["int8"][lib]["weight_bytes"], lib
+    for key in ("int8", "int4"):  # weight-only: dequantized codes in a float dot
+      assert set(arms[key][lib]["cpu_dots"]) == {"f32 x f32 -> f32"}, (key, lib)
+  for key in ("int8", "int4"):  # the same codes, scales and biases: the same bytes
+    assert arms[key]["fp8_linen"]["weight_bytes"] == arms[key]["qwix"]["weight_bytes"], key
+  # qwix given fp8_linen's int4 grid (its range widened by 7.5/7) serves the same logits.
+  ours, same_grid = arms["int4"]["fp8_linen"], arms["int4"][pq.QWIX_OUR_GRID]
+  assert same_grid["logits_rel_err"] == pytest.approx(ours["logits_rel_err"], rel=1e-3)
+  assert set(arms["w8a8_static"]["qwix"]["cpu_dots"]) == {"s8 x s8 -> s32"}
+  assert set(arms["w8a8_dynamic"]["qwix"]["cpu_dots"]) == {"s8 x s8 -> s32"}
+  assert set(arms["w8a8_static"]["fp8_linen"]["cpu_dots"]) <= {"s8 x s8 -> s32",
+                                                                "bf16 x bf16 -> f32"}
