@@ -55,7 +55,7 @@ def aggregate(per_seed: list[dict]) -> dict:
              'steps': per_seed[0][task][i]['steps'],
              'weight_bytes': per_seed[0][task][i]['weight_bytes']}
       gaps = [s[task][i].get('int4_gap_closed') for s in per_seed]
-      if gaps[0] is not None:
+      if stage.startswith(('qat', 'qlora')):
         row['int4_gap_closed'] = [None if g is None or np.isnan(g) else float(g) for g in gaps]
         # The gap of the seeds' mean losses (a seed whose int4 PTQ has no gap counts too).
         mean = {st: np.mean([s[task][j]['val_loss'] for s in per_seed])
@@ -75,8 +75,15 @@ def main(argv=None) -> dict:
   p.add_argument('--tasks', nargs='+', default=list(config_lib.TASKS))
   p.add_argument('--steps', type=int, default=None, help='override every task\'s steps')
   p.add_argument('--out', default=None)
+  p.add_argument('--summarize', metavar='JSON', default=None,
+                 help='summarize the per-seed rows of an earlier run\'s JSON again (no training)')
   args = p.parse_args(argv)
-  per_seed = [run_seed(s, args.config, args.tasks, args.steps) for s in args.seeds]
+  if args.summarize:
+    with open(args.summarize) as f:
+      old = json.load(f)
+    per_seed, args.seeds = old['per_seed'], old['meta']['seeds']
+  else:
+    per_seed = [run_seed(s, args.config, args.tasks, args.steps) for s in args.seeds]
   summary = aggregate(per_seed)
   print(f'from a trained bf16 model, seeds {args.seeds} (CPU; served models)')
   for task, rows in summary.items():

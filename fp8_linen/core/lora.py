@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from fp8_linen.core import lowering
+
 __all__ = ["ADAPTERS", "NAMES", "dot_shapes", "conv_shapes", "adapter_key", "init_a", "dot_delta", "conv_delta",
            "dot_delta_kernel", "conv_delta_kernel", "straight_through"]
 
@@ -101,14 +103,23 @@ def dot_delta(lhs, a, b, lhs_contract, scale, out_dtype=None):
   lc = tuple(int(c) % lhs.ndim for c in lhs_contract)
   cd = _compute_dtype(lhs)
   out_dtype = out_dtype or lhs.dtype
-  h = lax.dot_general(lhs.astype(cd), jnp.asarray(a).astype(cd),
-                      ((tuple(lc), tuple(range(len(lc)))), ((), ())),
-                      preferred_element_type=jnp.float32)
+  h = lowering.lax_dot_general(lhs.astype(cd), jnp.asarray(a).astype(cd),
+                               ((tuple(lc), tuple(range(len(lc)))), ((), ())),
+                               preferred_element_type=jnp.float32)
   # Scaled at rank width, where the array is smallest.
   h = (jnp.asarray(scale, jnp.float32) * h).astype(cd)
-  y = lax.dot_general(h, jnp.asarray(b).astype(cd), (((h.ndim - 1,), (0,)), ((), ())),
-                      preferred_element_type=jnp.float32)
+  y = _last_by_first(h, jnp.asarray(b).astype(cd))
   return y.astype(out_dtype)
+
+
+def _last_by_first(x, b):
+  """``x``'s last axis contracted with ``b``'s first (float32 accumulation).
+
+  The original ``lax`` function: inside ``fl.quantize_model`` the named one is
+  intercepted.
+  """
+  return lowering.lax_dot_general(x, b, (((x.ndim - 1,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
 
 
 def _feature_last(t, axis):
@@ -126,12 +137,11 @@ def conv_delta(lhs, a, b, conv_kwargs: dict, scale, out_dtype=None):
   cd = _compute_dtype(lhs)
   out_dtype = out_dtype or lhs.dtype
   dn = lax.conv_dimension_numbers(lhs.shape, jnp.shape(a), conv_kwargs["dimension_numbers"])
-  z = lax.conv_general_dilated(lhs.astype(cd), jnp.asarray(a).astype(cd), **conv_kwargs,
-                               preferred_element_type=jnp.float32)
+  z = lowering.lax_conv_general_dilated(lhs.astype(cd), jnp.asarray(a).astype(cd),
+                                        **conv_kwargs, preferred_element_type=jnp.float32)
   f = dn.out_spec[1]
   z = (jnp.asarray(scale, jnp.float32) * z).astype(cd)
-  y = jnp.tensordot(_feature_last(z, f), jnp.asarray(b).astype(cd), axes=1,
-                    preferred_element_type=jnp.float32)
+  y = _last_by_first(_feature_last(z, f), jnp.asarray(b).astype(cd))
   return jnp.moveaxis(y, -1, f).astype(out_dtype)
 
 
@@ -139,15 +149,15 @@ def dot_delta_kernel(a, b, kernel_shape, contract, scale):
   """``scale * A B`` laid out as the weight (float32): what merging adds to it."""
   contract = tuple(contract)
   free = tuple(x for x in range(len(kernel_shape)) if x not in contract)
-  d = jnp.tensordot(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), axes=1)
+  d = _last_by_first(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
   d = jnp.transpose(d, np.argsort(contract + free))
   return jnp.asarray(scale, jnp.float32) * d.reshape(kernel_shape)
 
 
 def conv_delta_kernel(a, b, out_axis: int, scale):
   """``scale * A . B`` over ``A``'s output-feature axis: the merged convolution kernel's update."""
-  d = jnp.tensordot(_feature_last(jnp.asarray(a, jnp.float32), out_axis),
-                    jnp.asarray(b, jnp.float32), axes=1)
+  d = _last_by_first(_feature_last(jnp.asarray(a, jnp.float32), out_axis),
+                     jnp.asarray(b, jnp.float32))
   return jnp.asarray(scale, jnp.float32) * jnp.moveaxis(d, -1, out_axis)
 
 
