@@ -156,7 +156,7 @@ def test_public_names_are_explicit():
 
 # fp8_linen.testing, one idea per module: each imports only the ones before it.
 TESTING_ORDER = ["hlo", "hlo_products", "hlo_collectives", "hlo_kernels", "estimate", "targets",
-                 "train_step", "compile", "cases", "cli", "collectives"]
+                 "train_step", "compile", "passes", "cases", "cli", "collectives"]
 
 
 def _testing_imports(path: pathlib.Path):

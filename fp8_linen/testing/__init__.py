@@ -19,6 +19,8 @@ One idea per module, each importing only those above it:
   ``dL/dx`` and every gradient, a random cotangent, variables as arguments).
 * :mod:`~fp8_linen.testing.compile`: ``compile_for`` / ``compile_train_step``
   and the ``CompileReport`` they return.
+* :mod:`~fp8_linen.testing.passes`: the non-GEMM kernels of a step, the
+  bytes each moves and what it is for, and a dense layer's minimum.
 * :mod:`~fp8_linen.testing.cases`: the cases every target is checked on
   (``DecoderBlock`` among them), what each must multiply, and
   ``compile_case`` (once per process).
@@ -42,7 +44,7 @@ from __future__ import annotations
 import importlib
 
 __all__ = ["hlo", "hlo_products", "hlo_collectives", "hlo_kernels", "estimate", "targets",
-           "train_step", "compile", "cases", "cli", "collectives"]
+           "train_step", "compile", "passes", "cases", "cli", "collectives"]
 
 
 def __getattr__(name: str):

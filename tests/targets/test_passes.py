@@ -1,0 +1,75 @@
+"""The passes around a dense layer's GEMMs (compile only): a guard against a pass coming back.
+
+Each arm's training step (x (512, 256) bf16 -> 256, float32 parameters) is
+compiled for its target and its non-GEMM kernels' bytes are compared, as a
+multiple of the bf16 step's on the same target, with what they were when
+recorded. A change that adds a pass (a second read of an operand, a
+materialized copy) fails here; one that removes passes fails too, so the
+record is lowered and the gain kept. ``benchmarks/bench_passes.py`` prints the
+same figures for the large shapes of docs/accelerators.md.
+"""
+
+import functools
+
+import flax.linen as nn
+import jax.numpy as jnp
+import pytest
+
+import fp8_linen as fl
+from fp8_linen.testing import passes
+
+M, K, N = 512, 256, 256
+SLACK = 1.05
+
+# Recorded on jax 0.10.2 (compile only): non-GEMM bytes / the bf16 step's, same target.
+RECORD = {
+    ("h100", "fp8_delayed"): 1.78,
+    ("h100", "fp8_current"): 1.81,
+    ("h100", "fp8_rowwise"): 3.48,
+    ("b200", "mxfp8"): 3.13,
+    ("b200", "nvfp4"): 6.27,
+    ("tpu-v5e", "int8_ste"): 3.86,
+}
+RECIPES = {"fp8_delayed": fl.delayed_scaling(), "fp8_current": fl.current_scaling(),
+           "fp8_rowwise": fl.rowwise_scaling(), "mxfp8": fl.mx_block_scaling(),
+           "nvfp4": fl.nvfp4(), "int8_ste": fl.IntRecipe()}
+CODES = {"fp8_delayed": "cast to fp8 e4m3", "fp8_current": "cast to fp8 e4m3",
+         "fp8_rowwise": "cast to fp8 e4m3", "mxfp8": "cast to fp8 e4m3",
+         "nvfp4": "cast to fp4 e2m1", "int8_ste": "cast to int8"}
+
+
+@functools.lru_cache(maxsize=None)
+def _step(target: str, arm: str) -> passes.StepPasses:
+  model = (nn.Dense(N, dtype=jnp.bfloat16) if arm == "bf16"
+           else fl.QDense(N, dtype=jnp.bfloat16, recipe=RECIPES[arm]))
+  return passes.step_passes(model, (M, K), target=target)
+
+
+@pytest.mark.parametrize("target,arm", list(RECORD))
+def test_non_gemm_bytes_match_the_record(target, arm, require_target):
+  require_target(target)
+  step, bf16 = _step(target, arm), _step(target, "bf16")
+  ratio = step.total / bf16.total
+  want = RECORD[(target, arm)]
+  listing = "\n".join(f"  {p.bytes / 1024:9.1f} KiB  {p.purpose}" for p in step.passes[:8])
+  assert ratio <= want * SLACK, (f"{target}/{arm}: non-GEMM kernels move {ratio:.2f}x bf16's "
+                                 f"step, recorded {want:.2f}x: a pass came back:\n{listing}")
+  assert ratio >= want / SLACK, (f"{target}/{arm}: {ratio:.2f}x bf16's step, below the recorded "
+                                 f"{want:.2f}x: lower RECORD[{(target, arm)!r}] to keep the gain")
+  # What the passes are for: the arm's codes are written, bf16's step writes none.
+  assert any(CODES[arm] in p.purpose for p in step.passes), [p.purpose for p in step.passes]
+  assert not any("cast to fp" in p.purpose or "cast to int" in p.purpose for p in bf16.passes)
+  # No pass moves less than the minimum: each operand read once, each layout written once.
+  assert step.total >= passes.dense_minimum_bytes(M, K, N, low_precision=True) * 0.5
+
+
+@pytest.mark.xdist_group("h100")
+def test_first_step_work_is_counted_apart(require_target):
+  """Delayed scaling's first-step branch (its amaxes from the batch) runs once, not every step."""
+  require_target("h100")
+  step = _step("h100", "fp8_delayed")
+  first = [p for p in step.passes if p.branch is not None and p.branch[1] == 1]
+  assert first and all("amax" in p.purpose or "transpose" in p.purpose or
+                       "finite check" in p.purpose for p in first)
+  every = sum(p.bytes for p in step.passes if p.branch is None or p.branch[1] == 0)
+  assert step.total == pytest.approx(every)
