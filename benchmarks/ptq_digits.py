@@ -58,7 +58,18 @@ def arms() -> dict:
   }
 
 
-def run(steps: int = 600, seed: int = 0, calibration_batches: int = 4) -> dict:
+def loss_of(logits, labels):
+  """Mean softmax cross-entropy."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def train_float(steps: int, seed: int = 0) -> dict:
+  """The float MLP trained on digits (Adam 1e-3, batches of 64), and the data it was trained on.
+
+  Returns:
+    ``{'model', 'params', 'xtr', 'ytr', 'xte', 'yte', 'rng'}`` (``rng``: the
+    batch generator, after the training draws).
+  """
   from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
   d = load_digits()
   x, y = (d.data / 16.0).astype(np.float32), d.target
@@ -67,12 +78,10 @@ def run(steps: int = 600, seed: int = 0, calibration_batches: int = 4) -> dict:
   x, y = x[perm], y[perm]
   xtr, ytr, xte, yte = x[:1400], y[:1400], x[1400:], y[1400:]
   model = MLP()
-  params = model.init(jax.random.key(seed), xtr[:8])
+  # Jitted: the values of an eager init, without compiling it op by op.
+  params = jax.jit(model.init)(jax.random.key(seed), xtr[:8])
   tx = optax.adam(1e-3)
   opt = tx.init(params)
-
-  def loss_of(logits, labels):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
   @jax.jit
   def step(p, o, xb, yb):
@@ -83,6 +92,14 @@ def run(steps: int = 600, seed: int = 0, calibration_batches: int = 4) -> dict:
   for _ in range(steps):
     idx = rng.integers(0, len(xtr), 64)
     params, opt = step(params, opt, xtr[idx], ytr[idx])
+  return {"model": model, "params": params, "xtr": xtr, "ytr": ytr, "xte": xte, "yte": yte,
+          "rng": rng}
+
+
+def run(steps: int = 600, seed: int = 0, calibration_batches: int = 4) -> dict:
+  f = train_float(steps, seed)
+  model, params, rng = f["model"], f["params"], f["rng"]
+  xtr, ytr, xte, yte = f["xtr"], f["ytr"], f["xte"], f["yte"]
   ref = jax.jit(model.apply)(params, xte)
   rows = {"float": {"test_loss": float(loss_of(ref, yte)),
                     "test_accuracy": float((ref.argmax(-1) == yte).mean())}}

@@ -45,7 +45,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -172,46 +171,11 @@ QUICK_ARMS = ("int8", "int4", "w8a8_static", "w8a8_dynamic")  # one fl.ptq compi
 
 
 def train_float(steps: int, seed: int = 0) -> dict:
-  """The float MLP of ``ptq_digits.run``, trained the same way (same data, split and steps).
-
-  ``ptq_digits.run`` trains inline, so its loop is repeated here: the same
-  permutation, the same generator draws, Adam at 1e-3, batches of 64.
-
-  Args:
-    steps: Adam steps.
-    seed: the seed of the split, the init and the batches.
-
-  Returns:
-    ``{'model', 'params', 'xtr', 'ytr', 'xte', 'yte'}``.
-  """
-  from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
-  d = load_digits()
-  x, y = (d.data / 16.0).astype(np.float32), d.target
-  rng = np.random.default_rng(seed)
-  perm = rng.permutation(len(x))
-  x, y = x[perm], y[perm]
-  xtr, ytr, xte, yte = x[:1400], y[:1400], x[1400:], y[1400:]
-  model = ptq_digits.MLP()
-  # Jitted: the same values as ptq_digits' eager init, without compiling it op by op.
-  params = jax.jit(model.init)(jax.random.key(seed), xtr[:8])
-  tx = optax.adam(1e-3)
-  opt = tx.init(params)
-
-  @jax.jit
-  def step(p, o, xb, yb):
-    g = jax.grad(lambda p: loss_of(model.apply(p, xb), yb))(p)
-    u, o = tx.update(g, o)
-    return optax.apply_updates(p, u), o
-
-  for _ in range(steps):
-    idx = rng.integers(0, len(xtr), 64)
-    params, opt = step(params, opt, xtr[idx], ytr[idx])
-  return {"model": model, "params": params, "xtr": xtr, "ytr": ytr, "xte": xte, "yte": yte}
+  """The float MLP of ``ptq_digits.py``, trained as it trains it (same data, split and steps)."""
+  return ptq_digits.train_float(steps, seed)
 
 
-def loss_of(logits, labels):
-  """Mean softmax cross-entropy."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+loss_of = ptq_digits.loss_of
 
 
 def qwix_ptq(model, params: dict, batches: list, spec: dict) -> tuple[object, dict, str]:
