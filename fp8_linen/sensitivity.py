@@ -67,7 +67,7 @@ def _subtree(tree, path: str):
 
 
 def _own(node) -> dict:
-  """A module's captured method outputs (its children's left out)."""
+  """A node's own leaves: a module's method outputs or parameters, its children's left out."""
   return {k: v for k, v in node.items() if not isinstance(v, Mapping)} if isinstance(
       node, Mapping) else {}
 
@@ -223,10 +223,10 @@ def sensitivity(model: nn.Module, variables: Mapping, batches: Sequence, *, reci
   paths = shared.select_paths(who, found, candidates)
   flat_params = _flat(fvars["params"])
   weights = {}
-  for p in paths:  # the weights under the layer: its parameters of rank >= 2
+  for p in paths:  # the layer's weights: its own parameters (not its children's) of rank >= 2
     prefix = tuple(p.split("/")) if p else ()
     weights[p] = sum(v.size for k, v in flat_params.items()
-                     if k[:len(prefix)] == prefix and jnp.ndim(v) >= 2)
+                     if k[:-1] == prefix and jnp.ndim(v) >= 2)
 
   alone = {p: quantized(shared.alone_rules(p, base_rules)) for p in paths}
   fb_alone = ({} if fallback is None else
@@ -262,9 +262,10 @@ def sensitivity(model: nn.Module, variables: Mapping, batches: Sequence, *, reci
                                 lambda m, _: "/".join(m.path) == p), batch)
         return jnp.asarray(loss, jnp.float32), box
       (lq, qbox), gq = jax.value_and_grad(q_loss, has_aux=True)(v["params"])
-      # The layer's own float parameters (kernel, bias; not the quantizers' steps).
-      g_float = _flat(_subtree(gf, p))
-      g_quant = _flat(_subtree(gq, p))
+      # The layer's own float parameters (kernel, bias; not the quantizers' steps, nor a
+      # child module's: the rules quantize the products of the module itself).
+      g_float = _own(_subtree(gf, p))
+      g_quant = _own(_subtree(gq, p))
       row = {"loss": lq,
              "out": shared.squared_error([_own(_subtree(b, p)) for b in qbox],
                                          [_own(_subtree(b, p)) for b in fbox]),

@@ -135,10 +135,10 @@ def sensitivity(model: nnx.Module, batches: Sequence, *, recipe, loss_fn: Callab
                  if type(m) is not type(floats.get(_name(p))))
   paths = shared.select_paths(who, found, candidates)
   weights = {}
-  for p in paths:  # the layer's parameters of rank >= 2
+  for p in paths:  # the layer's own parameters (not a child module's) of rank >= 2
     params = nnx.state(floats[p], nnx.Param)
-    weights[p] = sum(v.get_value().size for _, v in nnx.to_flat_state(params)
-                     if jnp.ndim(v.get_value()) >= 2)
+    weights[p] = sum(v.get_value().size for k, v in nnx.to_flat_state(params)
+                     if len(k) == 1 and jnp.ndim(v.get_value()) >= 2)
 
   alone = calibrate(*(quantized(shared.alone_rules(p, base_rules)) for p in paths))
   fb_alone = (() if fallback is None else
@@ -156,7 +156,7 @@ def sensitivity(model: nnx.Module, batches: Sequence, *, recipe, loss_fn: Callab
       lq, q_out, q_grads = _loss_capture_grads(als[i], loss_fn, batch)
       prefix = attr_paths[p]
       # The layer's own float parameters (kernel, bias; not LSQ steps) and outputs.
-      keys = [k for k in f_grads if _under(k, prefix)]
+      keys = [k for k in f_grads if _under(k, prefix) and len(k) == len(prefix) + 1]
       row = {"loss": lq,
              "out": shared.squared_error(_pick(q_out, prefix, 1), _pick(f_out, prefix, 1)),
              "grad": shared.squared_error([q_grads[k] for k in keys],
