@@ -49,7 +49,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax.training import train_state as flax_train_state
 

@@ -26,8 +26,7 @@ to each layer, not what one history did.
 from __future__ import annotations
 
 import functools
-import re
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import flax
 import flax.linen as nn
@@ -184,6 +183,7 @@ def sensitivity(model: nn.Module, variables: Mapping, batches: Sequence, *, reci
                     f"{type(variables).__name__}")
   batches = shared.check_arguments(who, batches, recipe, fallback, loss_fn)
   base_rules = normalize_rules(rules)
+  # A trained OWG collection is left out: every quantizer starts fresh (the module doc says why).
   fvars = {c: v for c, v in flax.core.unfreeze(variables).items() if c != OWG}
   key = jax.random.key(seed)
 

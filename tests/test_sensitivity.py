@@ -169,6 +169,19 @@ def test_fallback_recipe_for_kept_layers():
   assert res.weight_bytes(["dense1"]) == (w["dense1"] * 8.25 + w["dense2"] * 4.03125) / 8
 
 
+def test_fresh_delayed_scaling_measures_what_current_scaling_does():
+  """Empty histories: every batch is scaled by its own amax, as current scaling does."""
+  model, params, batches = _setup()
+  kw = dict(loss_fn=xent, candidates=["dense3"])
+  delayed = fl.sensitivity(model, params, batches[:1], recipe=fl.delayed_scaling(16), **kw)
+  current = fl.sensitivity(model, params, batches[:1], recipe=fl.current_scaling(), **kw)
+  assert delayed.paths == current.paths
+  for a, b in zip(delayed.layers, current.layers):
+    np.testing.assert_allclose([a.loss_change, a.output_error, a.grad_error],
+                               [b.loss_change, b.output_error, b.grad_error], rtol=1e-6)
+  assert 0 < delayed.layer("dense3").output_error < 0.1  # e4m3: a few percent
+
+
 def _synthetic(layers, full, evaluate):
   return shared.SensitivityResult(
       recipe=INT4_TENSOR, fallback=None, rules=(fl.QuantizationRule(),), float_loss=1.0,

@@ -43,8 +43,8 @@ from fp8_linen.recipes.integer import IntRecipe
 from fp8_linen.recipes.rules import QuantizationRule, normalize_rules
 
 __all__ = ["LayerSensitivity", "PrecisionChoice", "SensitivityResult", "alone_rules",
-           "keep_rules", "check_arguments", "squared_error", "weight_bits", "select_paths",
-           "METRICS", "COSTS"]
+           "keep_rules", "check_arguments", "check_budget", "select_paths", "squared_error",
+           "relative", "weight_bits", "build_result", "add", "METRICS", "COSTS"]
 
 METRICS = ("loss_change", "output_error", "grad_error")
 COSTS = ("bytes", "layers")

@@ -28,12 +28,17 @@ from flax import nnx
 
 from fp8_linen.families import sensitivity as shared
 from fp8_linen.families.sensitivity import SensitivityResult
+# The flag fl.nnx.calibrate sets: with it several models (and a loss_fn that may call more
+# than __call__) set their LSQ steps in one jitted call.
 from fp8_linen.nnx.access import _CALIBRATING
+from fp8_linen.nnx.layers import Conv, Einsum, Fp8Einsum, Linear, LinearGeneral
 from fp8_linen.nnx.quantize import quantize_model
 from fp8_linen.recipes.integer import IntRecipe
 from fp8_linen.recipes.rules import QuantizationRule, normalize_rules
 
 __all__ = ["sensitivity"]
+
+_TWINS = (Linear, LinearGeneral, Einsum, Conv, Fp8Einsum)
 
 
 def _name(path) -> str:
@@ -110,6 +115,11 @@ def sensitivity(model: nnx.Module, batches: Sequence, *, recipe, loss_fn: Callab
   if not isinstance(model, nnx.Module):
     raise TypeError(f"{who}: model must be an nnx.Module, got {type(model).__name__} (for a "
                     "Linen model use fl.sensitivity)")
+  quantized_layers = [_name(p) for p, m in nnx.iter_modules(model) if isinstance(m, _TWINS)]
+  if quantized_layers:
+    raise TypeError(f"{who}: model already holds quantized layers {quantized_layers[:3]}, which "
+                    "cannot be measured alone; pass the float model (after QAT by "
+                    "fl.nnx.quantize_model the float model shares the trained parameters)")
   batches = shared.check_arguments(who, batches, recipe, fallback, loss_fn)
   base_rules = normalize_rules(rules)
   float_model = nnx.clone(model)

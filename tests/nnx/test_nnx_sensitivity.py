@@ -104,6 +104,8 @@ def test_nnx_bad_arguments_name_the_argument():
     fl.nnx.sensitivity(nnx_model, batches, recipe=None, loss_fn=xent)
   with pytest.raises(TypeError, match="nnx.Module"):
     fl.nnx.sensitivity(linen_model, batches, **kw)
+  with pytest.raises(TypeError, match="already holds quantized layers"):
+    fl.nnx.sensitivity(fl.nnx.quantize_model(nnx_model), batches, **kw)
   with pytest.raises(ValueError, match="no layer matched"):
     fl.nnx.sensitivity(nnx_model, batches, rules=[fl.QuantizationRule(quantize=False)], **kw)
   with pytest.raises(ValueError, match="matched no quantized layer"):
