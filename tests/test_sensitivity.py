@@ -276,6 +276,15 @@ def test_bad_arguments_name_the_argument():
     _result().rules_keeping(["head"])
 
 
+def test_weight_bits_per_recipe():
+  bits = functools.partial(shared.weight_bits, high_precision_bits=16)
+  assert bits(None) == 16 and bits(fl.delayed_scaling()) == bits(fl.Fp8WeightOnly()) == 8
+  assert bits(fl.mx_block_scaling()) == 8.25 and bits(fl.nvfp4(kernel_2d_blocks=False)) == 4.5
+  assert bits(fl.int4_lsq_plus()) == 4 and bits(fl.weight_only(8)) == 8
+  assert bits(fl.weight_only(4, granularity="group", group_size=32)) == 4.5
+  assert bits(fl.IntRecipe(kernel=None)) == 16
+
+
 def test_keep_and_alone_rules_match_only_their_layers():
   base = fl.projection_rules()
   alone = shared.alone_rules("a/b", base)

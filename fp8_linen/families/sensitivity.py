@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8_linen.families.table import check_recipe
-from fp8_linen.recipes.fp8 import Fp8Recipe
+from fp8_linen.recipes.fp8 import Fp8Recipe, Fp8WeightOnly
 from fp8_linen.recipes.integer import IntRecipe
 from fp8_linen.recipes.rules import QuantizationRule, normalize_rules
 
@@ -211,6 +211,8 @@ def weight_bits(recipe, high_precision_bits: float) -> float | None:
       return element
     per_scale = recipe.block_size ** 2 if recipe.kernel_2d_blocks else recipe.block_size
     return element + 8.0 / per_scale
+  if isinstance(recipe, Fp8WeightOnly):
+    return 8.0
   if isinstance(recipe, IntRecipe):
     k = recipe.kernel
     if k is None:
