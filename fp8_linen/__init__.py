@@ -57,6 +57,8 @@ from fp8_linen.model_quantization import (
 from fp8_linen.product_report import Product, ProductReport, product_report
 from fp8_linen.ptq import PtqResult, ptq
 from fp8_linen.lora import add_lora, join_lora, merge_lora, split_lora
+from fp8_linen.sensitivity import (LayerSensitivity, PrecisionChoice, SensitivityResult,
+                                   sensitivity)
 from fp8_linen.recipes.rules import high_precision_layers
 from fp8_linen.recipes import (
     FP4_DTYPES,
@@ -196,6 +198,11 @@ __all__ = [
     "join_lora",
     "merge_lora",
     "PtqResult",
+    # precision chosen by measurement
+    "sensitivity",
+    "SensitivityResult",
+    "LayerSensitivity",
+    "PrecisionChoice",
     # Flax NNX layers (fl.nnx.Linear, ...)
     "nnx",
     # training

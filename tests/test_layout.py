@@ -36,6 +36,7 @@ ALLOWED = {
     "conversion": {"core", "families", "linen"},
     "ptq": {"recipes", "core", "families", "linen", "model_quantization", "conversion"},
     "lora": {"core", "families", "linen", "conversion"},
+    "sensitivity": {"recipes", "core", "families", "model_quantization", "product_report"},
     "testing": {"recipes", "core", "families", "linen", "nnx", "model_quantization",
                 "product_report", "training", "conversion", "root"},
 }
