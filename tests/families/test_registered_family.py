@@ -142,5 +142,5 @@ def test_a_family_without_convolution_is_refused_by_conv_layers():
 
 
 def test_an_unregistered_recipe_names_the_registered_ones():
-  with pytest.raises(TypeError, match="accepted: Fp8Recipe or IntRecipe or UnscaledFp8"):
+  with pytest.raises(TypeError, match="accepted: Fp8Recipe or Fp8WeightOnly or IntRecipe or UnscaledFp8"):
     fl.nnx.Linear(8, 3, recipe=object(), rngs=nnx.Rngs(0))

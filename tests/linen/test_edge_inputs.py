@@ -220,7 +220,7 @@ def test_wrong_recipe_error_names_recipe_and_what_is_accepted(layer, bad):
   msg = str(err.value)
   assert msg.startswith(f"{layer}: recipe=") and "is not a recipe it takes" in msg, msg
   assert hint in msg, msg
-  accepted = "ActivationRecipe" if activation else "Fp8Recipe or IntRecipe"
+  accepted = "ActivationRecipe" if activation else "Fp8Recipe or Fp8WeightOnly or IntRecipe"
   assert f"accepted: {accepted}" in msg, msg
 
 
