@@ -10,8 +10,8 @@ from fp8_linen_job import config as config_lib
 from fp8_linen_job import from_float
 from fp8_linen_job import main as main_lib
 
-STAGES = ['bf16', 'bf16, more steps', 'ptq int8', 'ptq int4', 'qat from ptq int4', 'qlora int4',
-          'qlora int4, merged']
+STAGES = ['bf16', 'bf16, more steps', 'ptq int8', 'ptq int4', 'ptq int4, gptq', 'qat from ptq int4',
+          'qlora int4', 'qlora int4, merged']
 
 
 @pytest.fixture(scope='module')
