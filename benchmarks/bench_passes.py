@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
   p.add_argument("--m", type=int, default=8 * 2048)
   p.add_argument("--k", type=int, default=8192)
   p.add_argument("--n", type=int, default=32768)
-  p.add_argument("--targets", nargs="+", default=["h100", "b200", "tpu-v5e"])
+  p.add_argument("--targets", nargs="+", default=["h100", "b200", "tpu-v5e", "tpu-v6e", "tpu7x"])
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   rows = run(args.m, args.k, args.n, args.targets)

@@ -155,6 +155,19 @@ def test_qlora_memory_tiny(tmp_path):
   assert json.loads(out.read_text())["meta"]["device"]
 
 
+def test_bench_passes_tiny(tmp_path, require_target):
+  require_target("h100")
+  bp = _load("bench_passes")
+  out = tmp_path / "passes.json"
+  rows = bp.main(["--m", "128", "--k", "64", "--n", "64", "--targets", "h100", "--out",
+                  str(out)])["results"]["h100"]
+  assert rows["bf16"]["vs_bf16"] == 1.0
+  # An fp8 step writes fp8 codes in passes of its own; every kernel is listed with a purpose.
+  assert any("cast to fp8" in k["purpose"] for k in rows["fp8_delayed"]["kernels"])
+  assert rows["fp8_delayed"]["non_gemm_bytes"] > rows["bf16"]["non_gemm_bytes"]
+  assert json.loads(out.read_text())["meta"]["device"] == "estimate (compile only)"
+
+
 def test_bench_dense_tiny(tmp_path):
   bd = _load("bench_dense")
   payload = bd.main(["--sizes", "64", "--reps", "2", "--out-dir", str(tmp_path)])
