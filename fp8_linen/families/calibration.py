@@ -70,7 +70,7 @@ from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 from fp8_linen.recipes.ptq import PtqConfig
 
 __all__ = ["CalibrationRecord", "ProductStats", "calibrating", "record", "float_dot",
-           "float_conv", "merge", "calibrated", "check_recipe", "check_batches",
+           "float_conv", "merge", "calibrated", "check_recipe", "batch_list", "check_batches",
            "no_product_error"]
 
 # (samples per product and batch, whether products compute their input's Hessian)
@@ -379,32 +379,40 @@ def calibrated(stats: ProductStats, config: PtqConfig, *, where: str):
                    f"{type(recipe).__name__}")
 
 
-def check_batches(who: str, batches) -> list[tuple]:
-  """The calibration batches as argument tuples; errors name ``batches``.
+def batch_list(who: str, batches, *, needs: str, each: str, nan_harm: str) -> list:
+  """``batches`` as a list, checked: a sequence, not empty, no NaN or infinite values.
 
-  A batch is an array (the forward's one argument) or a tuple of arguments.
+  What both post-training quantization and the sensitivity measurement
+  refuse; the errors name ``batches`` (``needs``: who needs a batch,
+  ``each``: what a batch is, ``nan_harm``: what a NaN batch would do).
   """
   if isinstance(batches, (jax.Array, np.ndarray)):
-    raise TypeError(f"{who}: batches must be a sequence of batches (a list of arrays or of "
-                    "argument tuples), got one array; wrap it: batches=[x]")
+    raise TypeError(f"{who}: batches must be a sequence of batches ({each}), got one array; "
+                    "wrap it: batches=[x]")
   try:
     batches = list(batches)
   except TypeError:
     raise TypeError(f"{who}: batches must be a sequence of batches, got "
                     f"{type(batches).__name__}") from None
   if not batches:
-    raise ValueError(f"{who}: batches is empty; calibration needs at least one batch of "
-                     "representative inputs")
-  out = []
+    raise ValueError(f"{who}: batches is empty; {needs} needs at least one batch")
   for i, b in enumerate(batches):
-    args = tuple(b) if isinstance(b, (tuple, list)) else (b,)
-    for leaf in jax.tree.leaves(args):
+    for leaf in jax.tree.leaves(b):
       a = np.asarray(leaf) if not isinstance(leaf, jax.Array) else leaf
       if jnp.issubdtype(a.dtype, jnp.floating) and not bool(jnp.all(jnp.isfinite(a))):
-        raise ValueError(f"{who}: batches[{i}] holds NaN or infinite values; calibrating on "
-                         "it would set every range it reaches to NaN")
-    out.append(args)
-  return out
+        raise ValueError(f"{who}: batches[{i}] holds NaN or infinite values{nan_harm}")
+  return batches
+
+
+def check_batches(who: str, batches) -> list[tuple]:
+  """The calibration batches as argument tuples; errors name ``batches``.
+
+  A batch is an array (the forward's one argument) or a tuple of arguments.
+  """
+  batches = batch_list(who, batches, needs="calibration (representative inputs)",
+                       each="a list of arrays or of argument tuples",
+                       nan_harm="; calibrating on it would set every range it reaches to NaN")
+  return [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in batches]
 
 
 def no_product_error(who: str) -> ValueError:

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8_linen.families import calibration
 from fp8_linen.families.table import check_recipe
 from fp8_linen.recipes.fp8 import Fp8Recipe, Fp8WeightOnly
 from fp8_linen.recipes.integer import IntRecipe
@@ -122,22 +123,8 @@ def check_arguments(who: str, batches, recipe, fallback, loss_fn) -> list:
   if not callable(loss_fn):
     raise TypeError(f"{who}: loss_fn must be callable as loss_fn(model, batch) -> scalar loss, "
                     f"got {type(loss_fn).__name__}")
-  if isinstance(batches, (jax.Array, np.ndarray)):
-    raise TypeError(f"{who}: batches must be a sequence of batches (each what loss_fn takes), "
-                    "got one array; wrap it: batches=[batch]")
-  try:
-    batches = list(batches)
-  except TypeError:
-    raise TypeError(f"{who}: batches must be a sequence of batches, got "
-                    f"{type(batches).__name__}") from None
-  if not batches:
-    raise ValueError(f"{who}: batches is empty; the measurement needs at least one batch")
-  for i, b in enumerate(batches):
-    for leaf in jax.tree.leaves(b):
-      a = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
-      if jnp.issubdtype(a.dtype, jnp.floating) and not bool(jnp.all(jnp.isfinite(a))):
-        raise ValueError(f"{who}: batches[{i}] holds NaN or infinite values")
-  return batches
+  return calibration.batch_list(who, batches, needs="the measurement",
+                                each="each what loss_fn takes", nan_harm="")
 
 
 def select_paths(who: str, found: Sequence[str], candidates) -> tuple:
