@@ -17,7 +17,6 @@ purpose. Figures read from compiled programs: estimates, not measurements.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -97,8 +96,7 @@ def main(argv=None) -> dict:
                       **common.environment()},
              "results": rows}
   if args.out:
-    with open(args.out, "w") as f:
-      json.dump(payload, f, indent=1)
+    common.write_json_to(args.out, payload)
   return payload
 
 

@@ -101,8 +101,7 @@ def main(argv=None) -> dict:
                       'steps': args.steps, **common.environment()},
              'summary': summary, 'per_seed': per_seed}
   if args.out:
-    with open(args.out, 'w') as f:
-      json.dump(payload, f, indent=1)
+    common.write_json_to(args.out, payload)
   return payload
 
 

@@ -27,7 +27,6 @@ hold), not a measurement of a device.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -165,8 +164,7 @@ def main(argv=None) -> dict:
                       "shape": vars(args), **common.environment()},
              "results": rows}
   if args.out:
-    with open(args.out, "w") as f:
-      json.dump(payload, f, indent=1)
+    common.write_json_to(args.out, payload)
   return payload
 
 
