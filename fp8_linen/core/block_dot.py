@@ -89,7 +89,8 @@ def block_codes(recipe, t, cfg, factor, *, tile=False, noise=None):
     t = _pad(t, 1, bs)
   return block_numerics.block_quantize(t, bs, cfg.jnp_dtype,
                                        tensor_scale=factor if recipe.is_nvfp4 else None,
-                                       tile=tile, noise=noise)
+                                       tile=tile, noise=noise,
+                                       four_over_six=recipe.four_over_six)
 
 
 def _rhs_groups(ndim: int, contract, batch):

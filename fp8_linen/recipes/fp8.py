@@ -241,6 +241,13 @@ class Fp8Recipe:
       and is the same on every device), so a step is reproducible and a
       sharded step draws the same bits as one device. Micro-batches of one
       accumulated step share their bits.
+    four_over_six: NVFP4 only: each block's e4m3 scale maps the block's amax
+      to 6 or to 4, whichever reconstructs the block with the smaller squared
+      error ("Four Over Six", arXiv 2512.02010): near its amax e2m1's grid is
+      4, 6, so a block whose large values sit around 2/3 of its amax loses
+      less on the grid 3, 4. Every role, every GEMM; the choice is made per
+      block from round-to-nearest codes (stochastic rounding then rounds with
+      the chosen scale). The GEMM is unchanged: same codes, same scales.
 
   Example:
     >>> import fp8_linen as fl
@@ -257,6 +264,7 @@ class Fp8Recipe:
   kernel_2d_blocks: bool = False
   wgrad_hadamard: int = 0
   grad_stochastic_rounding: bool = False
+  four_over_six: bool = False
 
   def __post_init__(self):
     check_choice("Fp8Recipe", "granularity", self.granularity, GRANULARITIES)
@@ -316,6 +324,13 @@ class Fp8Recipe:
   def _check_block_options(self):
     check_bool("Fp8Recipe", "kernel_2d_blocks", self.kernel_2d_blocks)
     check_bool("Fp8Recipe", "grad_stochastic_rounding", self.grad_stochastic_rounding)
+    check_bool("Fp8Recipe", "four_over_six", self.four_over_six)
+    if self.four_over_six and not self.is_nvfp4:
+      raise ValueError(
+          "Fp8Recipe.four_over_six=True needs NVFP4 (granularity='block' with "
+          f"float4_e2m1fn elements); got granularity={self.granularity!r}, "
+          f"input.dtype={self.input.dtype!r}: MX scales are powers of two, fine and per-tensor "
+          "scales have no 4-or-6 choice; allowed values here: [False]")
     h = self.wgrad_hadamard
     if (not isinstance(h, (int, np.integer)) or isinstance(h, bool) or h < 0
         or (h and (h < 2 or h & (h - 1)))):
@@ -429,7 +444,7 @@ def mx_block_scaling(block_size: int = 32, *, history_length: int = 16,
 
 def nvfp4(*, kernel_2d_blocks: bool = True, wgrad_hadamard: int = 16,
           grad_stochastic_rounding: bool = True, scaling: str = "current",
-          history_length: int = 16) -> Fp8Recipe:
+          history_length: int = 16, four_over_six: bool = False) -> Fp8Recipe:
   """NVFP4 training: e2m1 elements, e4m3 scales per 16 elements, a float32 scale per tensor.
 
   NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149, TransformerEngine's
@@ -464,6 +479,8 @@ def nvfp4(*, kernel_2d_blocks: bool = True, wgrad_hadamard: int = 16,
     grad_stochastic_rounding: stochastic rounding of the output gradient.
     scaling: ``'current'`` or ``'delayed'`` per-tensor scales, all roles.
     history_length: length of the amax histories.
+    four_over_six: each block scaled to 4 or 6, whichever loses less
+      (:class:`Fp8Recipe`'s field; not in NVIDIA's recipe, off by default).
 
   Example:
     >>> import fp8_linen as fl
@@ -475,7 +492,8 @@ def nvfp4(*, kernel_2d_blocks: bool = True, wgrad_hadamard: int = 16,
   return Fp8Recipe(input=ScalingConfig(**kw), kernel=ScalingConfig(**kw),
                    output_grad=ScalingConfig(**kw), granularity="block", block_size=16,
                    kernel_2d_blocks=kernel_2d_blocks, wgrad_hadamard=wgrad_hadamard,
-                   grad_stochastic_rounding=grad_stochastic_rounding)
+                   grad_stochastic_rounding=grad_stochastic_rounding,
+                   four_over_six=four_over_six)
 
 
 def _act_e4m3() -> ScalingConfig:
