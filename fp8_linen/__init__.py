@@ -90,6 +90,7 @@ from fp8_linen.training import (
     all_finite,
     finalize_accumulated,
     load_float_state,
+    switch_precision,
     merge_owg,
     owg_max,
     reduce_gradients,
@@ -216,6 +217,7 @@ __all__ = [
     "all_finite",
     "resize_histories",
     "load_float_state",
+    "switch_precision",
     # coming from flax's own fp8 ops (flax.linen.fp8_ops)
     "from_flax_fp8",
     "flax_fp8_recipe",

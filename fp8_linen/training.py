@@ -64,6 +64,7 @@ __all__ = [
     "all_finite",
     "resize_histories",
     "load_float_state",
+    "switch_precision",
 ]
 
 _HISTORY = "_amax_history"
@@ -450,6 +451,81 @@ def load_float_state(state: "TrainState", float_state) -> "TrainState":
   step = _field(float_state, "step")
   step = state.step if step is None else jnp.asarray(step, jnp.result_type(state.step))
   return state.replace(step=step, params=variables, opt_state=new_opt)
+
+
+def switch_precision(state: "TrainState", *, apply_fn, variables) -> "TrainState":
+  """Goes on training ``state`` with another precision: a schedule, not a restart.
+
+  For a precision tail (NVIDIA's NVFP4 recipe ends its run in bf16): the
+  parameters, the optimizer state and the step go on; the model's apply
+  function becomes ``apply_fn`` and its quantization state (the OWG
+  collection) becomes the one ``variables`` holds, fresh for the new recipe
+  (the old recipe's scales and histories mean nothing to it, so they are
+  dropped). Every other collection (e.g. ``batch_stats``) keeps its trained
+  values. ``apply_fn`` and ``variables`` come from the same model with the
+  new recipe, or without one (``fl.quantize_model``'s model unwrapped, or
+  ``nn.Dense`` for ``fl.QDense``): both keep flax's parameter tree, so the
+  parameters must match leaf for leaf.
+
+  Under ``optax.MultiSteps`` switch between windows: a window's accumulated
+  fp8 state belongs to the old recipe and starts over.
+
+  Args:
+    state: the :class:`TrainState` so far (created from ``model.init``'s
+      variables).
+    apply_fn: the new model's ``apply``; a jitted step that reads
+      ``state.apply_fn`` compiles again for it.
+    variables: the new model's ``init`` variables (only their shapes and the
+      new quantization state are used).
+
+  Returns:
+    ``state`` with the new ``apply_fn`` and quantization state.
+
+  Raises:
+    TypeError: if ``state`` is not a :class:`TrainState` of a variables dict.
+    ValueError: if the parameters differ (paths or shapes), or the new model
+      lacks a collection the state trains, naming them.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
+    >>> import fp8_linen as fl
+    >>> x = jnp.ones((4, 32))
+    >>> v = fl.QDense(8, recipe=fl.nvfp4()).init(jax.random.key(0), x)
+    >>> state = fl.TrainState.create(apply_fn=fl.QDense(8, recipe=fl.nvfp4()).apply,
+    ...                              params=v, tx=optax.adam(1e-3))
+    >>> tail = nn.Dense(8)
+    >>> state = fl.switch_precision(state, apply_fn=tail.apply,
+    ...                             variables=tail.init(jax.random.key(0), x))
+    >>> sorted(state.params), state.params['params']['kernel'] is v['params']['kernel']
+    (['params'], True)
+  """
+  if not isinstance(state, TrainState) or not _is_variables(state.params):
+    raise TypeError("switch_precision: state must be an fp8_linen TrainState created from "
+                    "model.init's variables")
+  if not _is_variables(variables) or "params" not in variables:
+    raise TypeError("switch_precision: variables must be the new model's init variables "
+                    "(a dict with a 'params' collection)")
+  old = _by_path(state.params.get("params", {}))
+  new = _by_path(variables["params"])
+  missing, extra = sorted(set(old) - set(new)), sorted(set(new) - set(old))
+  reshaped = sorted(k for k in set(old) & set(new) if jnp.shape(old[k]) != jnp.shape(new[k]))
+  if missing or extra or reshaped:
+    raise ValueError(
+        "switch_precision: the new model's parameters differ from the state's (missing: "
+        f"{missing[:4]}, unexpected: {extra[:4]}, other shapes: {reshaped[:4]}), so the "
+        "optimizer state cannot follow; build it from the same model with a recipe that "
+        "learns no quantizer parameters (LSQ's steps are parameters: use an STE recipe)")
+  kept = sorted(k for k in state.params if k not in ("params", OWG) and k not in variables)
+  if kept:
+    raise ValueError(f"switch_precision: the new model has no collection {kept} that the state "
+                     "trains; build it from the same model")
+  out = {k: (state.params[k] if k in state.params and k != OWG else v)
+         for k, v in variables.items()}
+  out["params"] = state.params["params"]
+  accum = None
+  if isinstance(state.opt_state, optax.MultiStepsState) and OWG in out:
+    accum = jax.tree.map(lambda x: jnp.full_like(x, -jnp.inf), out[OWG])
+  return state.replace(apply_fn=apply_fn, params=out, owg_accum=accum)
 
 
 class TrainState(flax_train_state.TrainState):

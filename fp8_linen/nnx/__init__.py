@@ -33,7 +33,7 @@ from fp8_linen.nnx.conversion import convert
 from fp8_linen.nnx.layers import Conv, Einsum, Fp8Einsum, Linear, LinearGeneral
 from fp8_linen.nnx.lora import LoraParam, add_lora, merge_lora
 from fp8_linen.nnx.ptq import PtqResult, ptq
-from fp8_linen.nnx.quantize import quantize_model
+from fp8_linen.nnx.quantize import quantize_model, switch_precision
 from fp8_linen.nnx.sensitivity import sensitivity
 from fp8_linen.nnx.state import DIFF, QuantState, register_owg_collection
 from fp8_linen.nnx.training import Optimizer, grad, update_state, value_and_grad
@@ -57,6 +57,7 @@ __all__ = [
     "update_state",
     "calibrate",
     "quantize_model",
+    "switch_precision",
     "frozen_quantizers",
     "convert",
     "ptq",

@@ -34,10 +34,11 @@ from flax import nnx
 from jax import lax
 
 from fp8_linen.nnx import layers
+from fp8_linen.nnx.training import Optimizer
 from fp8_linen.recipes.fp8 import Fp8Recipe
 from fp8_linen.recipes.rules import QuantizationRule, normalize_rules, report_unmatched
 
-__all__ = ["quantize_model"]
+__all__ = ["quantize_model", "switch_precision"]
 
 
 def _common(old) -> dict:
@@ -53,38 +54,49 @@ def _common(old) -> dict:
   return kw
 
 
+def _make(float_cls, twin_cls, recipe, *args, **kw):
+  """``twin_cls(..., recipe=recipe)``, or ``float_cls(...)`` when ``recipe`` is None."""
+  if recipe is None:
+    return float_cls(*args, rngs=nnx.Rngs(0), **kw)
+  return twin_cls(*args, recipe=recipe, rngs=nnx.Rngs(0), **kw)
+
+
+def _is_twin(node) -> bool:
+  return type(node) in _FLOAT
+
+
 def _linear(old, recipe):
-  if old.dot_general is not lax.dot_general:
+  if not _is_twin(old) and old.dot_general is not lax.dot_general:
     return "a custom dot_general"
-  return layers.Linear(old.in_features, old.out_features, use_bias=old.use_bias,
-                       recipe=recipe, rngs=nnx.Rngs(0), **_common(old))
+  return _make(nnx.Linear, layers.Linear, recipe, old.in_features, old.out_features,
+               use_bias=old.use_bias, **_common(old))
 
 
 def _linear_general(old, recipe):
-  if old.dot_general is not None or old.dot_general_cls is not None:
+  if not _is_twin(old) and (old.dot_general is not None or old.dot_general_cls is not None):
     return "a custom dot_general"
-  return layers.LinearGeneral(old.in_features, old.out_features, axis=old.axis,
-                              batch_axis=old.batch_axis, use_bias=old.use_bias,
-                              recipe=recipe, rngs=nnx.Rngs(0), **_common(old))
+  return _make(nnx.LinearGeneral, layers.LinearGeneral, recipe, old.in_features,
+               old.out_features, axis=old.axis, batch_axis=old.batch_axis,
+               use_bias=old.use_bias, **_common(old))
 
 
 def _einsum(old, recipe):
-  if old.einsum_op is not jnp.einsum:
+  if not _is_twin(old) and old.einsum_op is not jnp.einsum:
     return "a custom einsum_op"
-  return layers.Einsum(old.einsum_str, old.kernel_shape, old.bias_shape, recipe=recipe,
-                       rngs=nnx.Rngs(0), **_common(old))
+  return _make(nnx.Einsum, layers.Einsum, recipe, old.einsum_str, old.kernel_shape,
+               old.bias_shape, **_common(old))
 
 
 def _conv(old, recipe):
-  if old.conv_general_dilated is not lax.conv_general_dilated:
+  if not _is_twin(old) and old.conv_general_dilated is not lax.conv_general_dilated:
     return "a custom conv_general_dilated"
   if old.mask is not None:
     return "a kernel mask"
-  return layers.Conv(old.in_features, old.out_features, old.kernel_size, old.strides,
-                     padding=old.padding, input_dilation=old.input_dilation,
-                     kernel_dilation=old.kernel_dilation,
-                     feature_group_count=old.feature_group_count, use_bias=old.use_bias,
-                     recipe=recipe, rngs=nnx.Rngs(0), **_common(old))
+  return _make(nnx.Conv, layers.Conv, recipe, old.in_features, old.out_features,
+               old.kernel_size, old.strides, padding=old.padding,
+               input_dilation=old.input_dilation, kernel_dilation=old.kernel_dilation,
+               feature_group_count=old.feature_group_count, use_bias=old.use_bias,
+               **_common(old))
 
 
 # Exact float classes (subclasses may change the forward; our twins are
@@ -95,6 +107,10 @@ _TWINS = {
     nnx.Einsum: ("einsum", _einsum),
     nnx.Conv: ("conv", _conv),
 }
+
+# Twin class -> the flax class it stands in for.
+_FLOAT = {layers.Linear: nnx.Linear, layers.LinearGeneral: nnx.LinearGeneral,
+          layers.Einsum: nnx.Einsum, layers.Conv: nnx.Conv}
 
 
 def quantize_model(model: nnx.Module, recipe: Any = None,
@@ -169,11 +185,7 @@ def quantize_model(model: nnx.Module, recipe: Any = None,
           raise ValueError(f"quantize_model: layer {name!r} ({type(node).__name__}) has "
                            f"{twin}, which the quantized twin replaces; exclude it with "
                            f"QuantizationRule(module_path={name!r}, quantize=False)")
-        # The very same variables (values, sharding metadata, identity).
-        twin.kernel = node.kernel
-        if node.bias is not None:
-          twin.bias = node.bias
-        return twin
+        return _same_variables(twin, node)
     return node
 
   out = nnx.recursive_map(swap, model)
@@ -181,3 +193,99 @@ def quantize_model(model: nnx.Module, recipe: Any = None,
                    what="fp8_linen.nnx.quantize_model: these rules matched no layer (check "
                         "the paths, e.g. with nnx.iter_graph)")
   return out
+
+
+def _same_variables(new, old):
+  """``new`` holding ``old``'s very ``kernel`` and ``bias`` (values, sharding, identity)."""
+  new.kernel = old.kernel
+  if old.bias is not None:
+    new.bias = old.bias
+  return new
+
+
+def _float_layer(path, node):
+  """The flax layer a twin stands in for, with the twin's ``kernel`` and ``bias``."""
+  if isinstance(node, layers.Fp8Einsum):
+    raise ValueError(f"switch_precision: layer {'/'.join(map(str, path))!r} is an "
+                     "fl.nnx.Fp8Einsum (flax's Fp8Einsum call): it has no float twin here; "
+                     "build the model with the float einsum and quantize it with "
+                     "fl.nnx.quantize_model")
+  float_cls = _FLOAT.get(type(node))
+  if float_cls is None:
+    return node
+  learned = sorted(k for k, _ in nnx.to_flat_state(nnx.state(node, nnx.Param))
+                   if k[0] not in ("kernel", "bias"))
+  if learned:
+    raise ValueError(
+        f"switch_precision: layer {'/'.join(map(str, path))!r} learns quantizer parameters "
+        f"({['/'.join(map(str, k)) for k in learned]}, an LSQ recipe); the optimizer's state "
+        "holds them, so this layer cannot change precision mid-run: train it with an STE "
+        "recipe, or convert the finished model (fl.nnx.convert)")
+  return _same_variables(_TWINS[float_cls][1](node, None), node)
+
+
+def switch_precision(model: nnx.Module, optimizer: nnx.Optimizer, recipe: Any = None,
+                     rules: Sequence[QuantizationRule] | None = None, *,
+                     on_unmatched: str = "warn"):
+  """Goes on training ``model`` in another precision: a schedule, not a restart.
+
+  The NNX form of :func:`fp8_linen.switch_precision` (a precision tail:
+  NVIDIA's NVFP4 recipe ends its run in bf16). Every quantized twin
+  (``fl.nnx.Linear``, ``LinearGeneral``, ``Einsum``, ``Conv``) becomes the
+  flax layer it stands in for, holding the very same ``nnx.Param`` s; with a
+  ``recipe`` the result is quantized again by :func:`quantize_model` (fresh
+  quantization state for the new recipe: the old recipe's scales mean
+  nothing to it). The optimizer comes back with the same step and optimizer
+  state, attached to the new model.
+
+  Args:
+    model: the NNX model so far.
+    optimizer: its ``nnx.Optimizer`` (or :class:`~fp8_linen.nnx.Optimizer`).
+    recipe: the new recipe, or ``None``: float from now on.
+    rules: :func:`quantize_model`'s rules for the new recipe (``None``: every
+      layer); only with a ``recipe``.
+    on_unmatched: :func:`quantize_model`'s handling of unmatched rules.
+
+  Returns:
+    ``(model, optimizer)``: use these from now on (jitted steps compile again
+    for the new model). The optimizer is an :class:`~fp8_linen.nnx.Optimizer`,
+    whatever the new precision.
+
+  Raises:
+    ValueError: ``rules`` without a ``recipe``; a layer learns quantizer
+      parameters (LSQ), or is an ``fl.nnx.Fp8Einsum``, naming it.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import fp8_linen as fl
+    >>> model = fl.nnx.Linear(32, 8, recipe=fl.nvfp4(), rngs=nnx.Rngs(0))
+    >>> opt = fl.nnx.Optimizer(model, optax.adam(1e-3))
+    >>> model, opt = fl.nnx.switch_precision(model, opt)   # the bf16 tail
+    >>> type(model).__module__, int(opt.step[...])
+    ('flax.nnx.nn.linear', 0)
+  """
+  if rules is not None and recipe is None:
+    raise ValueError("switch_precision: rules need a recipe (recipe=None trains every layer "
+                     "in float)")
+  if not isinstance(optimizer, nnx.Optimizer):
+    raise TypeError("switch_precision: optimizer must be the model's nnx.Optimizer, got "
+                    f"{type(optimizer).__name__}")
+  new = nnx.recursive_map(_float_layer, model)
+  if recipe is not None:
+    new = quantize_model(new, recipe, rules, on_unmatched=on_unmatched)
+  before = nnx.to_flat_state(nnx.state(model, optimizer.wrt))
+  after = nnx.to_flat_state(nnx.state(new, optimizer.wrt))
+  if [k for k, _ in before] != [k for k, _ in after]:
+    gone = sorted(set(k for k, _ in before) - set(k for k, _ in after))
+    added = sorted(set(k for k, _ in after) - set(k for k, _ in before))
+    raise ValueError(
+        "switch_precision: the new model's optimized variables differ from the old model's "
+        f"(missing: {['/'.join(map(str, k)) for k in gone][:4]}, added: "
+        f"{['/'.join(map(str, k)) for k in added][:4]}: a recipe that learns quantizer "
+        "parameters, LSQ, adds some), so the optimizer state cannot follow; switch to a "
+        "recipe without learned parameters (STE)")
+  opt = Optimizer(new, optimizer.tx, wrt=optimizer.wrt)
+  opt.step = optimizer.step
+  opt.opt_state = optimizer.opt_state
+  return new, opt
