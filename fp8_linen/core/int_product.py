@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import dims, int_numerics, int_ops, lowering, mesh, owg
+from fp8_linen.core import dims, int_numerics, int_ops, lowering, mesh, owg, randomness
 from fp8_linen.core.int_codes import Codes, Operand, dequantize, quantize, rank_like
 from fp8_linen.core.int_gemm import (conv_fn, conv_supported, contracted, int_conv, int_gemm,
                                      resolve_compute_dtype, resolve_int_gemm)
@@ -78,6 +78,7 @@ class _Spec:
   lhs_shape: tuple
   rhs_shape: tuple
   grad_bits: int | None = None
+  grad_sr: bool = False  # IntRecipe.grad_stochastic_rounding
   frozen: bool = False  # owg.frozen_quantizers() when the product was called
 
 
@@ -141,11 +142,15 @@ class _DotSpec(_Spec):
     nd = (len(self.lhs_shape), len(self.rhs_shape))
     g32 = g.astype(jnp.float32)
     qmax = 2 ** (self.grad_bits - 1) - 1
+    noise = lambda salt: None
+    if self.grad_sr:
+      seed = randomness.bits_seed(xc.scale, wc.scale)
+      noise = lambda salt: randomness.uniform_noise(g32.shape, seed, salt)
     g1 = g32 * relayout(rank_like(wc.scale, wc.codes), lay.rhs_to_out, g32.ndim)
-    q1, s1 = _int_rows(g1, lay.rhs_free_out, qmax)
+    q1, s1 = _int_rows(g1, lay.rhs_free_out, qmax, noise(1))
     d_x = grad_gemm(q1, wc.codes, self.dn, *nd, "lhs", "fp8", jnp.int32, one)
     d_x = d_x.astype(jnp.float32) * relayout(s1, dims.flip(lay.lhs_to_out), d_x.ndim)
-    q2, s2 = _int_rows(g32, lay.lhs_free_out, qmax)
+    q2, s2 = _int_rows(g32, lay.lhs_free_out, qmax, noise(2))
     d_w = grad_gemm(q2, xc.codes.reshape(self.lhs_shape), self.dn, *nd, "rhs", "fp8",
                     jnp.int32, one)
     d_w = (d_w.astype(jnp.float32) * relayout(s2, dims.flip(lay.rhs_to_out), d_w.ndim)
@@ -174,12 +179,18 @@ def _code_grad_gemm(g, other: Codes, like, dn, nd, wrt: str, how: str, out_dtype
   return jnp.transpose(y.astype(out_dtype), perm)
 
 
-def _int_rows(t, axes, qmax: int):
-  """``t`` quantized to int8 with one scale per slice along ``axes`` (kept size 1)."""
+def _int_rows(t, axes, qmax: int, noise=None):
+  """``t`` quantized to int8 with one scale per slice along ``axes`` (kept size 1).
+
+  Round to nearest, or with ``noise`` (uniform [0, 1) of ``t``'s shape)
+  stochastically: ``floor(t / s + u)`` is ``t / s`` in expectation.
+  """
   s = jnp.max(jnp.abs(t), axis=tuple(axes), keepdims=True) / qmax if axes else \
       jnp.abs(t) / qmax
   s = jnp.where(s > 0, s, jnp.ones_like(s))
-  return jnp.clip(jnp.round(t / s), -qmax, qmax).astype(jnp.int8), s
+  v = t / s
+  v = jnp.round(v) if noise is None else jnp.floor(v + noise)
+  return jnp.clip(v, -qmax, qmax).astype(jnp.int8), s
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -423,7 +434,8 @@ def _run(spec_cls, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params,
                   out_dtype=jnp.dtype(out_dtype or jnp.result_type(lhs, rhs)),
                   lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
                   lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape),
-                  grad_bits=recipe.grad_bits, frozen=owg.quantizers_frozen(), **static)
+                  grad_bits=recipe.grad_bits, grad_sr=recipe.grad_stochastic_rounding,
+                  frozen=owg.quantizers_frozen(), **static)
   return _int_product(spec, lhs, rhs, lp, rp, owg.chain_init(2) if first else chain)
 
 

@@ -158,6 +158,12 @@ class IntRecipe:
       channel scales) and per column (wgrad), round to nearest. Needs
       symmetric grids without learned offsets and weights per tensor or
       channel; dot products only (convolutions refuse it).
+    grad_stochastic_rounding: with ``grad_bits``: round the gradient's codes
+      stochastically (``floor(t / s + u)``, ``u`` uniform), so each code is
+      the gradient in expectation instead of its nearest grid point. The
+      random bits are seeded by the operands' scales (the same on every
+      device, new every optimizer step); micro-batches of one accumulated
+      step share them.
 
   Example:
     >>> import jax.numpy as jnp
@@ -178,6 +184,7 @@ class IntRecipe:
   compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
   gemm: Literal["auto", "int8", "bf16"] = "auto"
   grad_bits: int | None = None
+  grad_stochastic_rounding: bool = False
 
   def __post_init__(self):
     for role in ("input", "kernel"):
@@ -191,6 +198,11 @@ class IntRecipe:
           "activation scales are per tensor; allowed values: ['tensor']")
     check_choice("IntRecipe", "compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
     check_choice("IntRecipe", "gemm", self.gemm, ("auto", "int8", "bf16"))
+    check_bool("IntRecipe", "grad_stochastic_rounding", self.grad_stochastic_rounding)
+    if self.grad_stochastic_rounding and self.grad_bits is None:
+      raise ValueError("IntRecipe.grad_stochastic_rounding=True rounds the integer gradient "
+                       "codes and needs grad_bits (2..8); allowed values with "
+                       "grad_bits=None: [False]")
     if self.grad_bits is not None:
       check_int("IntRecipe", "grad_bits", self.grad_bits, 2, 8)
       for role in ("input", "kernel"):

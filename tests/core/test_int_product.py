@@ -300,6 +300,41 @@ def test_integer_gradients_run_three_int8_gemms():
   assert len(dots) == 3 and all(l.count("xi8>") == 2 for l in dots), dots
 
 
+def test_stochastic_rounding_of_gradient_codes_is_unbiased():
+  """floor(t / s + u) averages to t / s over the noise; round to nearest keeps its error."""
+  t = jnp.asarray(np.random.default_rng(4).normal(size=(4, 64)), jnp.float32)
+  u = jax.random.uniform(jax.random.key(0), (2000, 4, 64))
+  codes, s = jax.vmap(lambda n: int_product._int_rows(t, (1,), 7, n))(u)
+  mean = jnp.mean(codes.astype(jnp.float32), axis=0) * s[0]
+  rtn, s_rtn = int_product._int_rows(t, (1,), 7)
+  rtn_err = float(jnp.max(jnp.abs(rtn * s_rtn - t)))
+  assert float(jnp.max(jnp.abs(mean - t))) < 0.15 * rtn_err
+  assert rtn_err > 0.3 * float(jnp.max(s_rtn))  # 3-bit codes: RTN is visibly off somewhere
+  assert np.all(np.abs(np.asarray(codes, np.int32)) <= 7)
+
+
+def test_integer_gradients_round_stochastically_when_asked():
+  base = RECIPES["ste_channel"]
+  rtn = fl.IntRecipe(input=base.input, kernel=base.kernel, grad_bits=8, gemm="int8")
+  sr = dataclasses.replace(rtn, grad_stochastic_rounding=True)
+  x, w = _data()
+  r = jax.random.normal(jax.random.key(2), (8, 16))
+  rng = jnp.zeros(2)
+
+  def grads(recipe):
+    f = lambda x, w: jnp.sum(_int(recipe, x, w, (rng,), ()) * r)
+    return jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)
+  (dx_n, dw_n), (dx_s, dw_s), again = grads(rtn), grads(sr), grads(sr)
+  np.testing.assert_array_equal(dw_s, again[1])  # reproducible: the seed is the step's scales
+  assert not np.array_equal(dw_s, dw_n) and not np.array_equal(dx_s, dx_n)
+  xq, _ = (np.asarray(t, np.float64) for t in _fake_quant(base, x, w, (rng,), ()))
+  np.testing.assert_allclose(dw_s, xq.T @ np.asarray(r, np.float64), rtol=0.05, atol=0.05)
+  text = jax.jit(jax.grad(lambda x, w: jnp.sum(_int(sr, x, w, (rng,), ()) ** 2),
+                          argnums=(0, 1))).lower(x, w).as_text()
+  dots = [l for l in text.splitlines() if "stablehlo.dot_general" in l]
+  assert len(dots) == 3 and all(l.count("xi8>") == 2 for l in dots), dots
+
+
 def test_grad_bits_needs_symmetric_grids():
   with pytest.raises(ValueError, match="grad_bits"):
     fl.IntRecipe(grad_bits=8, kernel=Q(granularity="group", group_size=4))
@@ -307,6 +342,8 @@ def test_grad_bits_needs_symmetric_grids():
     fl.IntRecipe(grad_bits=8, input=Q(symmetric=False))
   with pytest.raises(ValueError, match="grad_bits"):
     fl.IntRecipe(grad_bits=9)
+  with pytest.raises(ValueError, match=r"grad_stochastic_rounding=True.*needs grad_bits"):
+    fl.IntRecipe(grad_stochastic_rounding=True)
 
 
 # ----------------------------------------------------------------------------
