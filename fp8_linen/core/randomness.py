@@ -1,13 +1,15 @@
-"""Randomness of the block recipes: stochastic-rounding noise and the random Hadamard rotation.
+"""Randomness of the recipes: stochastic-rounding noise and the random Hadamard rotation.
 
 Both are reproducible from what a step already holds, so every device of a
 mesh and every recompute (remat) draws the same values:
 
-* :func:`uniform_noise` gives the uniform [0, 1) values NVFP4's stochastic
-  rounding compares against
-  (:func:`~fp8_linen.core.block_numerics.stochastic_round_e2m1`), from a seed
-  that :func:`bits_seed` takes from the bits of a role's state (it changes
-  every step and is the same on every device);
+* :func:`uniform_noise` gives the uniform [0, 1) values stochastic rounding
+  compares against (NVFP4's gradient,
+  :func:`~fp8_linen.core.block_numerics.stochastic_round_e2m1`, and integer
+  gradient codes), from a seed that :func:`bits_seed` takes from the bits of
+  state the step holds (it changes every step and is the same on every
+  device); the bits are a hash of each element's index, fused into the
+  rounding that reads them;
 * :func:`random_hadamard` rotates groups of the contracted axis by a fixed
   random orthogonal matrix (its signs from :func:`hadamard_signs`) before
   NVFP4's weight-gradient GEMM quantizes them, spreading outliers.
@@ -22,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
@@ -46,15 +47,46 @@ def bits_seed(*arrays) -> jnp.ndarray:
   return total
 
 
+_GOLDEN = np.uint32(0x9E3779B9)
+
+
+def _mix32(x: jnp.ndarray) -> jnp.ndarray:
+  """A bijective 32-bit integer hash with full avalanche (xor-shift-multiply rounds)."""
+  x = x ^ (x >> np.uint32(16))
+  x = x * np.uint32(0x7FEB352D)
+  x = x ^ (x >> np.uint32(15))
+  x = x * np.uint32(0x846CA68B)
+  return x ^ (x >> np.uint32(16))
+
+
 def uniform_noise(shape, seed, salt: int) -> jnp.ndarray:
   """Uniform [0, 1) float32 values of ``shape`` from ``seed`` (uint32 scalar) and ``salt``.
 
-  The bits come from ``jax.random`` (threefry, partitionable: the value at
-  each index does not depend on how the array is sharded).
+  Counter-based: each element hashes its own flat index with a key made of
+  ``seed`` and ``salt``, in elementwise integer ops on an ``iota``. So the
+  bits are made where they are used: XLA fuses them into the consumer (the
+  rounding), no random tensor is written to memory and no generator kernel
+  runs, and the value at an index does not depend on how the array is
+  sharded (each device hashes its part of the global index). For a fixed key
+  the map from index to bits is a bijection: the values of one tensor (below
+  2**32 elements) never repeat. 24 bits per value.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import randomness
+    >>> u = randomness.uniform_noise((4, 4), jnp.uint32(7), salt=1)
+    >>> bool(((u >= 0) & (u < 1)).all()), len(set(u.ravel().tolist()))
+    (True, 16)
   """
-  key = jax.random.fold_in(jax.random.key(seed), salt)
-  r = jax.random.bits(key, tuple(shape), jnp.uint32)
-  return (r >> 8).astype(jnp.float32) * (2.0 ** -24)
+  shape = tuple(int(d) for d in shape)
+  idx = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    idx = idx + lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(stride % 2**32)
+    stride *= shape[axis]
+  key = _mix32(jnp.asarray(seed, jnp.uint32) ^ _mix32(jnp.uint32(salt) * _GOLDEN))
+  r = _mix32(idx * _GOLDEN + key)
+  return (r >> np.uint32(8)).astype(jnp.float32) * np.float32(2.0 ** -24)
 
 
 def hadamard_signs(size: int) -> np.ndarray:

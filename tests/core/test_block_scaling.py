@@ -223,6 +223,28 @@ def test_random_hadamard_is_the_signed_sylvester_matrix_and_keeps_products():
   np.testing.assert_allclose(np.abs(np.asarray(_random_hadamard(spike, 16))), 2.0)
 
 
+def test_noise_is_uniform_fused_and_the_same_however_it_is_sharded():
+  """Counter-based bits: uniform, distinct within a tensor, independent across seeds and salts,
+  no generator op in the program, and on a mesh each device's part equals the whole's."""
+  u = np.asarray(_uniform_noise((256, 512), jnp.uint32(12345), 1))
+  assert abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002
+  hist, _ = np.histogram(u, bins=32)
+  assert hist.min() > 0.9 * u.size / 32 and hist.max() < 1.1 * u.size / 32
+  assert len(np.unique(u)) > 0.99 * u.size  # 24-bit values of a bijective hash
+  for other in (np.asarray(_uniform_noise((256, 512), jnp.uint32(12346), 1)),
+                np.asarray(_uniform_noise((256, 512), jnp.uint32(12345), 2)),
+                u[:, ::-1]):
+    assert abs(np.corrcoef(u.ravel(), other.ravel())[0, 1]) < 0.01
+  assert abs(np.corrcoef(u[:, :-1].ravel(), u[:, 1:].ravel())[0, 1]) < 0.01
+  text = _uniform_noise.lower((64, 64), jnp.uint32(1), 1).compile().as_text()
+  assert "rng" not in text and "threefry" not in text
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+  sharded = jax.jit(randomness.uniform_noise, static_argnums=(0, 2),
+                    out_shardings=jax.sharding.NamedSharding(
+                        mesh, jax.sharding.PartitionSpec("a", "b")))((256, 512), jnp.uint32(12345), 1)
+  np.testing.assert_array_equal(np.asarray(sharded), u)
+
+
 def test_stochastic_rounding_is_unbiased_and_stays_on_neighbours():
   y = jnp.asarray(np.linspace(-6, 6, 97), jnp.float32)
   grid = np.array(sorted({float(v) for v in np.arange(-6, 6.5, 0.5).astype(np.float32)
@@ -335,7 +357,9 @@ def _primitives(recipe, block_scaled):
   return names
 
 
-@pytest.mark.parametrize("recipe", [fl.mx_block_scaling(), fl.nvfp4()], ids=["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", [fl.mx_block_scaling(), fl.nvfp4(),
+                                    fl.nvfp4(four_over_six=True)],
+                         ids=["mxfp8", "nvfp4", "nvfp4-four-over-six"])
 def test_traced_for_blackwell_every_product_is_scaled_matmul(recipe):
   names = _primitives(recipe, block_scaled=True)
   assert names.count("scaled_matmul_wrapper") == 3
