@@ -18,7 +18,13 @@ the same order, and its loss on held-out text is compared with bf16's:
   the last layers kept in bf16 by ``fl.high_precision_layers`` (``--keep``);
 * ablations (``--arms``): ``nvfp4_no_2d``, ``nvfp4_no_rht``, ``nvfp4_no_sr``,
   ``nvfp4_no_keep`` (every projection in NVFP4) and ``nvfp4_plain`` (none of
-  the four techniques), each one change from ``nvfp4``.
+  the four techniques), each one change from ``nvfp4``;
+* options beyond NVIDIA's recipe (:data:`NVFP4_OPTIONS`): ``four_over_six``
+  block scales (``nvfp4_46``), a precision tail (the last ``--tail-fraction``
+  of the steps in bf16 or MXFP8 through ``fl.switch_precision``:
+  ``nvfp4_tail_bf16``, ``nvfp4_tail_mxfp8``) and combinations;
+* integer arms (:data:`INT_ARMS`): the job's int8 LSQ arm, with integer
+  gradient GEMMs (``grad_bits=8``), and with those rounded stochastically.
 
 In every quantized arm the embeddings, norms, attention math and vocabulary
 head stay bf16, as in the job. On CPU the block recipes run their emulation:
@@ -64,8 +70,32 @@ from fp8_linen_job import train as train_lib  # noqa: E402
 
 MAIN_ARMS = ("bf16", "fp8_delayed", "mxfp8", "nvfp4")
 ABLATIONS = ("nvfp4_no_2d", "nvfp4_no_rht", "nvfp4_no_sr", "nvfp4_no_keep", "nvfp4_plain")
-ARM_CHOICES = MAIN_ARMS + ABLATIONS
-TARGETS = {"mxfp8": 0.003, "nvfp4": 0.015}
+NVFP4_OPTIONS = {
+    "nvfp4_no_2d": dict(kernel_2d_blocks=False), "nvfp4_no_rht": dict(wgrad_hadamard=0),
+    "nvfp4_no_sr": dict(grad_stochastic_rounding=False),
+    "nvfp4_plain": dict(kernel_2d_blocks=False, wgrad_hadamard=0,
+                        grad_stochastic_rounding=False),
+    "nvfp4_46": dict(four_over_six=True),
+    "nvfp4_tail_bf16": dict(tail="bf16"), "nvfp4_tail_mxfp8": dict(tail="mxfp8"),
+    "nvfp4_46_no_sr_tail_bf16": dict(four_over_six=True, grad_stochastic_rounding=False,
+                                     tail="bf16"),
+    "nvfp4_46_no_sr_tail20_bf16": dict(four_over_six=True, grad_stochastic_rounding=False,
+                                       tail="bf16", tail_fraction=0.2),
+    # The layer fl.sensitivity chose for NVFP4 on this LM (cpu-sensitivity-lm.json) kept in
+    # bf16 instead of the hand rule's last MLP: one layer instead of two.
+    "nvfp4_46_no_sr_tail20_bf16_chosen": dict(
+        four_over_six=True, grad_stochastic_rounding=False, tail="bf16", tail_fraction=0.2,
+        keep=("block0/attn/qkv",)),
+}
+"""What each NVFP4 arm changes from ``fl.nvfp4()``: recipe fields, and ``tail``: the
+precision of the run's last ``tail_fraction`` of steps (``fl.switch_precision``; default
+``--tail-fraction``)."""
+OPTIONS = tuple(a for a in NVFP4_OPTIONS if a not in ABLATIONS)
+INT_ARMS = ("int8_lsq", "int8_grad8", "int8_grad8_sr")
+"""The job's int8 arm (LSQ, float gradient GEMMs), with integer gradient GEMMs
+(``grad_bits=8``, round to nearest) and with their codes rounded stochastically."""
+ARM_CHOICES = MAIN_ARMS + ABLATIONS + OPTIONS + INT_ARMS
+TARGETS = {"mxfp8": 0.003, "nvfp4": 0.015, "int8_grad8": 0.005}
 """Largest allowed relative excess of the mean final validation loss over bf16's."""
 
 
@@ -81,18 +111,33 @@ def job_config(args, seed: int, length: int) -> config_lib.JobConfig:
 
 
 def nvfp4_recipe(name: str):
-  """``fl.nvfp4()`` with the one technique the arm name switches off."""
-  off = {"nvfp4_no_2d": dict(kernel_2d_blocks=False), "nvfp4_no_rht": dict(wgrad_hadamard=0),
-         "nvfp4_no_sr": dict(grad_stochastic_rounding=False),
-         "nvfp4_plain": dict(kernel_2d_blocks=False, wgrad_hadamard=0,
-                             grad_stochastic_rounding=False)}.get(name, {})
-  return fl.nvfp4(**off)
+  """``fl.nvfp4()`` with the fields the arm name changes (:data:`NVFP4_OPTIONS`)."""
+  fields = {k: v for k, v in NVFP4_OPTIONS.get(name, {}).items()
+            if k not in ("tail", "tail_fraction", "keep")}
+  return fl.nvfp4(**fields)
+
+
+def tail_arm(name: str, cfg: config_lib.JobConfig, keep: str):
+  """The arm an NVFP4 arm switches to for its last steps, or ``None`` (no tail)."""
+  tail = NVFP4_OPTIONS.get(name, {}).get("tail")
+  if tail is None:
+    return None
+  if tail == "bf16":
+    return arms_lib.build_arm("bf16", cfg)
+  recipe = fl.mx_block_scaling()
+  rules = keep_rules(name, cfg, keep) + fl.projection_rules()
+  return arms_lib.Arm(name=tail, recipe=recipe,
+                      wrap_model=lambda model: fl.quantize_model(model, recipe, rules=rules,
+                                                                 on_unquantized="ignore"))
 
 
 def keep_rules(name: str, cfg: config_lib.JobConfig, keep: str):
   """The layers an NVFP4 arm keeps in bf16 (``fl.high_precision_layers``)."""
   if name in ("nvfp4_no_keep", "nvfp4_plain") or keep == "none":
     return ()
+  if "keep" in NVFP4_OPTIONS.get(name, {}):
+    return tuple(fl.QuantizationRule(module_path=p, quantize=False)
+                 for p in NVFP4_OPTIONS[name]["keep"])
   template, _, last = keep.rpartition(":")
   return fl.high_precision_layers(template, cfg.lm.num_layers, last=int(last))
 
@@ -107,6 +152,13 @@ def build_arm(name: str, cfg: config_lib.JobConfig, keep: str) -> arms_lib.Arm:
   if name == "mxfp8":
     return dataclasses.replace(arms_lib.build_arm("fp8", dataclasses.replace(
         cfg, fp8_recipe="mx_block")), name=name)
+  if name in INT_ARMS:
+    recipe = fl.int8_lsq()
+    if name != "int8_lsq":
+      recipe = dataclasses.replace(recipe, grad_bits=8,
+                                   grad_stochastic_rounding=name == "int8_grad8_sr")
+    return dataclasses.replace(arms_lib.build_arm("int8", dataclasses.replace(
+        cfg, int8_recipe=fl.recipe_to_dict(recipe))), name=name)
   recipe = nvfp4_recipe(name)
   # The projections of the blocks by rule (the same layers QDense replaces in
   # the other arms: attention math and the head stay bf16), minus the kept ones.
@@ -119,8 +171,15 @@ def build_arm(name: str, cfg: config_lib.JobConfig, keep: str) -> arms_lib.Arm:
       details=(("recipe", repr(recipe)), ("rules", repr(rules))))
 
 
-def train_once(name: str, cfg: config_lib.JobConfig, keep: str, val_points: int) -> dict:
-  """Trains one arm once; its loss curve and final losses."""
+def train_once(name: str, cfg: config_lib.JobConfig, keep: str, val_points: int,
+               tail_fraction: float = 0.1) -> dict:
+  """Trains one arm once; its loss curve and final losses.
+
+  An arm with a precision tail runs its last ``tail_fraction`` of the steps
+  in the tail's precision: the same parameters and optimizer state go on
+  (``fl.switch_precision``), and the final validation loss is the tail
+  model's.
+  """
   t0 = time.perf_counter()
   task = tasks_lib.lm_task(cfg)
   arm = build_arm(name, cfg, keep)
@@ -128,15 +187,32 @@ def train_once(name: str, cfg: config_lib.JobConfig, keep: str, val_points: int)
   step = jax.jit(train_lib.make_train_step([]), donate_argnums=0)
   evaluate = jax.jit(train_lib.make_eval_step(state.apply_fn))
   steps = cfg.lm.steps
+  tail = tail_arm(name, cfg, keep)
+  tail_fraction = NVFP4_OPTIONS.get(name, {}).get("tail_fraction", tail_fraction)
+  switch_at = steps - int(round(tail_fraction * steps)) if tail is not None else None
   every = max(1, steps // max(1, val_points))
   losses, val = [], []
   for i in range(steps):
+    if i == switch_at:
+      main_apply, main_vars = state.apply_fn, state.params
+      model = task.build_model(tail)
+      fresh = jax.jit(model.init)(jax.random.PRNGKey(cfg.seed), task.example_input())
+      state = fl.switch_precision(state, apply_fn=model.apply, variables=dict(fresh))
+      evaluate = jax.jit(train_lib.make_eval_step(state.apply_fn))
     state, metrics = step(state, task.train_batch(i))
     losses.append(float(metrics["loss"]))
     if (i + 1) % every == 0 and i + 1 < steps:
       val.append([i + 1, train_lib.evaluate(evaluate, state.params, task.eval_batches)[0]])
   val_loss, val_acc = train_lib.evaluate(evaluate, state.params, task.eval_batches)
   val.append([steps, val_loss])
+  extra = {}
+  if tail is not None:
+    # The final weights through the arm's own recipe as well: how much of the
+    # tail's gain is the weights, how much the evaluation's precision.
+    own = dict(main_vars, params=state.params["params"])
+    extra = {"tail": tail.name, "tail_from_step": switch_at,
+             "val_loss_own_recipe": train_lib.evaluate(
+                 jax.jit(train_lib.make_eval_step(main_apply)), own, task.eval_batches)[0]}
   window = min(train_lib.TRAIN_LOSS_WINDOW, len(losses))
   return {"arm": name, "seed": cfg.seed, "steps": steps, "val_loss": val_loss,
           "val_acc": val_acc, "final_train_loss": float(np.mean(losses[-window:])),
@@ -144,7 +220,8 @@ def train_once(name: str, cfg: config_lib.JobConfig, keep: str, val_points: int)
           # every 25th step: the curve's shape without half a megabyte of JSON
           "train_loss": [round(v, 4) for v in losses[::25]], "seconds": time.perf_counter() - t0,
           "recipe": dict(arm.details).get("recipe", "bf16"),
-          "rules": dict(arm.details).get("rules", "")}
+          "rules": dict(arm.details).get("rules", ""),
+          **extra}
 
 
 def summarize(runs: list[dict], lengths, base_steps: int) -> dict:
@@ -168,7 +245,7 @@ def summarize(runs: list[dict], lengths, base_steps: int) -> dict:
         row["ratio_vs_bf16_mean"] = float(np.mean(vals)) / float(np.mean(list(base.values())))
         row["ratio_vs_bf16_per_seed"] = paired
         family = "nvfp4" if arm.startswith("nvfp4") else arm
-        if family in TARGETS and arm in ("mxfp8", "nvfp4"):
+        if family in TARGETS and arm in ("mxfp8", "nvfp4", "int8_grad8"):
           row["target_excess"] = TARGETS[family]
           row["meets_target"] = row["ratio_vs_bf16_mean"] - 1.0 <= TARGETS[family]
       rows[arm] = row
@@ -214,6 +291,24 @@ def markdown(payload: dict, arms=MAIN_ARMS) -> str:
   return "\n".join(lines)
 
 
+def own_recipe_markdown(payload: dict) -> str:
+  """For the arms with a precision tail: the final weights evaluated through the arm's own
+  recipe (NVFP4) as well as the tail's, each vs bf16 (mean of per-seed ratios)."""
+  base = {(r["seed"], r["steps"]): r["val_loss"] for r in payload["runs"] if r["arm"] == "bf16"}
+  lines = ["| arm | steps | tail from step | vs bf16, tail's precision | vs bf16, NVFP4 "
+           "forward | seeds |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+  groups = {}
+  for r in payload["runs"]:
+    if "val_loss_own_recipe" in r and (r["seed"], r["steps"]) in base:
+      groups.setdefault((r["arm"], r["steps"]), []).append(r)
+  for (arm, steps), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    tail = np.mean([r["val_loss"] / base[(r["seed"], steps)] for r in rs])
+    own = np.mean([r["val_loss_own_recipe"] / base[(r["seed"], steps)] for r in rs])
+    lines.append(f"| {arm} | {steps} | {rs[0]['tail_from_step']} | {100 * (tail - 1):+.2f}% | "
+                 f"{100 * (own - 1):+.2f}% | {len(rs)} |")
+  return "\n".join(lines)
+
+
 def merge(paths) -> dict:
   """One payload from several partial runs' files (later files' runs win per arm, seed, steps)."""
   payloads = [json.load(open(p)) for p in paths]
@@ -248,6 +343,8 @@ def parse_args(argv=None):
   p.add_argument("--keep", default="block{i}/mlp:1",
                  help="the NVFP4 arms' high-precision layers, 'TEMPLATE:LAST' for "
                       "fl.high_precision_layers(TEMPLATE, num_layers, last=LAST), or 'none'")
+  p.add_argument("--tail-fraction", type=float, default=0.1,
+                 help="the share of the steps a *_tail_* arm runs in the tail's precision")
   p.add_argument("--eval-batches", type=int, default=32,
                  help="held-out batches of 16 x 64 bytes for the validation loss")
   p.add_argument("--val-points", type=int, default=4, help="validation evaluations per run")
@@ -318,7 +415,8 @@ def main(argv=None) -> dict:
   if args.merge:
     payload = merge(args.merge)
     common.write_json_to(args.out or args.merge[0], payload)
-    print(markdown(payload), markdown(payload, ABLATIONS), sep="\n\n")
+    print(markdown(payload), markdown(payload, ABLATIONS), markdown(payload, OPTIONS),
+          own_recipe_markdown(payload), markdown(payload, ("bf16",) + INT_ARMS), sep="\n\n")
     return payload
   base_steps = job_config(args, 0, 1).lm.steps
   path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
@@ -328,7 +426,7 @@ def main(argv=None) -> dict:
     for seed in args.seeds:
       for name in args.arms:
         cfg = job_config(args, seed, length)
-        r = train_once(name, cfg, args.keep, args.val_points)
+        r = train_once(name, cfg, args.keep, args.val_points, args.tail_fraction)
         runs.append(r)
         print(f"{name:15s} seed {seed} {r['steps']:5d} steps: val loss {r['val_loss']:.4f} "
               f"train {r['final_train_loss']:.4f} ({r['seconds']:.0f} s)", flush=True)

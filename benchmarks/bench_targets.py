@@ -52,7 +52,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEVICE = "estimate (compile only)"
 ARMS = ("bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "mx_block", "nvfp4", "int8_ste",
-        "int8_lsq")
+        "int8_lsq", "int8_grad8", "int8_grad8_sr")
 WIDTHS = (1024, 4096, 8192)
 TARGETS = ("h100", "b200", "tpu-v5e", "tpu-v6e", "tpu7x")
 # device_kind of a real device -> the target whose peaks its estimate uses.
@@ -67,7 +67,10 @@ def recipe(arm: str):
           "fp8_rowwise": fl.rowwise_scaling(), "mx_block": fl.mx_block_scaling(),
           "nvfp4": fl.nvfp4(),
           "int8_ste": fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel")),
-          "int8_lsq": fl.int8_lsq()}[arm]
+          "int8_lsq": fl.int8_lsq(),
+          "int8_grad8": fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel"), grad_bits=8),
+          "int8_grad8_sr": fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel"),
+                                        grad_bits=8, grad_stochastic_rounding=True)}[arm]
 
 
 def model(arm: str, d: int, heads: int):
@@ -197,7 +200,9 @@ def measure(widths, arms, reps: int, quick: bool) -> dict:
 
 
 LABELS = {"fp8_delayed": "fp8 delayed", "fp8_current": "fp8 current", "fp8_rowwise": "fp8 row-wise",
-          "mx_block": "MXFP8", "nvfp4": "NVFP4", "int8_ste": "int8 STE", "int8_lsq": "int8 LSQ"}
+          "mx_block": "MXFP8", "nvfp4": "NVFP4", "int8_ste": "int8 STE", "int8_lsq": "int8 LSQ",
+          "int8_grad8": "int8 STE, grad_bits=8",
+          "int8_grad8_sr": "int8 STE, grad_bits=8, stochastic rounding"}
 NAMES = {"h100": "H100", "b200": "B200", "tpu-v5e": "TPU v5e", "tpu-v6e": "TPU v6e",
          "tpu7x": "TPU7x"}
 

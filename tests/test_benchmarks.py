@@ -262,18 +262,24 @@ def test_bench_serving_quick(tmp_path):
 def test_bench_block_quality_quick(tmp_path):
   bq = _load("bench_block_quality")
   out = tmp_path / "cpu-block-quality.json"
-  bq.main(["--quick", "--arms", "bf16", "mxfp8", "nvfp4", "--seeds", "0", "1", "--lengths",
-           "1", "--eval-batches", "2", "--val-points", "1", "--out", str(out)])
+  bq.main(["--quick", "--arms", "bf16", "nvfp4", "nvfp4_tail_mxfp8", "--seeds", "0", "1",
+           "--lengths", "1", "--eval-batches", "2", "--val-points", "1", "--tail-fraction",
+           "0.3", "--out", str(out)])
   saved = json.loads(out.read_text())
   assert saved["seeds"] == [0, 1] and saved["lengths_steps"] == [10]
   rows = saved["summary"]["10_steps"]
-  assert set(rows) == {"bf16", "mxfp8", "nvfp4"}
-  assert rows["nvfp4"]["target_excess"] == 0.015 and "meets_target" in rows["mxfp8"]
+  assert set(rows) == {"bf16", "nvfp4", "nvfp4_tail_mxfp8"}
+  assert rows["nvfp4"]["target_excess"] == 0.015 and "meets_target" in rows["nvfp4"]
   assert len(rows["nvfp4"]["ratio_vs_bf16_per_seed"]) == 2
   assert len(saved["runs"]) == 6 and all(r["finite"] for r in saved["runs"])
   # The NVFP4 arm keeps the last block's MLP in bf16 by rule.
   nv = [r for r in saved["runs"] if r["arm"] == "nvfp4"][0]
   assert "block1/mlp" in nv["rules"] and "float4_e2m1fn" in nv["recipe"]
+  # The tail arm ran its last 3 of 10 steps in MXFP8, and was evaluated both ways.
+  tail = [r for r in saved["runs"] if r["arm"] == "nvfp4_tail_mxfp8"]
+  assert all(r["tail"] == "mxfp8" and r["tail_from_step"] == 7 for r in tail)
+  assert all(r["val_loss_own_recipe"] != r["val_loss"] for r in tail)
+  assert "| nvfp4_tail_mxfp8 | 10 | 7 |" in bq.own_recipe_markdown(saved)
   # Partial runs merge into one table: a second file's seeds join the first's.
   other = dict(saved, runs=[dict(r, seed=r["seed"] + 10) for r in saved["runs"]])
   (tmp_path / "more.json").write_text(json.dumps(other))
@@ -282,7 +288,7 @@ def test_bench_block_quality_quick(tmp_path):
   assert merged["summary"]["10_steps"]["nvfp4"]["seeds"] == [0, 1, 10, 11]
   table = bq.markdown(merged).splitlines()
   assert table[0].startswith("| arm | 10 steps: val loss (vs bf16) |")
-  assert table[4].startswith("| mxfp8 | ") and table[4].endswith("[4] | within 0.3% |")
+  assert table[5].startswith("| nvfp4 | ") and table[5].endswith("[4] | within 1.5% |")
 
 
 def test_bench_targets_quick(tmp_path, capsys, require_target):
