@@ -104,7 +104,17 @@ def test_quality_tables_are_the_benchmark_output():
   doc = ROOT.joinpath("docs/recipes.md").read_text()
   assert _table_after(doc, "<!-- quality table") == main
   assert _table_after(doc, "<!-- quality ablations") == _rows(bq.markdown(payload, bq.ABLATIONS))
-  assert payload["seeds"] == [0, 1, 2] and payload["device"] == "CPU"
-  # Every main arm ran every seed at both lengths.
-  for rows in payload["summary"].values():
-    assert all(rows[a]["seeds"] == [0, 1, 2] for a in bq.MAIN_ARMS)
+  assert _table_after(doc, "<!-- quality options") == _rows(bq.markdown(payload, bq.OPTIONS))
+  assert _table_after(doc, "<!-- quality tail") == _rows(bq.own_recipe_markdown(payload))
+  assert _table_after(doc, "<!-- quality int8") == _rows(
+      bq.markdown(payload, ("bf16",) + bq.INT_ARMS))
+  assert payload["device"] == "CPU"
+  summary = payload["summary"]
+  # Every main arm ran seeds 0-2 at 300 and 1200 steps; bf16 and the tuned NVFP4 at 3000.
+  for length in ("300_steps", "1200_steps"):
+    assert all({0, 1, 2} <= set(summary[length][a]["seeds"]) for a in bq.MAIN_ARMS), length
+  assert all({0, 1, 2} <= set(summary["3000_steps"][a]["seeds"])
+             for a in ("bf16", bq.TUNED_NVFP4))
+  # The tuned NVFP4 arm's targets, as measured: +1.5% at 1200 steps, +1.0% at 3000.
+  for length, bound in (("1200_steps", 0.015), ("3000_steps", 0.010)):
+    assert summary[length][bq.TUNED_NVFP4]["ratio_vs_bf16_mean"] - 1 <= bound, length
