@@ -23,8 +23,9 @@ the same order, and its loss on held-out text is compared with bf16's:
   block scales (``nvfp4_46``), a precision tail (the last ``--tail-fraction``
   of the steps in bf16 or MXFP8 through ``fl.switch_precision``:
   ``nvfp4_tail_bf16``, ``nvfp4_tail_mxfp8``) and combinations;
-* integer arms (:data:`INT_ARMS`): the job's int8 LSQ arm, with integer
-  gradient GEMMs (``grad_bits=8``), and with those rounded stochastically.
+* integer arms (:data:`INT_ARMS`): the job's int8 LSQ arm with integer
+  gradient GEMMs (``grad_bits=8``), round to nearest or stochastically;
+* ``fp8_delayed_h16``: delayed scaling with a 16-step amax history.
 
 In every quantized arm the embeddings, norms, attention math and vocabulary
 head stay bf16, as in the job. On CPU the block recipes run their emulation:
@@ -94,10 +95,13 @@ NVFP4_OPTIONS = {
 precision of the run's last ``tail_fraction`` of steps (``fl.switch_precision``; default
 ``--tail-fraction``)."""
 OPTIONS = tuple(a for a in NVFP4_OPTIONS if a not in ABLATIONS and a != TUNED_NVFP4)
-INT_ARMS = ("int8_lsq", "int8_grad8", "int8_grad8_sr")
-"""The job's int8 arm (LSQ, float gradient GEMMs), with integer gradient GEMMs
-(``grad_bits=8``, round to nearest) and with their codes rounded stochastically."""
-ARM_CHOICES = MAIN_ARMS + ABLATIONS + OPTIONS + INT_ARMS
+INT_ARMS = ("int8_grad8", "int8_grad8_sr")
+"""The job's int8 arm (``fl.int8_lsq()``) with integer gradient GEMMs (``grad_bits=8``, round
+to nearest), and with their codes rounded stochastically."""
+FP8_ARMS = ("fp8_delayed_h16",)
+"""fp8 delayed scaling with a 16-step amax history instead of the default 1024 (a run of 1200
+steps otherwise scales by the largest amax since its start)."""
+ARM_CHOICES = MAIN_ARMS + ABLATIONS + OPTIONS + INT_ARMS + FP8_ARMS
 TARGETS = {"mxfp8": 0.003, "nvfp4": 0.015, "int8_grad8": 0.005}
 LONG_TARGETS = {TUNED_NVFP4: (3000, 0.010)}
 """Targets from a run length on: (steps, largest relative excess over bf16)."""
@@ -162,14 +166,15 @@ def build_arm(name: str, cfg: config_lib.JobConfig, keep: str) -> arms_lib.Arm:
   if name == "fp8_delayed":
     return dataclasses.replace(arms_lib.build_arm("fp8", dataclasses.replace(
         cfg, fp8_recipe={})), name=name)
+  if name == "fp8_delayed_h16":
+    return dataclasses.replace(arms_lib.build_arm("fp8", dataclasses.replace(
+        cfg, fp8_recipe=fl.recipe_to_dict(fl.delayed_scaling(16)))), name=name)
   if name == "mxfp8":
     return dataclasses.replace(arms_lib.build_arm("fp8", dataclasses.replace(
         cfg, fp8_recipe="mx_block")), name=name)
   if name in INT_ARMS:
-    recipe = fl.int8_lsq()
-    if name != "int8_lsq":
-      recipe = dataclasses.replace(recipe, grad_bits=8,
-                                   grad_stochastic_rounding=name == "int8_grad8_sr")
+    recipe = dataclasses.replace(fl.int8_lsq(), grad_bits=8,
+                                 grad_stochastic_rounding=name == "int8_grad8_sr")
     return dataclasses.replace(arms_lib.build_arm("int8", dataclasses.replace(
         cfg, int8_recipe=fl.recipe_to_dict(recipe))), name=name)
   recipe = nvfp4_recipe(name)
@@ -432,7 +437,8 @@ def main(argv=None) -> dict:
     payload = merge(args.merge)
     common.write_json_to(args.out or args.merge[0], payload)
     print(markdown(payload), markdown(payload, ABLATIONS), markdown(payload, OPTIONS),
-          own_recipe_markdown(payload), markdown(payload, ("bf16",) + INT_ARMS), sep="\n\n")
+          own_recipe_markdown(payload), markdown(payload, ("bf16",) + INT_ARMS),
+          markdown(payload, ("bf16", "fp8_delayed") + FP8_ARMS), sep="\n\n")
     return payload
   base_steps = job_config(args, 0, 1).lm.steps
   path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

@@ -108,6 +108,8 @@ def test_quality_tables_are_the_benchmark_output():
   assert _table_after(doc, "<!-- quality tail") == _rows(bq.own_recipe_markdown(payload))
   assert _table_after(doc, "<!-- quality int8") == _rows(
       bq.markdown(payload, ("bf16",) + bq.INT_ARMS))
+  assert _table_after(doc, "<!-- quality fp8") == _rows(
+      bq.markdown(payload, ("bf16", "fp8_delayed") + bq.FP8_ARMS))
   assert payload["device"] == "CPU"
   summary = payload["summary"]
   # Every main arm ran seeds 0-2 at 300 and 1200 steps; bf16 and the tuned NVFP4 at 3000.
