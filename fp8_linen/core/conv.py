@@ -47,7 +47,7 @@ from fp8_linen.core import lowering, mesh, numerics, owg
 from fp8_linen.core.fp8_vjp import Fp8Spec, fp8_vjp
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
-__all__ = ["ConvSpec", "fp8_conv_general_dilated", "fp8_conv_of", "conv_config"]
+__all__ = ["ConvSpec", "fp8_conv_general_dilated", "fp8_conv_of", "conv_config", "conv_kwargs_from"]
 
 
 def _conv(a, b, cfg, compute_dtype, preferred=None):
@@ -341,3 +341,22 @@ def fp8_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=Non
                   rhs_dtype=jnp.dtype(rhs.dtype), first=first,
                   frozen=owg.quantizers_frozen())
   return fp8_vjp(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)
+
+
+def conv_kwargs_from(window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                     dimension_numbers=None, feature_group_count=1, batch_group_count=1,
+                     **unused) -> dict:
+  """Collects ``lax.conv_general_dilated``'s layout arguments into a dict.
+
+  ``precision`` and ``preferred_element_type`` are dropped (fp8 convolutions
+  choose their own); ``batch_group_count`` other than 1 is rejected.
+  """
+  unused.pop("precision", None)
+  unused.pop("preferred_element_type", None)
+  if unused:
+    raise TypeError(f"unsupported conv_general_dilated arguments: {sorted(unused)}")
+  if batch_group_count != 1:
+    raise NotImplementedError("fp8 convolutions do not support batch_group_count != 1")
+  return dict(window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
+              rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+              feature_group_count=feature_group_count)

@@ -16,35 +16,18 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fp8_linen.core.conv import conv_kwargs_from
 from fp8_linen.families.table import check_recipe
 from fp8_linen.linen.access import quantized_conv_on
 from fp8_linen.linen.seam import Seam
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
-__all__ = ["QConv", "conv_kwargs_from"]
+__all__ = ["QConv"]
 
 
 # The QConv whose __call__ is running (read by _layer_conv).
 _CONV = Seam("conv_general_dilated")
 
-
-def conv_kwargs_from(window_strides, padding, lhs_dilation=None, rhs_dilation=None,
-                     dimension_numbers=None, feature_group_count=1, batch_group_count=1,
-                     **unused) -> dict:
-  """Collects ``lax.conv_general_dilated``'s layout arguments into a dict.
-
-  ``precision`` and ``preferred_element_type`` are dropped (fp8 convolutions
-  choose their own); ``batch_group_count`` other than 1 is rejected.
-  """
-  unused.pop("precision", None)
-  unused.pop("preferred_element_type", None)
-  if unused:
-    raise TypeError(f"unsupported conv_general_dilated arguments: {sorted(unused)}")
-  if batch_group_count != 1:
-    raise NotImplementedError("fp8 convolutions do not support batch_group_count != 1")
-  return dict(window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
-              rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
-              feature_group_count=feature_group_count)
 
 
 def _layer_conv(lhs, rhs, *args, **kwargs):

@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import re
 from typing import Mapping
 
 import flax.linen as nn
@@ -25,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from fp8_linen.model_quantization.frames import Frame
-from fp8_linen.recipes.rules import QuantizationRule
+from fp8_linen.recipes.rules import QuantizationRule, first_match, operand_kinds
 
 __all__ = ["projection_rules", "Session"]
 
@@ -81,17 +80,11 @@ class Session:
   def operand_kinds(self, frame: Frame, lhs, rhs) -> set:
     """``{'weight', 'embedding'}``, ``{'weight'}`` or ``{'activations'}``."""
     params = frame.module.variables.get("params", {})
-    own = {tuple(sorted(jnp.shape(v))) for v in
-           (nn.meta.unbox(v) for v in params.values() if not isinstance(v, Mapping))
-           if jnp.ndim(v) >= 1}
-    weights = [tuple(sorted(jnp.shape(x))) for x in (lhs, rhs)]
-    weights = [w for w in weights if w in own]
-    if not weights:
-      return {"activations"}
-    table = self.vocab_table and self.vocab_table[1]
-    if isinstance(frame.module, nn.Embed) or any(w == table for w in weights):
-      return {"weight", "embedding"}
-    return {"weight"}
+    own = [jnp.shape(v) for v in (nn.meta.unbox(v) for v in params.values()
+                                  if not isinstance(v, Mapping))]
+    return operand_kinds(own, (jnp.shape(lhs), jnp.shape(rhs)),
+                         self.vocab_table and self.vocab_table[1],
+                         isinstance(frame.module, nn.Embed))
 
   def note_tables(self, module, args, kwargs) -> None:
     """Records the vocabulary table if ``module``'s method looked up token ids in it.
@@ -117,9 +110,9 @@ class Session:
 
   def recipe_for(self, frame: Frame, op: str, lhs, rhs):
     kinds = self.operand_kinds(frame, lhs, rhs) if self.by_operands else set()
-    for i, rule in enumerate(self.rules):
-      if (op in rule.ops and re.fullmatch(rule.module_path, frame.path)
-          and (rule.operands == "any" or rule.operands in kinds)):
-        self.hits[i] += 1
-        return (rule.recipe or self.recipe) if rule.quantize else None
-    return None
+    i = first_match(self.rules, op, frame.path, kinds)
+    if i is None:
+      return None
+    self.hits[i] += 1
+    rule = self.rules[i]
+    return (rule.recipe or self.recipe) if rule.quantize else None

@@ -32,6 +32,8 @@ from fp8_linen.nnx.activation import Quantizer
 from fp8_linen.nnx.conversion import convert
 from fp8_linen.nnx.layers import Conv, Einsum, Fp8Einsum, Linear, LinearGeneral
 from fp8_linen.nnx.lora import LoraParam, add_lora, merge_lora
+from fp8_linen.nnx.ops import ProductSite
+from fp8_linen.nnx.ops import model_report as product_report
 from fp8_linen.nnx.ptq import PtqResult, ptq
 from fp8_linen.nnx.quantize import quantize_model, switch_precision
 from fp8_linen.nnx.sensitivity import sensitivity
@@ -57,6 +59,8 @@ __all__ = [
     "update_state",
     "calibrate",
     "quantize_model",
+    "product_report",
+    "ProductSite",
     "switch_precision",
     "frozen_quantizers",
     "convert",

@@ -103,7 +103,9 @@ class NnxAccess(VariableAccess):
     if conversion is not None and id(self.module) in conversion.paths:
       return conversion.paths[id(self.module)] or "<root>"
     serving = getattr(self.module, "serving", None)
-    return serving.path if serving is not None else type(self.module).__name__
+    if serving is not None:
+      return serving.path
+    return getattr(self.module, "site_path", None) or type(self.module).__name__
 
   @property
   def owner(self) -> str:

@@ -33,6 +33,7 @@ import contextlib
 import contextvars
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -40,6 +41,7 @@ from fp8_linen.core.owg import frozen_quantizers
 from fp8_linen.families import dispatch, modes
 from fp8_linen.families.table import check_recipe
 from fp8_linen.nnx.access import NnxAccess, declare
+from fp8_linen.product_report import MARKERS
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
 __all__ = ["Linear", "LinearGeneral", "Einsum", "Conv", "Fp8Einsum"]
@@ -76,13 +78,28 @@ def _current(what: str):
   return layer
 
 
+@contextlib.contextmanager
+def _reported(layer):
+  """Runs the layer's product under the name scopes :func:`fp8_linen.product_report` reads.
+
+  ``fl_path`` is the path ``fl.nnx.quantize_model`` matched the layer at.
+  """
+  with contextlib.ExitStack() as scopes:
+    path = getattr(layer, "fl_path", None)
+    if path:
+      scopes.enter_context(jax.named_scope(path))
+    scopes.enter_context(jax.named_scope(MARKERS["quantized"]))
+    yield
+
+
 def _layer_dot_general(lhs, rhs, dimension_numbers, precision=None,
                        preferred_element_type=None, out_sharding=None):
   """The ``dot_general`` a quantized layer hands to flax's forward."""
   del precision, out_sharding  # fp8 GEMMs run at DEFAULT precision; layout left to XLA.
   layer = _current("dot_general")
-  return dispatch.dot_general(NnxAccess(layer), lhs, rhs, dimension_numbers, layer.recipe,
-                              out_dtype=preferred_element_type)
+  with _reported(layer):
+    return dispatch.dot_general(NnxAccess(layer), lhs, rhs, dimension_numbers, layer.recipe,
+                                out_dtype=preferred_element_type)
 
 
 def _layer_einsum(equation, lhs, rhs, precision=None, preferred_element_type=None,
@@ -90,8 +107,9 @@ def _layer_einsum(equation, lhs, rhs, precision=None, preferred_element_type=Non
   """The ``einsum_op`` :class:`Einsum` hands to flax's forward."""
   del precision, out_sharding
   layer = _current("einsum")
-  return dispatch.einsum(NnxAccess(layer), equation.replace(" ", ""), lhs, rhs, layer.recipe,
-                         out_dtype=preferred_element_type or jnp.result_type(lhs, rhs))
+  with _reported(layer):
+    return dispatch.einsum(NnxAccess(layer), equation.replace(" ", ""), lhs, rhs, layer.recipe,
+                           out_dtype=preferred_element_type or jnp.result_type(lhs, rhs))
 
 
 def _layer_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
@@ -105,8 +123,9 @@ def _layer_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilati
   kw = dict(window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
             rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
             feature_group_count=feature_group_count)
-  return dispatch.conv(NnxAccess(layer), lhs, rhs, kw, layer.recipe,
-                       out_dtype=preferred_element_type or jnp.result_type(lhs, rhs))
+  with _reported(layer):
+    return dispatch.conv(NnxAccess(layer), lhs, rhs, kw, layer.recipe,
+                         out_dtype=preferred_element_type or jnp.result_type(lhs, rhs))
 
 
 def _no_override(owner: str, kwargs: dict, *names: str) -> None:

@@ -33,10 +33,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from fp8_linen.nnx import layers
+from fp8_linen.nnx import layers, ops
 from fp8_linen.nnx.training import Optimizer
 from fp8_linen.recipes.fp8 import Fp8Recipe
-from fp8_linen.recipes.rules import QuantizationRule, normalize_rules, report_unmatched
+from fp8_linen.recipes.rules import (QuantizationRule, first_match, normalize_rules,
+                                      operand_kinds, report_unmatched)
 
 __all__ = ["quantize_model", "switch_precision"]
 
@@ -114,11 +115,12 @@ _FLOAT = {layers.Linear: nnx.Linear, layers.LinearGeneral: nnx.LinearGeneral,
 
 
 def quantize_model(model: nnx.Module, recipe: Any = None,
-                   rules: Sequence[QuantizationRule] | None = None, *,
-                   on_unmatched: str = "warn") -> nnx.Module:
-  """A copy of ``model`` with its matched float layers replaced by quantized twins.
+                   rules: Sequence[QuantizationRule] | None = None, *, example: Any = None,
+                   on_unmatched: str = "warn", on_unquantized: str = "warn") -> nnx.Module:
+  """A copy of ``model`` with its products quantized by path rules.
 
-  Every ``nnx.Linear``/``nnx.LinearGeneral`` (rule op ``'dot_general'``),
+  Two mechanisms, one rule list. **flax's layers** (the fast path): every
+  ``nnx.Linear``/``nnx.LinearGeneral`` (rule op ``'dot_general'``),
   ``nnx.Einsum`` (``'einsum'``) and ``nnx.Conv`` (``'conv'``) whose path
   (``'/'.join`` of its attribute path, e.g. ``'blocks/0/attn/query'``;
   ``re.fullmatch``) is quantized by the first matching rule becomes
@@ -127,6 +129,20 @@ def quantize_model(model: nnx.Module, recipe: Any = None,
   configuration and the very same ``nnx.Param`` variables. Only those exact
   classes are replaced (subclasses, including the ``fl.nnx`` layers, are left
   as they are); a layer shared by several paths becomes one shared twin.
+
+  **Products in the model's own code** (with ``example``): the
+  ``jax.lax.dot_general`` / ``jnp.einsum`` / ``jnp.matmul`` / ``jnp.dot`` /
+  ``jax.lax.conv_general_dilated`` / ``jax.lax.ragged_dot`` calls its own
+  modules make (MaxText's ``DenseGeneral``, EasyDeL's ``ParallelLinear``, a
+  hand-written attention) are found by running ``example`` once, abstractly,
+  and each one a rule quantizes gets a :class:`~fp8_linen.nnx.ProductSite`
+  holding its state, named after its module and its place in the method
+  (``<module path>/dot_general_0``; the rule matches the module path).
+  Operand kinds work as in the Linen ``quantize_model``
+  (:func:`~fp8_linen.projection_rules`: projections quantized; attention
+  math and the logits head, tied or untied, kept). How it works and its
+  limits: :mod:`fp8_linen.nnx.ops`. Without ``example`` only flax's layers
+  are quantized.
 
   A new model is returned (``model`` is not modified), built with
   ``nnx.recursive_map``: it shares its variables with ``model``, so use one of
@@ -139,16 +155,25 @@ def quantize_model(model: nnx.Module, recipe: Any = None,
     rules: ordered :class:`~fp8_linen.QuantizationRule` list; the first rule
       whose ``module_path`` matches and whose ``ops`` include the layer's op
       decides (default: quantize every layer).
+    example: the arguments of one forward call, ``model(*example)`` (arrays or
+      ``jax.ShapeDtypeStruct`` s; nothing is computed), or a function of the
+      model that runs it (``lambda m: m.decode(tokens)``); ``None``: flax's
+      layers only.
     on_unmatched: ``'warn'``, ``'raise'`` or ``'ignore'`` for rules that match
       no layer.
+    on_unquantized: ``'warn'``, ``'raise'`` or ``'ignore'`` for products of
+      the example run that the interception never sees (``x @ w``); only with
+      ``example``.
 
   Returns:
     The quantized model.
 
   Raises:
     ValueError: a quantized layer has a custom product function or a kernel
-      mask (exclude it with ``quantize=False``), or (``on_unmatched='raise'``)
-      a rule matched nothing.
+      mask (exclude it with ``quantize=False``); a product of the model's own
+      code would be quantized with a recipe that learns parameters (LSQ); or
+      (``on_unmatched='raise'``) a rule matched nothing.
+    TypeError: ``example`` is neither a tuple nor a function.
 
   Example:
     >>> import jax.numpy as jnp
@@ -159,12 +184,16 @@ def quantize_model(model: nnx.Module, recipe: Any = None,
     >>> type(model).__name__, bool((model.kernel[...] == float_model.kernel[...]).all())
     ('Linear', True)
   """
-  if on_unmatched not in ("warn", "raise", "ignore"):
-    raise ValueError(f"on_unmatched={on_unmatched!r}: allowed values are 'warn', 'raise', "
-                     "'ignore'")
+  for name, value in (("on_unmatched", on_unmatched), ("on_unquantized", on_unquantized)):
+    if value not in ("warn", "raise", "ignore"):
+      raise ValueError(f"{name}={value!r}: allowed values are 'warn', 'raise', 'ignore'")
+  if example is not None and not (callable(example) or isinstance(example, (tuple, list))):
+    raise TypeError(f"quantize_model: example must be a tuple of the model's arguments or a "
+                    f"function of the model that runs it, got {type(example).__name__}")
   rules = normalize_rules(rules)
   recipe = recipe or Fp8Recipe()
   hits = [0] * len(rules)
+  table = _vocabulary(model)
 
   def swap(path, node):
     entry = _TWINS.get(type(node))
@@ -172,27 +201,43 @@ def quantize_model(model: nnx.Module, recipe: Any = None,
       return node
     op, build = entry
     name = "/".join(str(p) for p in path)
-    for i, rule in enumerate(rules):
-      if op in rule.ops and re.fullmatch(rule.module_path, name):
-        hits[i] += 1
-        if not rule.quantize:
-          return node
-        try:
-          twin = build(node, rule.recipe or recipe)
-        except (TypeError, ValueError, NotImplementedError) as e:
-          raise type(e)(f"quantize_model: layer {name!r}: {e}") from e
-        if isinstance(twin, str):
-          raise ValueError(f"quantize_model: layer {name!r} ({type(node).__name__}) has "
-                           f"{twin}, which the quantized twin replaces; exclude it with "
-                           f"QuantizationRule(module_path={name!r}, quantize=False)")
-        return _same_variables(twin, node)
-    return node
+    # A layer's product multiplies its own kernel: a weight, and the logits head's
+    # when the kernel has the vocabulary table's shape (an untied head).
+    shape = node.kernel[...].shape
+    i = first_match(rules, op, name, operand_kinds([shape], [shape], table))
+    if i is None:
+      return node
+    hits[i] += 1
+    rule = rules[i]
+    if not rule.quantize:
+      return node
+    try:
+      twin = build(node, rule.recipe or recipe)
+    except (TypeError, ValueError, NotImplementedError) as e:
+      raise type(e)(f"quantize_model: layer {name!r}: {e}") from e
+    if isinstance(twin, str):
+      raise ValueError(f"quantize_model: layer {name!r} ({type(node).__name__}) has "
+                       f"{twin}, which the quantized twin replaces; exclude it with "
+                       f"QuantizationRule(module_path={name!r}, quantize=False)")
+    twin = _same_variables(twin, node)
+    setattr(twin, ops.PATH_ATTR, name)
+    return twin
 
   out = nnx.recursive_map(swap, model)
+  if example is not None:
+    more = ops.attach(out, rules, recipe, example, float_layers=tuple(_TWINS),
+                      on_unquantized=on_unquantized)
+    hits = [a + b for a, b in zip(hits, more)]
   report_unmatched(rules, hits, on_unmatched, stacklevel=2,
                    what="fp8_linen.nnx.quantize_model: these rules matched no layer (check "
                         "the paths, e.g. with nnx.iter_graph)")
   return out
+
+
+def _vocabulary(model):
+  """The sorted shape of the largest ``nnx.Embed`` table of ``model``, or ``None``."""
+  tables = [m.embedding[...].shape for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Embed)]
+  return tuple(sorted(max(tables))) if tables else None
 
 
 def _same_variables(new, old):
@@ -271,6 +316,11 @@ def switch_precision(model: nnx.Module, optimizer: nnx.Optimizer, recipe: Any = 
   if not isinstance(optimizer, nnx.Optimizer):
     raise TypeError("switch_precision: optimizer must be the model's nnx.Optimizer, got "
                     f"{type(optimizer).__name__}")
+  if ops.has_sites(model):
+    raise ValueError("switch_precision: the model has products quantized inside its own "
+                     "modules' code (fl.nnx.quantize_model's example=); their sites keep the "
+                     "old recipe. Quantize the float model again with the new recipe and "
+                     "build the optimizer for it, or use flax layers, which switch in place")
   new = nnx.recursive_map(_float_layer, model)
   if recipe is not None:
     new = quantize_model(new, recipe, rules, on_unmatched=on_unmatched)

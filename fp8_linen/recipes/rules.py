@@ -19,7 +19,7 @@ import warnings
 from typing import Any
 
 __all__ = ["OPS", "OPERANDS", "QuantizationRule", "high_precision_layers", "normalize_rules",
-           "report_unmatched"]
+           "report_unmatched", "operand_kinds", "first_match"]
 
 # Op kinds: the Linen quantize_model intercepts all five; the NNX one matches
 # its layers as dot_general (Linear, LinearGeneral), einsum (Einsum) and conv.
@@ -87,6 +87,39 @@ class QuantizationRule:
                        f"{list(OPERANDS)}")
     if not isinstance(self.optional, bool):
       raise ValueError(f"QuantizationRule.optional={self.optional!r} must be True or False")
+
+
+def operand_kinds(own_shapes, operand_shapes, table=None, is_embedding=False) -> set:
+  """What a product's operands are, for :attr:`QuantizationRule.operands`.
+
+  Args:
+    own_shapes: the shapes of the parameters the running module holds itself.
+    operand_shapes: the product's two operand shapes.
+    table: the vocabulary table's shape seen so far (sorted), or ``None``.
+    is_embedding: the running module is an embedding layer (its product is
+      ``attend``).
+
+  Returns:
+    ``{'weight', 'embedding'}``, ``{'weight'}`` or ``{'activations'}``: an
+    operand is a weight when it has, up to the order of its axes, the shape
+    of one of the module's own parameters.
+  """
+  own = {tuple(sorted(s)) for s in own_shapes if len(s) >= 1}
+  weights = [w for w in (tuple(sorted(s)) for s in operand_shapes) if w in own]
+  if not weights:
+    return {"activations"}
+  if is_embedding or any(w == table for w in weights):
+    return {"weight", "embedding"}
+  return {"weight"}
+
+
+def first_match(rules, op: str, path: str, kinds) -> int | None:
+  """The index of the first rule that decides ``op`` at ``path`` with operands ``kinds``."""
+  for i, rule in enumerate(rules):
+    if (op in rule.ops and re.fullmatch(rule.module_path, path)
+        and (rule.operands == "any" or rule.operands in kinds)):
+      return i
+  return None
 
 
 def high_precision_layers(layer: str, num_layers: int, *, last: int = 1,

@@ -1,0 +1,307 @@
+"""fl.nnx.quantize_model(example=...): products inside a model's own NNX modules."""
+
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fp8_linen as fl
+
+_DN = lambda x: (((x.ndim - 1,), (0,)), ((), ()))
+
+
+class Proj(nnx.Module):
+  """A projection of its own (MaxText's DenseGeneral, EasyDeL's ParallelLinear)."""
+
+  def __init__(self, k, n, seed=0):
+    self.w = nnx.Param(jax.random.normal(jax.random.key(seed), (k, n)) * 0.2)
+
+  def __call__(self, x):
+    return jax.lax.dot_general(x, self.w[...], _DN(x))
+
+
+class Attn(nnx.Module):
+  def __init__(self, d):
+    self.q, self.k = Proj(d, d, 1), Proj(d, d, 2)
+    self.o = nnx.Linear(d, d, rngs=nnx.Rngs(3))
+
+  def __call__(self, x):
+    s = jnp.einsum("btd,bsd->bts", self.q(x), self.k(x))
+    return self.o(jnp.einsum("bts,bsd->btd", jax.nn.softmax(s, -1), x))
+
+
+class Lm(nnx.Module):
+  """Embedding, attention of its own modules, a raw matmul, a tied head."""
+
+  def __init__(self, vocab=50, d=16):
+    self.emb = nnx.Embed(vocab, d, rngs=nnx.Rngs(0))
+    self.attn = Attn(d)
+    self.w2 = nnx.Param(jax.random.normal(jax.random.key(4), (d, d)) * 0.2)
+
+  def __call__(self, ids):
+    h = self.emb(ids)
+    h = h + self.attn(h)
+    return self.emb.attend(jnp.matmul(h, self.w2[...]))
+
+
+IDS = jnp.arange(8).reshape(2, 4) % 50
+
+
+def _state_paths(model):
+  return sorted("/".join(map(str, k[:-1])) for k, _ in
+                nnx.to_flat_state(nnx.state(model, fl.nnx.QuantState)) if k[-1] == "input_scale")
+
+
+def _by_scope(report):
+  return {p.scope.rsplit("/", 1)[0] if "->" in p.scope else p.scope: p.status
+          for p in report.products}
+
+
+def test_projection_rules_quantize_own_projections_and_keep_attention_and_head():
+  model = fl.nnx.quantize_model(Lm(), rules=fl.projection_rules(), example=(IDS,))
+  # Sites at <module path>/<op>_<i>; the flax Linear becomes a twin (state at its path).
+  assert _state_paths(model) == ["attn/k/dot_general_0", "attn/o", "attn/q/dot_general_0",
+                                 "matmul_0"]
+  report = fl.nnx.product_report(model, IDS)
+  assert report.counts == {"quantized": 4, "excluded": 3}
+  scopes = _by_scope(report)
+  for path in ("attn/q/dot_general_0", "attn/k/dot_general_0", "attn/o", "matmul_0"):
+    assert scopes[path] == "quantized", (path, scopes)
+  assert scopes["emb"] == "excluded"  # the tied head: the vocabulary table as a weight
+  assert sum(s == "excluded" and k.startswith("attn") for k, s in scopes.items()) == 1
+
+
+def test_fast_path_projection_rules_keep_an_untied_head():
+  class Untied(nnx.Module):
+    def __init__(self):
+      self.emb = nnx.Embed(40, 8, rngs=nnx.Rngs(0))
+      self.up = nnx.Linear(8, 8, rngs=nnx.Rngs(1))
+      self.head = nnx.Linear(8, 40, rngs=nnx.Rngs(2))
+
+    def __call__(self, ids):
+      return self.head(self.up(self.emb(ids)))
+
+  model = fl.nnx.quantize_model(Untied(), rules=fl.projection_rules())
+  assert type(model.up) is fl.nnx.Linear
+  assert type(model.head) is nnx.Linear  # (8, 40): the vocabulary table's shape
+
+
+class Single(nnx.Module):
+  def __init__(self):
+    self.p = Proj(16, 8)
+
+  def __call__(self, x):
+    return self.p(x)
+
+
+class Twin(nnx.Module):
+  def __init__(self, recipe):
+    self.p = fl.nnx.Linear(16, 8, use_bias=False, recipe=recipe, rngs=nnx.Rngs(0))
+    self.p.kernel[...] = Proj(16, 8).w[...]
+
+  def __call__(self, x):
+    return self.p(x)
+
+
+@pytest.mark.parametrize("recipe", [fl.Fp8Recipe(), fl.IntRecipe()], ids=["fp8", "int8"])
+def test_own_product_trains_exactly_as_the_twin_layer(recipe):
+  """A raw dot_general quantized in place runs the fl.nnx.Linear product on the same state."""
+  x = jax.random.normal(jax.random.key(5), (4, 16)) * 3
+  ops = fl.nnx.quantize_model(Single(), recipe, example=(x,))
+  twin = Twin(recipe)
+  assert isinstance(ops.p.dot_general_0, fl.nnx.ProductSite)
+
+  @nnx.jit
+  def step(model, opt, x):
+    loss, g = fl.nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
+    opt.update(model, g)
+    return loss
+
+  opts = fl.nnx.Optimizer(ops, optax.adam(1e-2)), fl.nnx.Optimizer(twin, optax.adam(1e-2))
+  for i in range(3):
+    xi = x * (i + 1)
+    np.testing.assert_array_equal(step(ops, opts[0], xi), step(twin, opts[1], xi))
+  np.testing.assert_array_equal(ops.p.w[...], twin.p.kernel[...])
+  site = nnx.to_flat_state(nnx.state(ops.p.dot_general_0, fl.nnx.QuantState))
+  layer = dict(nnx.to_flat_state(nnx.state(twin.p, fl.nnx.QuantState)))
+  assert len(site) == len(layer) > 0
+  for k, v in site:
+    np.testing.assert_array_equal(v[...], layer[k][...], err_msg=str(k))
+  # The state moved: it is the product's, not a constant.
+  assert any(float(jnp.abs(v[...]).max()) > 0 for k, v in site if "history" in k[-1]
+             or "range" in k[-1])
+
+
+class TestForwardJitAndEager(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_forward_is_quantized_and_the_same_jitted_or_not(self):
+    x = jax.random.normal(jax.random.key(6), (4, 16))
+    model = fl.nnx.quantize_model(Single(), fl.current_scaling(), example=(x,))
+    float_y = Single()(x)
+    graphdef, state = nnx.split(model)
+    y = self.variant(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
+    chex.assert_shape(y, (4, 8))
+    chex.assert_trees_all_close(y, float_y, rtol=0.1, atol=0.05)
+    assert not np.array_equal(np.asarray(y), np.asarray(float_y))  # fp8, not float
+
+
+def test_rule_excluded_product_runs_in_float_bit_exactly():
+  x = jax.random.normal(jax.random.key(7), (2, 4, 16))
+  model = fl.nnx.quantize_model(
+      Attn(16), rules=[fl.QuantizationRule(module_path="q", quantize=False),
+                       fl.QuantizationRule(operands="weight")], example=(x,))
+  assert not hasattr(model.q, "dot_general_0") and hasattr(model.k, "dot_general_0")
+  np.testing.assert_array_equal(model.q(x), Proj(16, 16, 1)(x))
+  assert not np.array_equal(model.k(x), Proj(16, 16, 2)(x))
+  scopes = _by_scope(fl.nnx.product_report(model, x))
+  assert scopes["q"] == "excluded" and scopes["k/dot_general_0"] == "quantized"
+
+
+class Branchy(nnx.Module):
+  def __init__(self):
+    self.a, self.b = Proj(8, 8, 0), Proj(8, 8, 1)
+
+  def __call__(self, x, both=False):
+    y = self.a(x)
+    return y + jnp.dot(x, self.b.w[...]) if both else y
+
+
+def test_a_product_the_example_did_not_reach_warns_and_runs_in_float():
+  x = jnp.ones((2, 8))
+  model = fl.nnx.quantize_model(Branchy(), example=(x,))
+  with pytest.warns(UserWarning, match="example never reached this call"):
+    y = model(x, both=True)
+  np.testing.assert_allclose(y - model(x), jnp.dot(x, Branchy().b.w[...]), rtol=1e-6,
+                             atol=1e-6)
+  # With the branch in the example, both products are quantized (dot in __call__: dot_0).
+  model = fl.nnx.quantize_model(Branchy(), example=lambda m: m(x, both=True))
+  assert _state_paths(model) == ["a/dot_general_0", "dot_0"]
+
+
+def test_methods_other_than_call_are_named_after_the_method():
+  class Head(nnx.Module):
+    def __init__(self):
+      self.table = nnx.Param(jnp.ones((8, 6)))
+
+    def decode(self, h):
+      return jnp.einsum("bd,vd->bv", h, self.table[...])
+
+  model = fl.nnx.quantize_model(Head(), example=lambda m: m.decode(jnp.ones((2, 6))))
+  assert _state_paths(model) == ["decode_einsum_0"]
+  assert model.decode(jnp.ones((2, 6))).shape == (2, 8)
+
+
+def test_lsq_on_an_own_product_is_refused_naming_it():
+  with pytest.raises(ValueError, match=r"p/dot_general_0.*(lsq|LSQ)"):
+    fl.nnx.quantize_model(Single(), fl.int8_lsq(), example=(jnp.ones((2, 16)),))
+
+
+def test_remat_inside_a_method_keeps_the_state():
+  class Remat(nnx.Module):
+    def __init__(self):
+      self.p = Proj(16, 8)
+
+    def __call__(self, x):
+      return nnx.remat(lambda m, x: m(x))(self.p, x)
+
+  x = jax.random.normal(jax.random.key(8), (4, 16))
+  model = fl.nnx.quantize_model(Remat(), example=(x,))
+  assert fl.nnx.product_report(model, x).counts == {"quantized": 1}
+  g = nnx.grad(lambda m: m(x).sum(), argnums=nnx.DiffState(0, fl.nnx.DIFF))(model)
+  new_scale = g["p"]["dot_general_0"]["input_scale"][...]
+  np.testing.assert_allclose(new_scale, jnp.abs(x).max() / 448.0, rtol=1e-6)
+
+
+def test_products_under_a_scan_over_stacked_layers_warn_with_the_reason():
+  class Stack(nnx.Module):
+    def __init__(self):
+      self.layers = nnx.vmap(lambda k: Proj(8, 8, 0), in_axes=0)(jnp.arange(3))
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def body(x, layer):
+        return layer(x)
+      return body(x, self.layers)
+
+  x = jnp.ones((2, 8))
+  with pytest.warns(UserWarning, match="stacked modules"):
+    model = fl.nnx.quantize_model(Stack(), example=(x,))
+  assert _state_paths(model) == []
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    assert fl.nnx.product_report(model, x).counts == {"skipped": 1}
+
+
+def test_products_the_interception_cannot_see_warn_or_raise():
+  class AtOp(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.ones((4, 4)))
+
+    def __call__(self, x):
+      return x @ self.w[...]
+
+  with pytest.warns(UserWarning, match="never reach the interception"):
+    fl.nnx.quantize_model(AtOp(), example=(jnp.ones((2, 4)),), on_unmatched="ignore")
+  with pytest.raises(ValueError, match="never reach the interception"):
+    fl.nnx.quantize_model(AtOp(), example=(jnp.ones((2, 4)),), on_unquantized="raise",
+                          on_unmatched="ignore")
+
+
+def test_bad_example_and_name_clash_are_errors():
+  with pytest.raises(TypeError, match="example must be"):
+    fl.nnx.quantize_model(Single(), example=jnp.ones((2, 16)))
+
+  class Clash(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.ones((4, 4)))
+      self.dot_general_0 = 3
+
+    def __call__(self, x):
+      return jax.lax.dot_general(x, self.w[...], _DN(x))
+
+  with pytest.raises(ValueError, match="already has an attribute 'dot_general_0'"):
+    fl.nnx.quantize_model(Clash(), example=(jnp.ones((2, 4)),))
+
+
+class Moe(nnx.Module):
+  def __init__(self):
+    self.w = nnx.Param(jax.random.normal(jax.random.key(9), (4, 8, 16)) * 0.2)
+
+  def __call__(self, x, group_sizes):
+    return jax.lax.ragged_dot(x, self.w[...], group_sizes)
+
+
+def test_moe_experts_as_ragged_dot():
+  x = jax.random.normal(jax.random.key(10), (6, 8))
+  gs = jnp.array([2, 0, 3, 1], jnp.int32)
+  model = fl.nnx.quantize_model(Moe(), example=(x, gs))
+  assert _state_paths(model) == ["ragged_dot_0"]
+  y = model(x, gs)
+  ref = jax.lax.ragged_dot(x, Moe().w[...], gs)
+  np.testing.assert_allclose(y, ref, rtol=0.15, atol=0.1)
+  assert not np.array_equal(y, ref)
+  g = nnx.grad(lambda m: m(x, gs).sum(), argnums=nnx.DiffState(0, fl.nnx.DIFF))(model)
+  np.testing.assert_allclose(g["ragged_dot_0"]["input_scale"][...], jnp.abs(x).max() / 448.0,
+                             rtol=1e-6)
+  # Integer recipes have no grouped GEMM: said at quantize time, float at run time.
+  with pytest.warns(UserWarning, match="no quantized grouped GEMM"):
+    model = fl.nnx.quantize_model(Moe(), fl.IntRecipe(), example=(x, gs))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    np.testing.assert_array_equal(model(x, gs), ref)
+
+
+def test_switch_precision_and_convert_refuse_own_products():
+  x = jnp.ones((2, 16))
+  model = fl.nnx.quantize_model(Single(), example=(x,))
+  opt = fl.nnx.Optimizer(model, optax.sgd(0.1))
+  with pytest.raises(ValueError, match="inside its own modules' code"):
+    fl.nnx.switch_precision(model, opt)
+  with pytest.raises(ValueError, match="p/dot_general_0.*cannot be convert"):
+    fl.nnx.convert(model, x)
