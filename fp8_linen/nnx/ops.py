@@ -274,12 +274,12 @@ def _entered(module, method: str):
 def _wrap(fn, name: str):
   @functools.wraps(fn)
   def method(self, *args, **kwargs):
-    with _entered(self, name):
-      out = fn(self, *args, **kwargs)
     discovery = _DISCOVERY.get()
     if discovery is not None:
+      # Before the method runs: a module that looks ids up may also be the head.
       discovery.note_tables(self, args, kwargs)
-    return out
+    with _entered(self, name):
+      return fn(self, *args, **kwargs)
 
   return method
 
@@ -335,7 +335,7 @@ def has_sites(model) -> bool:
   return any(isinstance(m, ProductSite) for _, m in nnx.iter_graph(model))
 
 
-def attach(model, rules, recipe, example, *, float_layers, on_unquantized: str):
+def attach(model, rules, recipe, example, *, library, float_layers, on_unquantized: str):
   """Finds the products of ``model``'s own modules and gives the quantized ones state.
 
   ``model`` is modified in place (the caller passes a fresh graph).
@@ -346,6 +346,8 @@ def attach(model, rules, recipe, example, *, float_layers, on_unquantized: str):
     recipe: the default recipe.
     example: the arguments of ``model(*example)``, or a function of the model
       that runs it.
+    library: the library's layer classes (their products are quantized by
+      the layer itself, never intercepted).
     float_layers: exact flax layer classes whose product flax binds at import;
       those left in float are marked excluded for the report.
     on_unquantized: ``'warn'``, ``'raise'`` or ``'ignore'`` for products the
@@ -356,8 +358,7 @@ def attach(model, rules, recipe, example, *, float_layers, on_unquantized: str):
   """
   modules, ids = {}, set()
   for path, node in nnx.iter_graph(model):
-    if (not isinstance(node, nnx.Module) or type(node).__module__.startswith("fp8_linen.")
-        or id(node) in ids):
+    if not isinstance(node, nnx.Module) or isinstance(node, library) or id(node) in ids:
       continue
     ids.add(id(node))
     modules["/".join(str(p) for p in path)] = node

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from fp8_linen.nnx import layers, ops
+from fp8_linen.nnx import activation, layers, ops
 from fp8_linen.nnx.training import Optimizer
 from fp8_linen.recipes.fp8 import Fp8Recipe
 from fp8_linen.recipes.rules import (QuantizationRule, first_match, normalize_rules,
@@ -225,7 +225,8 @@ def quantize_model(model: nnx.Module, recipe: Any = None,
 
   out = nnx.recursive_map(swap, model)
   if example is not None:
-    more = ops.attach(out, rules, recipe, example, float_layers=tuple(_TWINS),
+    library = tuple(_FLOAT) + (layers.Fp8Einsum, activation.Quantizer, ops.ProductSite)
+    more = ops.attach(out, rules, recipe, example, library=library, float_layers=tuple(_TWINS),
                       on_unquantized=on_unquantized)
     hits = [a + b for a, b in zip(hits, more)]
   report_unmatched(rules, hits, on_unmatched, stacklevel=2,

@@ -1,0 +1,129 @@
+"""NNX models written the way MaxText (NNX) and EasyDeL write theirs, small.
+
+Their projections are modules of their own (MaxText's ``DenseGeneral``: a
+kernel of shape ``(in, *out)`` contracted by ``jax.lax.dot_general``;
+EasyDeL's ``ParallelLinear``: ``dot_general`` with a bias and a precision),
+attention is ``jnp.einsum``, norms multiply a scale by einsum, the decoder
+layers are an ``nnx.List`` run under ``nnx.remat``, and the logits head is
+the embedding table (``jnp.dot`` with its transpose). ``fl.nnx.quantize_model``
+must reach every projection with ``fl.projection_rules()``, keep attention and
+the head in high precision, and train close to float.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import fp8_linen as fl
+
+
+class DenseGeneral(nnx.Module):
+  """MaxText-style: kernel ``(in, *out)``, ``dot_general`` over the last input axis."""
+
+  def __init__(self, d_in, out, seed):
+    out = (out,) if isinstance(out, int) else tuple(out)
+    self.kernel = nnx.Param(jax.random.normal(jax.random.key(seed), (d_in, *out)) / d_in**0.5)
+
+  def __call__(self, x):
+    return jax.lax.dot_general(x, self.kernel[...], (((x.ndim - 1,), (0,)), ((), ())))
+
+
+class ParallelLinear(nnx.Module):
+  """EasyDeL-style: ``dot_general`` with a precision argument and a bias."""
+
+  def __init__(self, d_in, d_out, seed):
+    self.kernel = nnx.Param(jax.random.normal(jax.random.key(seed), (d_in, d_out)) / d_in**0.5)
+    self.bias = nnx.Param(jnp.zeros((d_out,)))
+
+  def __call__(self, x):
+    y = jax.lax.dot_general(x, self.kernel[...], (((x.ndim - 1,), (0,)), ((), ())),
+                            precision=jax.lax.Precision.DEFAULT)
+    return y + self.bias[...]
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, d):
+    self.scale = nnx.Param(jnp.ones((d,)))
+
+  def __call__(self, x):
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+    return jnp.einsum("...k,k->...k", x, self.scale[...])  # a multiply, not a GEMM
+
+
+class Block(nnx.Module):
+  def __init__(self, d, heads, seed):
+    self.heads = heads
+    self.norm1, self.norm2 = RMSNorm(d), RMSNorm(d)
+    self.qkv = DenseGeneral(d, (3, heads, d // heads), seed)
+    self.out = DenseGeneral(d, d, seed + 1)  # applied to the merged heads
+    self.gate, self.up = ParallelLinear(d, 2 * d, seed + 2), ParallelLinear(d, 2 * d, seed + 3)
+    self.down = ParallelLinear(2 * d, d, seed + 4)
+
+  def __call__(self, x):
+    b, t, d = x.shape
+    qkv = self.qkv(self.norm1(x))
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / (d // self.heads) ** 0.5
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+    a = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v).reshape(b, t, d)
+    x = x + self.out(a)
+    h = self.norm2(x)
+    return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h))
+
+
+class Decoder(nnx.Module):
+  def __init__(self, vocab=97, d=32, heads=4, layers=2):
+    self.embedding = nnx.Param(jax.random.normal(jax.random.key(0), (vocab, d)) * 0.3)
+    self.layers = nnx.List([Block(d, heads, 10 * i + 1) for i in range(layers)])
+    self.norm = RMSNorm(d)
+
+  def __call__(self, ids):
+    x = jnp.take(self.embedding[...], ids, axis=0)
+    for layer in self.layers:
+      x = nnx.remat(lambda m, x: m(x))(layer, x)
+    return jnp.dot(self.norm(x), self.embedding[...].T)  # the tied head
+
+
+IDS = jax.random.randint(jax.random.key(1), (4, 16), 0, 97)
+
+
+def test_every_projection_quantized_attention_and_tied_head_kept():
+  model = fl.nnx.quantize_model(Decoder(), rules=fl.projection_rules(), example=(IDS,))
+  sites = sorted("/".join(map(str, k[:-1])) for k, _ in
+                 nnx.to_flat_state(nnx.state(model, fl.nnx.QuantState))
+                 if k[-1] == "input_scale")
+  expected = sorted(f"layers/{i}/{p}/dot_general_0" for i in range(2)
+                    for p in ("qkv", "out", "gate", "up", "down"))
+  assert sites == expected
+  report = fl.nnx.product_report(model, IDS)
+  # 10 projections; kept: 2 attention einsums per layer, the head and the 5 norm
+  # scales (einsums that contract nothing); nothing unseen.
+  assert report.counts == {"quantized": 10, "excluded": 10}
+  kept = [p.scope for p in report.products if p.status == "excluded"]
+  assert sum("bthd,bshd" in s or "bhts,bshd" in s for s in kept) == 4
+
+
+def test_training_tracks_float():
+  def train(model, steps=6):
+    opt = fl.nnx.Optimizer(model, optax.adam(3e-3))
+
+    @nnx.jit
+    def step(model, opt):
+      def loss_fn(m):
+        logits = m(IDS[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, IDS[:, 1:]).mean()
+      loss, g = fl.nnx.value_and_grad(loss_fn)(model)
+      opt.update(model, g)
+      return loss
+
+    return np.array([step(model, opt) for _ in range(steps)])
+
+  float_losses = train(Decoder())
+  quant = fl.nnx.quantize_model(Decoder(), fl.current_scaling(),
+                                rules=fl.projection_rules(), example=(IDS,))
+  q_losses = train(quant)
+  assert q_losses[-1] < q_losses[0]  # it learns
+  np.testing.assert_allclose(q_losses, float_losses, rtol=0.05)
+  assert not np.array_equal(q_losses[1:], float_losses[1:])  # and is not float
