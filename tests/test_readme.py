@@ -12,6 +12,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -119,8 +120,16 @@ def test_served_model_snippet_stores_int8_and_matches_qat():
   assert (ns["y"] == jax.jit(ns["model"].apply)(ns["variables"], ns["x"])).all()
 
 
-def test_nnx_served_model_snippet_holds_codes_and_matches_frozen_qat():
+def test_nnx_own_modules_snippet_quantizes_both_projections():
   ns = _run("NNX", 3, "nnx.md")
+  model, x = ns["model"], ns["x"]
+  assert fl.nnx.product_report(model, x).counts == {"quantized": 2}
+  assert isinstance(model.down.dot_general_0, fl.nnx.ProductSite)
+  assert not np.array_equal(model(x), ns["Mlp"]()(x))  # quantized, not float
+
+
+def test_nnx_served_model_snippet_holds_codes_and_matches_frozen_qat():
+  ns = _run("NNX", 4, "nnx.md")
   served, model, x = ns["served"], ns["model"], ns["x"]
   assert served.layers[2].kernel[...].dtype == jnp.int8
   assert not jax.tree.leaves(nnx.state(served, fl.nnx.QuantState))
