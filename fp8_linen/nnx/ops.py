@@ -28,11 +28,18 @@ model's own modules make (MaxText's NNX ``DenseGeneral``, EasyDeL's
    A product the example did not reach has no site: it runs in float, with
    a warning naming it.
 
+Stacked layers: a product of a module run inside ``nnx.scan`` / ``nnx.vmap``
+over layers whose parameters are stacked on a leading axis (the module's
+copy in the body holds one layer's slice) gets its state stacked the same
+way, one state per layer, so the transform slices it as it slices the
+parameters (give the transform the module's whole state on that axis, e.g.
+``in_axes=(nnx.Carry, 0)``, as ``fl.nnx`` layers built under ``nnx.vmap``
+need too).
+
 Limits: recipes that learn quantizer parameters (LSQ, LSQ+) need the flax
 layers' fast path (their steps start from the weight's values, which an
-abstract run does not have); products of modules inside an NNX transform
-over stacked modules (``nnx.scan`` / ``nnx.vmap`` over layers) run in float
-with a warning (their state would need the stacked axis); converting or
+abstract run does not have); products of modules inside a transform whose
+copies hold other parameters run in float with a warning; converting or
 serving a model with op-level sites is refused, naming the site. A model
 with op-level sites cannot be pickled (its classes are made at run time;
 checkpoints save its state, which is what they should).
@@ -68,6 +75,7 @@ from flax import nnx
 from fp8_linen import interception, product_calls
 from fp8_linen.families import modes
 from fp8_linen.nnx.access import NnxAccess, declare
+from fp8_linen.nnx.state import QuantState
 from fp8_linen.product_report import MARKERS, product_report
 from fp8_linen.recipes.rules import first_match, operand_kinds
 
@@ -154,6 +162,7 @@ class _Discovery:
     self.rules, self.recipe, self.modules = rules, recipe, modules  # path -> module
     self.hits = [0] * len(rules)
     self.sites: dict = {}  # (module path, name) -> (op, recipe or None, status)
+    self.stacked: dict = {}  # (module path, name) -> layers stacked on axis 0 (0: none)
     self.called: set = set()  # paths of modules that called a product
     self.vocab_table = None  # (rows, sorted shape) of the largest table looked up in
 
@@ -174,14 +183,14 @@ class _Discovery:
       status = ("excluded", None)
     elif problem is not None:
       status = ("skipped", problem)
-    elif not _same_shapes(frame.module, self.modules.get(path)):
-      status = ("skipped", "it runs inside an NNX transform over stacked modules (nnx.scan / "
-                "nnx.vmap over layers), where its state would need the stacked axis; build "
-                "those layers from fl.nnx layers (they declare their state inside the "
-                "transform)")
+    elif (stacked := _stacked(frame.module, self.modules.get(path))) is None:
+      status = ("skipped", "it runs inside an NNX transform over modules whose parameters are "
+                "not the model's, nor the model's stacked on a leading axis; build those "
+                "layers from fl.nnx layers (they declare their state inside the transform)")
     else:
       why = product_calls.ragged_problem(recipe) if op == "ragged_dot" else None
       status = ("skipped", why) if why else ("quantized", None)
+      self.stacked[(path, name)] = stacked
     self.sites[(path, name)] = (op, recipe, status)
     return None, status
 
@@ -197,12 +206,34 @@ class _Discovery:
         self.vocab_table = (shape[0], tuple(sorted(shape)))
 
 
-def _same_shapes(module, original) -> bool:
-  """Whether ``module`` (a copy made by a transform) has ``original``'s parameter shapes."""
+def _stacked(module, original) -> int | None:
+  """How ``module`` relates to the model's module ``original`` at its path.
+
+  ``0``: it is ``original`` (or a copy a transform made: ``nnx.jit``,
+  ``nnx.remat``); ``n``: a slice of ``original``'s parameters stacked on a
+  leading axis of ``n`` (the body of ``nnx.scan`` / ``nnx.vmap`` over layers);
+  ``None``: neither.
+  """
   if original is None:
-    return False
+    return None
+  if module is original:
+    return 0
   shapes = lambda m: [(k, v.shape) for k, v in nnx.to_flat_state(nnx.state(m, nnx.Param))]
-  return module is original or shapes(module) == shapes(original)
+  mine, theirs = shapes(module), shapes(original)
+  if mine == theirs:
+    return 0
+  if not mine or [k for k, _ in mine] != [k for k, _ in theirs]:
+    return None
+  n = {t[0] for (_, t) in theirs if len(t) >= 1}
+  if len(n) == 1 and all(t[1:] == s for (_, s), (_, t) in zip(mine, theirs)):
+    return n.pop()
+  return None
+
+
+def _stack_state(site, n: int) -> None:
+  """Stacks every :class:`~fp8_linen.nnx.QuantState` of ``site`` ``n`` times on axis 0."""
+  for _, var in nnx.to_flat_state(nnx.state(site, QuantState)):
+    var.set_value(jnp.broadcast_to(var[...], (n, *var[...].shape)))
 
 
 class _NnxBackend(product_calls.Backend):
@@ -393,8 +424,10 @@ def attach(model, rules, recipe, example, *, library, float_layers, on_unquantiz
       if name in vars(module):
         raise ValueError(f"fl.nnx.quantize_model: module {path or '<root>'!r} already has an "
                          f"attribute {name!r}, where the state of its product {name!r} would go")
-      setattr(module, name, ProductSite(rule_recipe, op=op,
-                                        path=f"{path}/{name}" if path else name))
+      site = ProductSite(rule_recipe, op=op, path=f"{path}/{name}" if path else name)
+      if discovery.stacked[(path, name)]:
+        _stack_state(site, discovery.stacked[(path, name)])
+      setattr(module, name, site)
   kept: dict = {}
   for (path, name), (_, _, status) in discovery.sites.items():
     if status[0] != "quantized":

@@ -218,24 +218,62 @@ def test_remat_inside_a_method_keeps_the_state():
   np.testing.assert_allclose(new_scale, jnp.abs(x).max() / 448.0, rtol=1e-6)
 
 
-def test_products_under_a_scan_over_stacked_layers_warn_with_the_reason():
-  class Stack(nnx.Module):
-    def __init__(self):
-      self.layers = nnx.vmap(lambda k: Proj(8, 8, 0), in_axes=0)(jnp.arange(3))
+class Stack(nnx.Module):
+  """Layers stacked by nnx.vmap and run by nnx.scan (MaxText's scanned layers)."""
 
-    def __call__(self, x):
-      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-      def body(x, layer):
-        return layer(x)
-      return body(x, self.layers)
+  def __init__(self):
+    self.layers = nnx.vmap(lambda s: Proj(8, 8, s), in_axes=0)(jnp.arange(3))
 
-  x = jnp.ones((2, 8))
-  with pytest.warns(UserWarning, match="stacked modules"):
-    model = fl.nnx.quantize_model(Stack(), example=(x,))
-  assert _state_paths(model) == []
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    assert fl.nnx.product_report(model, x).counts == {"skipped": 1}
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, layer):
+      return jnp.tanh(layer(x))
+    return body(x, self.layers)
+
+
+class Unrolled(nnx.Module):
+  def __init__(self, stack):
+    self.layers = nnx.List([Proj(8, 8) for _ in range(3)])
+    for i, layer in enumerate(self.layers):
+      layer.w[...] = stack.layers.w[...][i]
+
+  def __call__(self, x):
+    for layer in self.layers:
+      x = jnp.tanh(layer(x))
+    return x
+
+
+def test_scanned_stacked_layers_get_one_state_per_layer():
+  x = jax.random.normal(jax.random.key(11), (4, 8)) * 2
+  stack = fl.nnx.quantize_model(Stack(), example=(x,))
+  unrolled = fl.nnx.quantize_model(Unrolled(Stack()), example=(x,))
+  site = stack.layers.dot_general_0
+  chex.assert_shape(site.input_scale[...], (3, 1))
+  assert fl.nnx.product_report(stack, x).counts == {"quantized": 1}  # one scanned product
+  diff = nnx.DiffState(0, fl.nnx.DIFF)
+  for _ in range(2):  # the second step runs on the first step's per-layer scales
+    y_s, g_s = nnx.value_and_grad(lambda m: m(x).sum(), argnums=diff)(stack)
+    y_u, g_u = nnx.value_and_grad(lambda m: m(x).sum(), argnums=diff)(unrolled)
+    np.testing.assert_allclose(y_s, y_u, rtol=1e-6)
+    for i in range(3):
+      new = g_u["layers"][i]["dot_general_0"]
+      np.testing.assert_allclose(g_s["layers"]["dot_general_0"]["input_scale"][...][i],
+                                 new["input_scale"][...], rtol=1e-6)
+    fl.nnx.update_state(stack, g_s)
+    fl.nnx.update_state(unrolled, g_u)
+  scales = np.asarray(stack.layers.dot_general_0.input_scale[...])[:, 0]
+  assert len(set(scales.tolist())) == 3  # each layer its own input scale
+
+
+def test_a_transform_copy_is_recognised_by_its_parameters():
+  from fp8_linen.nnx.ops import _stacked  # pylint: disable=import-outside-toplevel
+  stack = Stack()
+  one = Proj(8, 8)
+  assert _stacked(one, one) == 0
+  assert _stacked(Proj(8, 8, 5), one) == 0  # a copy: same parameter shapes
+  assert _stacked(one, stack.layers) == 3  # one layer's slice of a stack of 3
+  assert _stacked(Proj(4, 8), one) is None  # other parameters: skipped, with a warning
+  assert _stacked(one, None) is None
 
 
 def test_products_the_interception_cannot_see_warn_or_raise():
