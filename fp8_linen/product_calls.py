@@ -115,6 +115,9 @@ def ragged_problem(recipe) -> str | None:
   if family_for(recipe, "quantize_model").ragged_dot is None:
     return (f"{type(recipe).__name__} has no quantized grouped GEMM yet (use an fp8 per-tensor "
             "recipe for the experts)")
+  if getattr(recipe, "grad_bits", None) is not None:
+    return (f"grad_bits={recipe.grad_bits} has no integer-gradient grouped GEMM yet (use "
+            "grad_bits=None for the experts)")
   if getattr(recipe, "granularity", "tensor") != "tensor":
     return (f"granularity={recipe.granularity!r} has no grouped GEMM yet (use an fp8 "
             "per-tensor recipe for the experts)")

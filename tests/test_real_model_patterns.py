@@ -329,9 +329,59 @@ def test_moe_experts_as_ragged_dots_are_quantized_and_train():
   assert float(state.params[fl.OWG]["ragged_dot_1"]["output_grad_amax_history"][0]) > 0
 
 
-def test_moe_experts_with_an_integer_recipe_say_they_run_in_float():
-  qm = fl.quantize_model(RaggedMoe(), fl.IntRecipe())
-  with pytest.warns(UserWarning, match="ragged_dot .* runs unquantized: IntRecipe"):
+def _int8_fake_quant(x, axis):
+  """Symmetric int8 fake quantization in float64: scale max|x| / 127 over ``axis``."""
+  x = np.asarray(x, np.float64)
+  s = np.abs(x).max(axis=axis, keepdims=True) / 127.0
+  return np.clip(np.round(x / s), -128, 127) * s
+
+
+def _ragged_reference(x, w, group_sizes):
+  out, start = np.zeros((x.shape[0], w.shape[2])), 0
+  for g, size in enumerate(np.asarray(group_sizes)):
+    out[start:start + size] = x[start:start + size] @ w[g]
+    start += size
+  return out
+
+
+def test_moe_experts_with_an_integer_recipe_are_fake_quantized_per_expert_channel():
+  recipe = fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel"))
+  qm = fl.quantize_model(RaggedMoe(), recipe)
+  v = qm.init(jax.random.key(0), ROUTED, GROUPS)
+  assert qm.product_report(v, ROUTED, GROUPS).counts == {"quantized": 2}
+  # The first grouped GEMM against a float64 reference: the routed rows per tensor
+  # (the observer's range is this batch's), each expert's output channels their own scale.
+  w_in = np.asarray(v["params"]["w_in"])
+  ref = _ragged_reference(_int8_fake_quant(ROUTED, None), _int8_fake_quant(w_in, 1), GROUPS)
+
+  class First(nn.Module):
+    @nn.compact
+    def __call__(self, x, group_sizes):
+      w = self.param("w_in", nn.initializers.lecun_normal(), (4, 8, 16))
+      return jax.lax.ragged_dot(x, w, group_sizes)
+
+  first = fl.quantize_model(First(), recipe)
+  fv = first.init(jax.random.key(0), ROUTED, GROUPS)
+  y = np.asarray(first.apply(fv, ROUTED, GROUPS))
+  np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+  per_tensor = _ragged_reference(_int8_fake_quant(ROUTED, None),
+                                 _int8_fake_quant(w_in, None), GROUPS)
+  assert np.abs(y - per_tensor).max() > 1e-4  # the channel scales are the experts' own
+  # It trains: the observer range follows the routed rows, the loss goes down.
+  state = fl.TrainState.create(apply_fn=qm.apply, params=v, tx=optax.adam(1e-2))
+  loss = lambda p: jnp.mean((state.apply_fn(p, ROUTED, GROUPS) - ROUTED) ** 2)
+  step = jax.jit(lambda st: st.apply_gradients(grads=jax.grad(loss)(st.params)))
+  before = float(loss(state.params))
+  for _ in range(3):
+    state = step(state)
+  assert float(loss(state.params)) < before
+  rng = np.asarray(state.params[fl.OWG]["ragged_dot_0"]["input_range"])
+  np.testing.assert_allclose(rng, [-ROUTED.min(), ROUTED.max()], rtol=1e-6)
+
+
+def test_moe_experts_with_integer_gradients_say_they_run_in_float():
+  qm = fl.quantize_model(RaggedMoe(), fl.IntRecipe(grad_bits=8))
+  with pytest.warns(UserWarning, match="ragged_dot .* runs unquantized: grad_bits=8"):
     v = qm.init(jax.random.key(0), ROUTED, GROUPS)
     report = qm.product_report(v, ROUTED, GROUPS)
   assert report.counts == {"skipped": 2}

@@ -54,9 +54,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8_linen.core import dims, int_gemm, int_numerics, int_ops, int_product, int_serve, lowering
+from fp8_linen.core.ragged_dot import lax_ragged_dot
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
-__all__ = ["declare", "dot_general", "conv", "record", "quantize_operand", "operand_params"]
+__all__ = ["declare", "dot_general", "ragged_dot", "conv", "record", "quantize_operand",
+           "operand_params"]
 
 
 def _step_shape(role: str, view, axes) -> tuple:
@@ -221,6 +223,41 @@ def dot_general(access, lhs, rhs, dimension_numbers, recipe: IntRecipe, out_dtyp
   xq, wq = _fake_quantized(access, lhs, rhs, lc, rc, recipe, key)
   y = lowering.lax_dot_general(xq, wq, dimension_numbers, preferred_element_type=jnp.float32,
                                out_sharding=lowering.dot_out_sharding(xq, wq, dimension_numbers))
+  return y.astype(out_dtype)
+
+
+def ragged_dot(access, lhs, rhs, group_sizes, recipe: IntRecipe, out_dtype=None,
+               key: str = "ragged"):
+  """A grouped GEMM (``jax.lax.ragged_dot``: an MoE's experts) of the fake-quantized operands.
+
+  ``lhs`` ``(m, k)`` is quantized as an activation (one observer over every
+  routed row: keep padding rows zero), ``rhs`` ``(g, k, n)`` as a weight
+  whose contracting axis is ``k``: ``granularity='channel'`` gives each
+  expert's output channels their own scale, ``'tensor'`` one scale for all
+  experts. The product runs in the compute dtype on the fake-quantized
+  values (the integer QAT numerics; not an s8 grouped GEMM), and its
+  gradients in float through the estimators (STE, LSQ).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import fp8_linen as fl
+    >>> class Experts(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x, group_sizes):
+    ...     w = self.param('w', nn.initializers.ones, (2, 3, 4))
+    ...     return jax.lax.ragged_dot(x, w, group_sizes)
+    >>> qm = fl.quantize_model(Experts(), fl.IntRecipe())
+    >>> v = qm.init(jax.random.key(0), jnp.ones((5, 3)), jnp.array([2, 3]))
+    >>> v[fl.OWG]['ragged_dot_0']['input_range'].shape
+    (2,)
+  """
+  if recipe.grad_bits is not None:
+    raise ValueError(f"{access.path}: IntRecipe(grad_bits={recipe.grad_bits}) has no "
+                     "integer-gradient grouped GEMM; use grad_bits=None for the experts")
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  xq, wq = _fake_quantized(access, lhs, rhs, (1,), (1,), recipe, key)
+  y = lax_ragged_dot(xq, wq, group_sizes, preferred_element_type=jnp.float32)
   return y.astype(out_dtype)
 
 

@@ -327,9 +327,13 @@ def test_moe_experts_as_ragged_dot():
   g = nnx.grad(lambda m: m(x, gs).sum(), argnums=nnx.DiffState(0, fl.nnx.DIFF))(model)
   np.testing.assert_allclose(g["ragged_dot_0"]["input_scale"][...], jnp.abs(x).max() / 448.0,
                              rtol=1e-6)
-  # Integer recipes have no grouped GEMM: said at quantize time, float at run time.
-  with pytest.warns(UserWarning, match="no quantized grouped GEMM"):
-    model = fl.nnx.quantize_model(Moe(), fl.IntRecipe(), example=(x, gs))
+  # Integer experts: fake-quantized, an observer range as state.
+  model = fl.nnx.quantize_model(Moe(), fl.IntRecipe(), example=(x, gs))
+  assert model.ragged_dot_0.input_range[...].shape == (2,)
+  assert not np.array_equal(model(x, gs), ref)
+  # Integer gradients have no grouped GEMM: said at quantize time, float at run time.
+  with pytest.warns(UserWarning, match="integer-gradient grouped GEMM"):
+    model = fl.nnx.quantize_model(Moe(), fl.IntRecipe(grad_bits=8), example=(x, gs))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     np.testing.assert_array_equal(model(x, gs), ref)
