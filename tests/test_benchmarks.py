@@ -223,7 +223,7 @@ def test_scripts_import_only_the_public_api():
           assert ok, f"{path.name} imports {name}"
       # Only the scripts that measure the job's own models may import the job.
       if path.name not in ("bench_transformer.py", "bench_block_quality.py", "from_float.py",
-                           "sensitivity_lm.py"):
+                           "sensitivity_lm.py", "bench_moe_quality.py"):
         assert not any(n.startswith("fp8_linen_job") for n in names), path.name
 
 
@@ -289,6 +289,22 @@ def test_bench_block_quality_quick(tmp_path):
   table = bq.markdown(merged).splitlines()
   assert table[0].startswith("| arm | 10 steps: val loss (vs bf16) |")
   assert table[5].startswith("| nvfp4 | ") and table[5].endswith("[4] | within 1.5% |")
+
+
+def test_bench_moe_quality_quick(tmp_path):
+  bm = _load("bench_moe_quality")
+  out = tmp_path / "moe.json"
+  bm.main(["--quick", "--seeds", "0", "--out", str(out)])
+  saved = json.loads(out.read_text())
+  runs = {r["arm"]: r for r in saved["runs"]}
+  assert set(runs) == {"bf16", "fp8", "int8"} and all(r["finite"] for r in runs.values())
+  # Per block: two expert grouped GEMMs and the two attention projections; the routers
+  # and the head kept (the attention math is jax.nn.dot_product_attention's own).
+  for arm in ("fp8", "int8"):
+    assert runs[arm]["products"]["quantized"] == 8 and runs[arm]["products"]["excluded"] == 3
+  assert runs["fp8"]["val_loss"] != runs["bf16"]["val_loss"] != runs["int8"]["val_loss"]
+  assert set(saved["summary"]) == {"bf16", "fp8", "int8"}
+  assert bm.markdown(saved).splitlines()[3].startswith("| `fp8` |")
 
 
 def test_bench_targets_quick(tmp_path, capsys, require_target):
