@@ -312,9 +312,11 @@ def _resize(tree, history_length, fill: float):
           "fl.from_flax_fp8(variables, recipe)")
     n = _history_length(history_length, key[:-len(_HISTORY)])
     x = jnp.asarray(x)
-    if x.shape[0] >= n:
-      return x[:n]
-    return jnp.concatenate([x, jnp.full((n - x.shape[0],), fill, x.dtype)])
+    # The history is the last axis (a grouped GEMM's per-expert histories are (g, L)).
+    if x.shape[-1] >= n:
+      return x[..., :n]
+    return jnp.concatenate([x, jnp.full(x.shape[:-1] + (n - x.shape[-1],), fill, x.dtype)],
+                           axis=-1)
   return jax.tree_util.tree_map_with_path(one, tree)
 
 

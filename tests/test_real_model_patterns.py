@@ -5,6 +5,7 @@ or the layers on Google's model code (the libraries themselves run in
 ``tests/third_party`` where they are installed).
 """
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -327,6 +328,18 @@ def test_moe_experts_as_ragged_dots_are_quantized_and_train():
   hist = state.params[fl.OWG]["ragged_dot_0"]["input_amax_history"]
   np.testing.assert_allclose(np.asarray(hist[:3]), float(jnp.max(jnp.abs(ROUTED))), rtol=1e-6)
   assert float(state.params[fl.OWG]["ragged_dot_1"]["output_grad_amax_history"][0]) > 0
+  # One kernel state per expert: each expert's weight measured alone (the expert that
+  # received no token too: its weight exists).
+  kernel = state.params[fl.OWG]["ragged_dot_0"]
+  assert kernel["kernel_scale"].shape == (4, 1) and kernel["kernel_amax_history"].shape == (4, 4)
+  w_in = state.params["params"]["w_in"]
+  # The history's newest entry is the weight the last step quantized (before its update).
+  assert len(set(np.asarray(kernel["kernel_amax_history"][:, 0]).tolist())) == 4
+  np.testing.assert_allclose(np.asarray(kernel["kernel_amax_history"][:, 0]),
+                             np.abs(np.asarray(w_in)).max(axis=(1, 2)), rtol=0.1)
+  # A checkpoint resized to another history length keeps every expert's newest entries.
+  resized = fl.resize_histories(state.params, 2)[fl.OWG]["ragged_dot_0"]["kernel_amax_history"]
+  chex.assert_trees_all_equal(resized, kernel["kernel_amax_history"][:, :2])
 
 
 def _int8_fake_quant(x, axis):

@@ -144,6 +144,11 @@ def _fp8_vjp_fwd(spec, lhs, rhs, states, chain):
   return (y, chain), res
 
 
+def _unobserved(amaxes):
+  """Zero observations shaped as the forward's (a grouped kernel observes one per group)."""
+  return (*(jnp.zeros(jnp.shape(a), jnp.float32) for a in amaxes), jnp.zeros((), jnp.float32))
+
+
 def backward_with_state(spec, q_l, q_r, g, states, amaxes, ct_chain, grads):
   """``((d_lhs, d_rhs), state_cts, chain_ct)``: a product's backward and its new state.
 
@@ -158,12 +163,12 @@ def backward_with_state(spec, q_l, q_r, g, states, amaxes, ct_chain, grads):
     # zero: both gradients are zero and it observes nothing, so the state
     # stays as it was.
     d_l, d_r = jnp.zeros(q_l.shape, spec.lhs_dtype), jnp.zeros(q_r.shape, spec.rhs_dtype)
-    a_l = a_r = a_g = jnp.zeros((), jnp.float32)
+    a_l, a_r, a_g = _unobserved(amaxes)
   else:
     (a_l, a_r), (d_l, d_r, a_g) = amaxes, grads()
   if spec.frozen:
     # Frozen quantizers observe nothing, so the state comes back as it was.
-    a_l = a_r = a_g = jnp.zeros((), jnp.float32)
+    a_l, a_r, a_g = _unobserved(amaxes)
   state_cts, chain_ct = owg.state_cotangents(spec.cfgs, states, (a_l, a_r, a_g), ct_chain,
                                              spec.first, empty=empty or spec.frozen)
   return (d_l, d_r), state_cts, chain_ct

@@ -45,6 +45,7 @@ from typing import NamedTuple
 import jax
 import jax.ad_checkpoint
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from fp8_linen.core import lowering, numerics, settings, uses
@@ -154,6 +155,17 @@ def state_shapes_ok(state: RoleState, history_length: int | None = None) -> bool
           and (history_length is None or h.shape[0] == history_length))
 
 
+def check_grouped_state(name: str, state: RoleState, groups: int) -> RoleState:
+  """Validates one role's state with one scale per group: ``(groups, 1)``, ``(groups, L)``."""
+  state = as_state(*state)
+  h = state.amax_history
+  if state.scale.shape != (groups, 1) or h.ndim != 2 or h.shape[0] != groups or h.shape[1] < 1:
+    raise ValueError(f"{name}_scale / {name}_amax_history must have shapes ({groups}, 1) and "
+                     f"({groups}, history_length) (one per group), got {state.scale.shape} and "
+                     f"{h.shape}")
+  return state
+
+
 def check_state(name: str, state: RoleState) -> RoleState:
   """Validates one role's state; errors name the role."""
   state = as_state(*state)
@@ -181,6 +193,13 @@ def new_state(cfg: ScalingConfig, state: RoleState, observed_amax) -> RoleState:
   a = numerics.finite_or_zero(observed_amax)
   scale = numerics.select_scale(cfg, state.scale, state.amax_history, a)
   return RoleState(scale, numerics.roll_history(state.amax_history, a))
+
+
+def _new_role_state(cfg, state: RoleState, observed) -> RoleState:
+  if jnp.ndim(observed) == 0:
+    return new_state(cfg, state, observed)
+  return jax.vmap(lambda s, h, a: new_state(cfg, RoleState(s, h), a))(
+      state.scale, state.amax_history, observed)
 
 
 def fold_chain(observed, ct_chain, first: bool, like=None):
@@ -245,19 +264,28 @@ def state_cotangents(cfgs, states, observed, ct_chain, first: bool, empty: bool 
     zeros for a later use) and the chain cotangent, each varying over the same
     ``shard_map`` axes as its primal.
   """
-  combined, chain_ct = fold_chain(numerics.finite_or_zero(jnp.stack(observed)), ct_chain, first,
+  sizes = [jnp.size(o) for o in observed]
+  flat = (jnp.stack(observed) if all(jnp.ndim(o) == 0 for o in observed) else
+          jnp.concatenate([jnp.ravel(o) for o in observed]))
+  combined, chain_ct = fold_chain(numerics.finite_or_zero(flat), ct_chain, first,
                                   like=states[0].scale)
   if combined is None:
     cts = tuple(RoleState(jnp.zeros_like(s.scale), jnp.zeros_like(s.amax_history))
                 for s in states)
   else:
-    cts = tuple(new_state(c, s, combined[i]) for i, (c, s) in enumerate(zip(cfgs, states)))
+    offsets = np.cumsum([0] + sizes)
+    # A role observed per group (a grouped GEMM's per-expert weights) has one
+    # state per group: its scale (g, 1), its history (g, L).
+    parts = [combined[i] if jnp.ndim(o) == 0 else combined[offsets[i]:offsets[i + 1]]
+             for i, o in enumerate(observed)]
+    cts = tuple(_new_role_state(c, s, a) for c, s, a in zip(cfgs, states, parts))
     if empty:
       # Later uses report through the chain; 0 from all of them means nothing
       # was observed in this step, and an unobserved step must not roll the
       # history.
-      cts = tuple(RoleState(*(jnp.where(combined[i] > 0, n, o) for n, o in zip(ct, st)))
-                  for i, (ct, st) in enumerate(zip(cts, states)))
+      cts = tuple(RoleState(*(jnp.where((a if jnp.ndim(a) == 0 else a[:, None]) > 0, n, o)
+                              for n, o in zip(ct, st)))
+                  for ct, st, a in zip(cts, states, parts))
   cts = tuple(RoleState(*(match_varying(c, l, lax.pmax) for c, l in zip(ct, like)))
               for ct, like in zip(cts, states))
   return cts, match_varying(chain_ct, ct_chain, lax.pmax)

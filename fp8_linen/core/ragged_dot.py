@@ -7,13 +7,20 @@ expert), rows ``[start_i, start_i + group_sizes[i])`` of ``lhs`` with
 dgrad e5m2 gradient x e4m3 weight, wgrad e4m3 tokens x e5m2 gradient (the
 ragged-contracting form, one ``(k, n)`` gradient per group).
 
-State layout: one per-tensor :class:`~fp8_linen.core.owg.RoleState` per role,
-as for a dense layer. ``input`` and ``output_grad`` measure every routed row;
-``kernel`` measures all groups' weights together (a group's weight is scaled
-with the largest of all of them). A group with no rows contributes nothing to
-the products; rows past ``sum(group_sizes)`` give zero output rows and a zero
-gradient, as in ``ragged_dot`` (they are measured by the input amax: keep
-padding rows zero). Row-wise and block recipes are refused (``ValueError``).
+State layout: ``input`` and ``output_grad`` have one per-tensor
+:class:`~fp8_linen.core.owg.RoleState` each, measuring every routed row.
+``kernel`` has either one state per group (``scale`` ``(g, 1)``,
+``amax_history`` ``(g, history_length)``: each expert's weight measured,
+scaled and cast alone, so one expert's large weights never cost another
+its precision; what ``quantize_model`` declares) or one for all groups
+(``(1,)``, ``(history_length,)``). A per-group kernel scale reaches the
+output rows of its group (forward and dgrad); the wgrad of group ``i`` has
+the input's and the gradient's scales only. An expert with no rows still has
+its weight measured; it contributes nothing to the products, and an empty
+batch leaves every state as it was. Rows past ``sum(group_sizes)`` give zero
+output rows and a zero gradient, as in ``ragged_dot`` (they are measured by
+the input amax: keep padding rows zero). Row-wise and block recipes are
+refused (``ValueError``).
 
 Example:
   >>> import jax.numpy as jnp
@@ -64,27 +71,47 @@ def ragged_gemm(a, b, group_sizes, how: str, dimension_numbers=None):
                                 preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ragged_vjp(spec, lhs, rhs, group_sizes, states, chain):
-  return _forward(spec, lhs, rhs, group_sizes, states)[0], chain
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ragged_vjp(spec, grouped, lhs, rhs, group_sizes, states, chain):
+  return _forward(spec, grouped, lhs, rhs, group_sizes, states)[0], chain
 
 
-def _forward(spec, lhs, rhs, group_sizes, states):
+def _group_scales(s_r, group_sizes, m: int):
+  """The kernel scale of each of the ``m`` rows: its group's (rows past the groups multiply
+  nothing, whatever their scale)."""
+  rows = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=m)
+  return s_r[rows]
+
+
+def _out_scaled(y, scale, out_dtype):
+  return (y * scale.astype(y.dtype)).astype(out_dtype)
+
+
+def _forward(spec, grouped, lhs, rhs, group_sizes, states):
   c_l, c_r, _ = spec.cfgs
   q_l, s_l, a_l = numerics.quantize_with(c_l, *states[0], lhs)
-  q_r, s_r, a_r = numerics.quantize_with(c_r, *states[1], rhs)
+  if grouped:
+    # One scale per group: each expert's weight is measured, scaled and cast alone.
+    q_r, s_r, a_r = jax.vmap(functools.partial(numerics.quantize_with, c_r))(
+        states[1].scale, states[1].amax_history, rhs)
+  else:
+    q_r, s_r, a_r = numerics.quantize_with(c_r, *states[1], rhs)
   y = ragged_gemm(q_l, q_r, group_sizes, spec.gemm)
-  y = lowering.scaled(y, numerics.scale_product(s_l, s_r), spec.out_dtype)
+  if grouped:
+    y = _out_scaled(y, numerics.scale_product(s_l, _group_scales(s_r, group_sizes,
+                                                                 lhs.shape[0])), spec.out_dtype)
+  else:
+    y = lowering.scaled(y, numerics.scale_product(s_l, s_r), spec.out_dtype)
   named = lambda q: jax.ad_checkpoint.checkpoint_name(q, owg.CHECKPOINT_NAME)
   return y, (named(q_l), named(q_r), s_l, s_r, (a_l, a_r))
 
 
-def _fwd(spec, lhs, rhs, group_sizes, states, chain):
-  y, res = _forward(spec, lhs, rhs, group_sizes, states)
+def _fwd(spec, grouped, lhs, rhs, group_sizes, states, chain):
+  y, res = _forward(spec, grouped, lhs, rhs, group_sizes, states)
   return (y, chain), (res, group_sizes, states)
 
 
-def _bwd(spec, res, cts):
+def _bwd(spec, grouped, res, cts):
   (q_l, q_r, s_l, s_r, amaxes), group_sizes, states = res
   g, ct_chain = cts
 
@@ -92,7 +119,11 @@ def _bwd(spec, res, cts):
     q_g, s_g, a_g = numerics.quantize_with(spec.cfgs[2], *states[2], g)
     # dgrad: g (m, n) x rhs[i]^T (n, k) per group.
     d_l = ragged_gemm(q_g, jnp.swapaxes(q_r, 1, 2), group_sizes, spec.gemm)
-    d_l = lowering.scaled(d_l, numerics.scale_product(s_g, s_r), spec.lhs_dtype)
+    if grouped:
+      d_l = _out_scaled(d_l, numerics.scale_product(s_g, _group_scales(
+          s_r, group_sizes, q_l.shape[0])), spec.lhs_dtype)
+    else:
+      d_l = lowering.scaled(d_l, numerics.scale_product(s_g, s_r), spec.lhs_dtype)
     # wgrad: lhs rows^T (k, m_i) x g rows (m_i, n) per group.
     d_r = ragged_gemm(q_l, q_g, group_sizes, spec.gemm, _RAGGED_CONTRACTING)
     d_r = lowering.scaled(d_r, numerics.scale_product(s_g, s_l), spec.rhs_dtype)
@@ -117,7 +148,8 @@ def fp8_ragged_dot(lhs, rhs, group_sizes, *, input_state: owg.RoleState,
     rhs: floating ``(g, k, n)``: one weight per group.
     group_sizes: integer ``(g,)``: rows per group, in order.
     input_state: :class:`~fp8_linen.RoleState` of ``lhs``.
-    kernel_state: :class:`~fp8_linen.RoleState` of ``rhs`` (all groups).
+    kernel_state: :class:`~fp8_linen.RoleState` of ``rhs``: per group (scale
+      ``(g, 1)``, history ``(g, L)``) or for all groups (``(1,)``, ``(L,)``).
     output_grad_state: :class:`~fp8_linen.RoleState` of the output gradient.
     recipe: a per-tensor :class:`~fp8_linen.Fp8Recipe` (default: delayed).
     out_dtype: output dtype (default: the result type of ``lhs`` and ``rhs``).
@@ -155,12 +187,16 @@ def fp8_ragged_dot(lhs, rhs, group_sizes, *, input_state: owg.RoleState,
       or rhs.shape[0] != group_sizes.shape[0]:
     raise ValueError(f"fp8_ragged_dot: expected lhs (m, k), rhs (g, k, n), group_sizes (g,); "
                      f"got lhs {lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape}")
-  states = tuple(owg.check_state(name, st) for name, st in zip(
-      owg.ROLES, (input_state, kernel_state, output_grad_state)))
+  grouped = jnp.ndim(kernel_state[0]) == 2
+  states = tuple(
+      owg.check_grouped_state(name, st, rhs.shape[0]) if grouped and name == "kernel" else
+      owg.check_state(name, st)
+      for name, st in zip(owg.ROLES, (input_state, kernel_state, output_grad_state)))
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
   first = chain is None
   spec = Fp8Spec(recipe=recipe, gemm=lowering.resolve_gemm(recipe), out_dtype=out_dtype,
                  lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
                  frozen=owg.quantizers_frozen())
-  return _ragged_vjp(spec, lhs, rhs, group_sizes.astype(jnp.int32), states,
-                     owg.chain_init(3) if first else chain)
+  n_chain = 2 + (rhs.shape[0] if grouped else 1)
+  return _ragged_vjp(spec, grouped, lhs, rhs, group_sizes.astype(jnp.int32), states,
+                     owg.chain_init(n_chain) if first else chain)

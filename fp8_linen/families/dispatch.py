@@ -27,7 +27,7 @@ from fp8_linen.families import calibration, lora, modes
 from fp8_linen.families.access import VariableAccess
 from fp8_linen.families.table import RecipeFamily, check_recipe, family_for
 
-__all__ = ["declare", "dot_general", "conv", "ragged_dot", "einsum", "einsum_operands", "einsum_kernel",
+__all__ = ["declare", "declare_ragged", "dot_general", "conv", "ragged_dot", "einsum", "einsum_operands", "einsum_kernel",
            "servable_error"]
 
 
@@ -103,6 +103,15 @@ def declare(access: VariableAccess, recipe, kernel=None, kernel_contract=None) -
     kernel_contract: its contracting axes in the product.
   """
   family_for(recipe, access.owner).declare(access, recipe, kernel, kernel_contract)
+
+
+def declare_ragged(access: VariableAccess, recipe, groups: int) -> None:
+  """Declares a grouped GEMM's variables (``groups`` experts) before any data (NNX)."""
+  family = family_for(recipe, access.owner)
+  if family.declare_ragged is not None:
+    family.declare_ragged(access, recipe, groups)
+  else:
+    family.declare(access, recipe, None, None)
 
 
 def dot_general(access: VariableAccess, lhs, rhs, dimension_numbers, recipe, out_dtype=None,

@@ -30,36 +30,53 @@ from fp8_linen.core.qdq import dequantize, quantize
 from fp8_linen.core.ragged_dot import fp8_ragged_dot
 from fp8_linen.recipes.fp8 import ActivationRecipe, Fp8Recipe, Fp8WeightOnly, ScalingConfig
 
-__all__ = ["role_state", "declare", "dot_general", "conv", "ragged_dot", "record", "activation",
+__all__ = ["role_state", "declare", "declare_ragged", "dot_general", "conv", "ragged_dot",
+           "record", "activation",
            "weight_only_dot", "weight_only_conv", "weight_only_record",
            "declare_activation"]
 
 
-def role_state(access, role: str, cfg: ScalingConfig) -> RoleState:
+def role_state(access, role: str, cfg: ScalingConfig, groups: int | None = None) -> RoleState:
   """Declares (or reads) the state of one role; returns it as a :class:`~fp8_linen.RoleState`.
+
+  ``groups``: one state per group (a grouped GEMM's per-expert weights):
+  ``<role>_scale`` ``(groups, 1)``, ``<role>_amax_history`` ``(groups,
+  history_length)``.
 
   Raises:
     ValueError: if stored state does not have the shapes ``cfg`` asks for
       (e.g. a checkpoint written with another history length).
   """
+  lead = () if groups is None else (groups,)
   if not cfg.keeps_state:
     # Current scaling without history: the op's state inputs are constants,
     # so nothing is declared, differentiated or carried through a loop.
-    return RoleState(uses.constant((1,), 1.0, jnp.float32), uses.constant((1,), 0.0, jnp.float32))
-  scale = access.state(f"{role}_scale", 1.0, (1,))
-  hist = access.state(f"{role}_amax_history", 0.0, (cfg.history_length,))
-  if scale.shape != (1,):
-    raise ValueError(f"{access.path}: {role}_scale has shape {scale.shape}, expected (1,)")
-  if hist.shape != (cfg.history_length,):
+    return RoleState(uses.constant(lead + (1,), 1.0, jnp.float32),
+                     uses.constant(lead + (1,), 0.0, jnp.float32))
+  scale = access.state(f"{role}_scale", 1.0, lead + (1,))
+  hist = access.state(f"{role}_amax_history", 0.0, lead + (cfg.history_length,))
+  per = " (one per expert)" if lead else ""
+  if scale.shape != lead + (1,):
+    raise ValueError(f"{access.path}: {role}_scale has shape {scale.shape}, expected "
+                     f"{lead + (1,)}{per}")
+  if hist.shape != lead + (cfg.history_length,):
     raise ValueError(
         f"{access.path}: {role}_amax_history has shape {hist.shape} but the recipe asks for "
-        f"history_length={cfg.history_length}; load a checkpoint written with the same recipe "
-        "or resize the histories: fl.resize_histories(variables, recipe) (or TrainState)")
+        f"{lead + (cfg.history_length,)}{per} (history_length={cfg.history_length}); load a "
+        "checkpoint written with the same recipe or resize the histories: "
+        "fl.resize_histories(variables, recipe) (or TrainState)")
   return RoleState(scale, hist)
 
 
 def _states(access, recipe: Fp8Recipe) -> tuple:
   return tuple(role_state(access, r, recipe.role(r)) for r in ROLES)
+
+
+def declare_ragged(access, recipe: Fp8Recipe, groups: int) -> None:
+  """Declares :func:`ragged_dot`'s state (the kernel's per expert) before any data (NNX)."""
+  role_state(access, "input", recipe.role("input"))
+  role_state(access, "kernel", recipe.role("kernel"), groups=groups)
+  role_state(access, "output_grad", recipe.role("output_grad"))
 
 
 def declare(access, recipe: Fp8Recipe, kernel=None, kernel_contract=None) -> None:
@@ -88,8 +105,15 @@ def conv(access, lhs, rhs, conv_kwargs: dict, recipe: Fp8Recipe, out_dtype=None,
 
 def ragged_dot(access, lhs, rhs, group_sizes, recipe: Fp8Recipe, out_dtype=None,
                key: str = "ragged"):
-  """:func:`~fp8_linen.fp8_ragged_dot` on the layer's state, chained under ``key``."""
-  st = _states(access, recipe)
+  """:func:`~fp8_linen.fp8_ragged_dot` on the layer's state, chained under ``key``.
+
+  The experts' weights have one state per expert (``kernel_scale`` ``(g, 1)``,
+  ``kernel_amax_history`` ``(g, history_length)``); the routed tokens and the
+  output gradient one each, over every routed row.
+  """
+  st = (role_state(access, "input", recipe.role("input")),
+        role_state(access, "kernel", recipe.role("kernel"), groups=jnp.shape(rhs)[0]),
+        role_state(access, "output_grad", recipe.role("output_grad")))
   return access.chained(key, lambda chain: fp8_ragged_dot(
       lhs, rhs, group_sizes, input_state=st[0], kernel_state=st[1], output_grad_state=st[2],
       recipe=recipe, out_dtype=out_dtype, chain=chain), st[0].scale)

@@ -83,6 +83,9 @@ class RecipeFamily:
     ragged_dot: ``fn(access, lhs, rhs, group_sizes, recipe, out_dtype, key)
       -> out``: the QAT grouped GEMM (``jax.lax.ragged_dot``: an MoE's
       experts), or ``None`` when the family has none.
+    declare_ragged: ``fn(access, recipe, groups)``: declares the grouped
+      GEMM's variables before any data (NNX), where they differ from
+      ``declare``'s (fp8: one kernel state per group); ``None``: ``declare``.
     weight_codes: ``fn(rhs, recipe) -> codes``: a served weight's codes in
       their storage dtype (the layer hands them over cast to float).
     served_weight: ``fn(codes, contract, batch, *, recipe, arrays, where)
@@ -104,6 +107,7 @@ class RecipeFamily:
   served_dot: Callable | None = None
   served_conv: Callable | None = None
   ragged_dot: Callable | None = None
+  declare_ragged: Callable | None = None
   weight_codes: Callable | None = None
   served_weight: Callable | None = None
 
@@ -113,6 +117,7 @@ _TABLE: dict[type, RecipeFamily] = {
         declare=fp8.declare, dot_general=fp8.dot_general, conv=fp8.conv,
         servable=fp8_serve.fp8_servable, record=fp8.record, served_dot=fp8_serve.fp8_served_dot,
         served_conv=fp8_serve.fp8_served_conv, ragged_dot=fp8.ragged_dot,
+        declare_ragged=fp8.declare_ragged,
         weight_codes=fp8_serve.weight_codes, served_weight=fp8_serve.served_weight),
     IntRecipe: RecipeFamily(
         declare=integer.declare, dot_general=integer.dot_general, conv=integer.conv,

@@ -73,7 +73,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fp8_linen import interception, product_calls
-from fp8_linen.families import modes
+from fp8_linen.families import dispatch, modes
 from fp8_linen.nnx.access import NnxAccess, declare
 from fp8_linen.nnx.state import QuantState
 from fp8_linen.product_report import MARKERS, product_report
@@ -109,6 +109,8 @@ class ProductSite(nnx.Module):
     op: its op kind (``'dot_general'``, ``'einsum'``, ``'matmul'``, ``'dot'``,
       ``'conv'``, ``'ragged_dot'``).
     site_path: its path (``<module path>/<name>``), named in errors.
+    groups: a grouped GEMM's number of groups (experts): fp8 keeps one
+      kernel state per expert.
 
   Example:
     >>> from flax import nnx
@@ -119,12 +121,15 @@ class ProductSite(nnx.Module):
     ('input_amax_history',)
   """
 
-  def __init__(self, recipe, *, op: str, path: str):
+  def __init__(self, recipe, *, op: str, path: str, groups: int | None = None):
     self.recipe = recipe
     self.op = op
     self.site_path = path
     try:
-      declare(self, recipe)
+      if op == "ragged_dot":
+        dispatch.declare_ragged(NnxAccess(self, declaring=True), recipe, groups)
+      else:
+        declare(self, recipe)
     except (TypeError, ValueError) as e:
       raise type(e)(f"fl.nnx.quantize_model: product {path!r} ({op}): {e}") from e
     learned = nnx.to_flat_state(nnx.state(self, nnx.Param))
@@ -163,6 +168,7 @@ class _Discovery:
     self.hits = [0] * len(rules)
     self.sites: dict = {}  # (module path, name) -> (op, recipe or None, status)
     self.stacked: dict = {}  # (module path, name) -> layers stacked on axis 0 (0: none)
+    self.groups: dict = {}  # (module path, name) -> a grouped GEMM's groups
     self.called: set = set()  # paths of modules that called a product
     self.vocab_table = None  # (rows, sorted shape) of the largest table looked up in
 
@@ -192,6 +198,7 @@ class _Discovery:
       status = ("skipped", why) if why else ("quantized", None)
       self.stacked[(path, name)] = stacked
     self.sites[(path, name)] = (op, recipe, status)
+    self.groups[(path, name)] = jnp.shape(rhs)[0] if op == "ragged_dot" else None
     return None, status
 
   def note_tables(self, module, args, kwargs) -> None:
@@ -424,7 +431,8 @@ def attach(model, rules, recipe, example, *, library, float_layers, on_unquantiz
       if name in vars(module):
         raise ValueError(f"fl.nnx.quantize_model: module {path or '<root>'!r} already has an "
                          f"attribute {name!r}, where the state of its product {name!r} would go")
-      site = ProductSite(rule_recipe, op=op, path=f"{path}/{name}" if path else name)
+      site = ProductSite(rule_recipe, op=op, path=f"{path}/{name}" if path else name,
+                         groups=discovery.groups[(path, name)])
       if discovery.stacked[(path, name)]:
         _stack_state(site, discovery.stacked[(path, name)])
       setattr(module, name, site)

@@ -78,6 +78,81 @@ class RaggedNumericsTest(chex.TestCase):
                                  rtol=1e-6)
 
 
+def _grouped_st(history=4):
+  return owg.RoleState(jnp.ones((G, 1)), jnp.zeros((G, history)))
+
+
+def _q64_per_group(w, dtype):
+  return np.stack([_q64(w[i], dtype) for i in range(w.shape[0])])
+
+
+class PerExpertTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_one_kernel_scale_per_expert_matches_float64(self):
+    lhs, rhs, ct = _data(1)
+    # Experts of very different magnitudes: a shared scale would flush the small ones.
+    rhs = rhs * jnp.array([1.0, 3.0, 1e-3, 40.0])[:, None, None]
+    states = (_st(), _grouped_st(), _st())
+    loss = lambda l, w, s: jnp.sum(_apply(l, w, s) * ct)
+    y = self.variant(_apply)(lhs, rhs, states)
+    e4, e5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+    ql, qr, qg = _q64(lhs, e4), _q64_per_group(rhs, e4), _q64(ct, e5)
+    np.testing.assert_allclose(np.asarray(y), _ragged64(ql, qr, GS), rtol=2e-5, atol=1e-6)
+    d_l, d_r, d_s = self.variant(jax.grad(loss, argnums=(0, 1, 2)))(lhs, rhs, states)
+    np.testing.assert_allclose(np.asarray(d_l), _ragged64(qg, qr.transpose(0, 2, 1), GS),
+                               rtol=2e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(d_r), _wgrad64(ql, qg, GS), rtol=2e-5, atol=2e-5)
+    # The new kernel state: each expert's own amax and scale (the empty expert's too);
+    # the routed rows and the gradient one each.
+    amax_e = np.abs(np.asarray(rhs)).max(axis=(1, 2))
+    chex.assert_shape((d_s[1].scale, d_s[1].amax_history), ((G, 1), (G, 4)))
+    np.testing.assert_allclose(np.asarray(d_s[1].amax_history[:, 0]), amax_e, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(d_s[1].scale[:, 0]), amax_e / 448.0, rtol=1e-6)
+    np.testing.assert_allclose(float(d_s[0].amax_history[0]), float(jnp.abs(lhs).max()),
+                               rtol=1e-6)
+
+  def test_per_expert_scales_keep_a_small_expert_that_a_shared_scale_flushes(self):
+    lhs, rhs, _ = _data(2)
+    rhs = rhs * jnp.array([1.0, 1.0, 1e-4, 100.0])[:, None, None]
+    ref = _ragged64(np.asarray(lhs, np.float64), np.asarray(rhs, np.float64), GS)
+    rows = slice(4, 9)  # the routed rows of the small expert (group 2)
+    err = lambda y: np.abs(np.asarray(y)[rows] - ref[rows]).max() / np.abs(ref[rows]).max()
+    grouped = _apply(lhs, rhs, (_st(), _grouped_st(), _st()))
+    shared = _apply(lhs, rhs, (_st(), _st(), _st()))
+    assert err(grouped) < 0.1 < err(shared)
+
+  def test_two_uses_of_one_grouped_state_fold_per_expert(self):
+    lhs, rhs, _ = _data(3)
+    states = (_st(), _grouped_st(), _st())
+    twice = rhs * jnp.array([2.0, 0.5, 2.0, 0.5])[:, None, None]
+
+    def loss(s):
+      y1, chain = fl.fp8_ragged_dot(lhs, rhs, GS, input_state=s[0], kernel_state=s[1],
+                                    output_grad_state=s[2], recipe=RECIPE)
+      y2, _ = fl.fp8_ragged_dot(lhs, twice, GS, input_state=s[0], kernel_state=s[1],
+                                output_grad_state=s[2], recipe=RECIPE, chain=chain)
+      return jnp.sum(y1) + jnp.sum(y2)
+
+    new = jax.grad(loss)(states)
+    expect = np.maximum(np.abs(np.asarray(rhs)).max(axis=(1, 2)),
+                        np.abs(np.asarray(twice)).max(axis=(1, 2)))
+    np.testing.assert_allclose(np.asarray(new[1].amax_history[:, 0]), expect, rtol=1e-6)
+
+  def test_an_empty_batch_leaves_the_grouped_state_as_it_was(self):
+    _, rhs, _ = _data()
+    states = (_st(), owg.RoleState(jnp.full((G, 1), 2.0), jnp.full((G, 4), 3.0)), _st())
+    new = jax.grad(lambda s: jnp.sum(_apply(jnp.zeros((0, K)), rhs, s, gs=np.zeros(G, np.int32))))(
+        states)
+    chex.assert_trees_all_equal(new[1], states[1])
+
+  def test_a_grouped_state_of_the_wrong_shape_is_named(self):
+    lhs, rhs, _ = _data()
+    bad = owg.RoleState(jnp.ones((G + 1, 1)), jnp.zeros((G + 1, 4)))
+    with pytest.raises(ValueError, match=r"kernel_scale / kernel_amax_history.*\(4, 1\)"):
+      _apply(lhs, rhs, (_st(), bad, _st()))
+
+
 def test_differs_from_float_and_is_close_to_it():
   lhs, rhs, _ = _data(1)
   y = _apply(lhs, rhs, (_st(), _st(), _st()))
@@ -108,7 +183,8 @@ def test_bad_input_is_named():
 
 
 @pytest.mark.xdist_group("h100")
-def test_h100_runs_three_fp8_grouped_gemms(require_target):
+@pytest.mark.parametrize("per_expert", [False, True], ids=["shared", "per_expert"])
+def test_h100_runs_three_fp8_grouped_gemms(require_target, per_expert):
   h100 = require_target("h100")
   from fp8_linen.testing.compile import compile_for  # pylint: disable=import-outside-toplevel
 
@@ -119,6 +195,7 @@ def test_h100_runs_three_fp8_grouped_gemms(require_target):
     # The loss too: without it XLA deletes the forward product.
     return jax.value_and_grad(loss, argnums=(0, 1, 2))(lhs, rhs, states)
 
+  kernel = _grouped_st(16) if per_expert else _st()
   report = compile_for(h100, step, lhs.astype(jnp.bfloat16), rhs, ct.astype(jnp.bfloat16),
-                       (_st(), _st(), _st()))
+                       (_st(), kernel, _st()))
   assert report.classes == {"fp8": 3}, report.classes
