@@ -12,9 +12,9 @@ every arm; only ``fl.quantize_model`` changes:
 
 * ``bf16``: the model as written (bfloat16 compute);
 * ``fp8``: ``fl.quantize_model(model, fl.Fp8Recipe(), rules)``: the experts
-  through ``fl.fp8_ragged_dot`` (e4m3 forward, e5m2 gradients, per-tensor
-  delayed scaling: one scale for all experts' weights), the attention
-  projections as ``QDense``;
+  through ``fl.fp8_ragged_dot`` (e4m3 forward, e5m2 gradients, delayed
+  scaling: one scale per expert's weight, one for the routed tokens, one for
+  the gradient), the attention projections quantized the same way;
 * ``int8``: the same rules with ``fl.IntRecipe`` (STE; the experts' weights
   per expert and output channel, the routed tokens under one min/max
   observer): the integer QAT numerics, fake-quantized.
