@@ -83,7 +83,8 @@ class Product:
 
   Attributes:
     kind: ``'cublas'`` (a cuBLAS/cuBLASLt GEMM custom call), ``'cudnn-conv'``,
-      ``'block-scaled-dot'`` (cuDNN's MXFP8/NVFP4 dot), ``'cudnn-gemm'`` or
+      ``'block-scaled-dot'`` (cuDNN's MXFP8/NVFP4 dot), ``'mosaic-grouped-gemm'``
+      (XLA:TPU's grouped GEMM kernel for ``ragged_dot``), ``'cudnn-gemm'`` or
       ``'triton-gemm'`` (a GEMM fusion), ``'convolution'`` (a convolution
       instruction: every GEMM and convolution on a TPU) or ``'dot'`` (a dot
       left to a generic emitter).
@@ -216,6 +217,16 @@ def _custom_call_product(module: Module, comp: str, inst: Instruction) -> Produc
   if target.startswith("__cudnn$conv"):
     return Product("cudnn-conv", types, out.dtype, _conv_flops(inst, *arrays), target, comp,
                    inst.name)
+  if target == "tpu_custom_call" and inst.name.startswith("ragged-dot") \
+      and not inst.name.startswith("ragged-dot-metadata"):
+    # XLA:TPU's grouped GEMM (jax.lax.ragged_dot) is a Mosaic kernel; its last two
+    # operands are the two matrices it multiplies (the first ones, group metadata).
+    n = len(inst.operands)
+    types = (module.operand_types(comp, inst, n) + (None,) * n)[n - 2:n]
+    lhs = (module.operand_arrays(comp, inst) + [None] * n)[n - 2]
+    k = lhs[0].shape[-1] if lhs and lhs[0].shape else 0
+    return Product("mosaic-grouped-gemm", tuple(types), out.dtype, 2 * out.size * k, target,
+                   comp, inst.name)
   return None
 
 

@@ -182,20 +182,37 @@ def test_bad_input_is_named():
     _apply(lhs, rhs, (_st(), _st(), _st()), recipe=fl.rowwise_scaling())
 
 
-@pytest.mark.xdist_group("h100")
-@pytest.mark.parametrize("per_expert", [False, True], ids=["shared", "per_expert"])
-def test_h100_runs_three_fp8_grouped_gemms(require_target, per_expert):
-  h100 = require_target("h100")
+# (target, recipe.gemm, what the three grouped GEMMs of the step multiply)
+_TARGET_CASES = [
+    ("h100", "auto", {"fp8": 3}),     # cuBLASLt fp8 GEMMs (dense over every group)
+    ("b200", "auto", {"fp8": 3}),
+    ("tpu7x", "fp8", {"fp8": 3}),     # XLA:TPU's Mosaic grouped GEMM takes fp8 codes
+    ("tpu-v6e", "auto", {"bf16": 3}),  # no fp8 MXU mode: the codes are multiplied as bf16
+]
+
+
+@pytest.mark.parametrize("target,gemm,expected", _TARGET_CASES,
+                         ids=[c[0] for c in _TARGET_CASES])
+def test_each_target_runs_the_three_grouped_gemms(require_target, target, gemm, expected):
+  t = require_target(target)
   from fp8_linen.testing.compile import compile_for  # pylint: disable=import-outside-toplevel
 
-  lhs, rhs, ct = _data()
+  gs = np.array([128, 0, 256, 128], np.int32)
+  k = jax.random.split(jax.random.key(0), 3)
+  lhs = jax.random.normal(k[0], (512, 256), jnp.bfloat16)
+  rhs = jax.random.normal(k[1], (4, 256, 384))
+  ct = jax.random.normal(k[2], (512, 384), jnp.bfloat16)
+  recipe = fl.Fp8Recipe(gemm=gemm)
 
   def step(lhs, rhs, ct, states):
-    loss = lambda l, w, s: jnp.sum(_apply(l, w, s, recipe=fl.Fp8Recipe()) * ct)
+    loss = lambda l, w, s: jnp.sum(_apply(l, w, s, gs=gs, recipe=recipe) * ct)
     # The loss too: without it XLA deletes the forward product.
     return jax.value_and_grad(loss, argnums=(0, 1, 2))(lhs, rhs, states)
 
-  kernel = _grouped_st(16) if per_expert else _st()
-  report = compile_for(h100, step, lhs.astype(jnp.bfloat16), rhs, ct.astype(jnp.bfloat16),
-                       (_st(), kernel, _st()))
-  assert report.classes == {"fp8": 3}, report.classes
+  # Per-expert kernel scales, as quantize_model keeps them.
+  kernel = owg.RoleState(jnp.ones((4, 1)), jnp.zeros((4, 16)))
+  report = compile_for(t, step, lhs, rhs, ct, (_st(), kernel, _st()))
+  assert report.classes == expected, report.classes
+  if t.platform == "tpu":
+    kinds = [p.kind for p in report.product_list]
+    assert kinds.count("mosaic-grouped-gemm") == 2, kinds  # forward and dgrad
