@@ -76,6 +76,17 @@ def test_estimate_tables_are_the_benchmark_output():
   assert payload["device"] == "estimate (compile only)"
 
 
+def test_estimate_vs_measured_table_is_the_benchmark_output():
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import estimate_vs_published as ev  # pylint: disable=import-outside-toplevel
+  payload = json.loads((ROOT / "benchmarks/results/estimate-vs-published.json").read_text())
+  doc = ROOT.joinpath("docs/accelerators.md").read_text()
+  assert _table_after(doc, "<!-- estimate vs measured") == _rows(ev.markdown(payload["rows"]))
+  # The TE layer at its published shape, both arms compiled for B200.
+  te = [r for r in payload["rows"] if r["device"].startswith("GB200")]
+  assert [r["shape"] for r in te] == [[16384, 8192, 32768]] * 2
+
+
 def _rows(table: str) -> list[list[str]]:
   return [[c.strip() for c in l.strip().strip("|").split("|")] for l in table.splitlines()]
 
