@@ -53,7 +53,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+# Bound at import, before quantize_model can intercept jax.lax.ragged_dot.
+from jax.lax import ragged_dot as lax_ragged_dot
 
 from fp8_linen.core import dims, int_numerics, int_ops, lowering, mesh, owg, randomness
 from fp8_linen.core.int_codes import Codes, Operand, dequantize, quantize, rank_like
@@ -62,7 +65,8 @@ from fp8_linen.core.int_gemm import (conv_fn, conv_supported, contracted, int_co
 from fp8_linen.core.lowering import grad_gemm, relayout
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
-__all__ = ["int_dot_general", "int_conv_general_dilated", "operand_params", "run_product"]
+__all__ = ["int_dot_general", "int_conv_general_dilated", "int_ragged_dot", "ragged_supported",
+           "operand_params", "run_product"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -256,6 +260,67 @@ class _ConvSpec(_Spec):
     return d_x, d_w
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _RaggedSpec(_Spec):
+  """A grouped GEMM ``(m, k) x (g, k, n)``: rows of group ``i`` times weight ``i``.
+
+  Symmetric grids only (no centre): the weight's scale is per tensor or per
+  expert and output channel ``(g, 1, n)``; each output row takes its
+  group's.
+  """
+
+  def forward(self, xc, wc, lhs_shape, group_sizes):
+    del lhs_shape
+    if self.how == "int8":
+      y = lax_ragged_dot(xc.codes, wc.codes, group_sizes, preferred_element_type=jnp.int32)
+    else:  # int8 codes are exact in bfloat16; accumulate in float32
+      y = lax_ragged_dot(xc.codes.astype(jnp.bfloat16), wc.codes.astype(jnp.bfloat16),
+                         group_sizes, preferred_element_type=jnp.float32)
+    s_w = rank_like(wc.scale, wc.codes)
+    if s_w.shape[0] > 1:  # one scale per expert: each row takes its group's
+      rows = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
+                        total_repeat_length=y.shape[0])
+      s_w = s_w[rows]
+    return y.astype(jnp.float32) * jnp.reshape(xc.scale, ()) * jnp.reshape(
+        s_w, (-1, s_w.shape[-1]))
+
+  def grads(self, g, xh, wh, group_sizes):
+    how = jnp.bfloat16 if self.grad_dtype == jnp.bfloat16 else jnp.float32
+    g = g.astype(how)
+    d_x = lax_ragged_dot(g, jnp.swapaxes(wh.astype(how), 1, 2), group_sizes,
+                         preferred_element_type=jnp.float32)
+    d_w = lax.ragged_dot_general(xh.astype(how), g, group_sizes, _RAGGED_CONTRACTING,
+                                 preferred_element_type=jnp.float32)
+    lt = jnp.float32 if self.x.cfg.learned else self.lhs_dtype
+    rt = jnp.float32 if self.w.cfg.learned else self.rhs_dtype
+    return d_x.astype(lt), d_w.astype(rt)
+
+  def code_grads(self, g, xc, wc):
+    del g, xc, wc
+    return None  # the gradients multiply the dequantized operands (grads)
+
+
+# wgrad of a grouped GEMM: lhs (m, k) and g (m, n) contract their ragged rows.
+_RAGGED_CONTRACTING = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[])
+
+
+def ragged_supported(recipe: IntRecipe) -> str | None:
+  """Why ``recipe`` has no integer grouped GEMM (:func:`int_ragged_dot`), or ``None``."""
+  if recipe.input is None or recipe.kernel is None:
+    return "a role is not quantized"
+  if not (recipe.input.symmetric and recipe.kernel.symmetric):
+    return "an asymmetric grid (its zero point would need a correction per group)"
+  if recipe.kernel.granularity == "group" or recipe.input.granularity != "tensor":
+    return "a 'group' weight or a per-channel activation"
+  if recipe.grad_bits is not None:
+    return "integer gradients (grad_bits)"
+  if recipe.input.learned or recipe.kernel.learned:
+    return "learned steps (LSQ)"
+  return None
+
+
 def _code_params(c: Codes):
   """``(params, (has_centre, has_offset))``: ``c``'s parameters with the codes' rank."""
   params = tuple(rank_like(p, c.codes) for p in (c.scale, c.centre, c.offset) if p is not None)
@@ -312,23 +377,23 @@ def _role_grads(op: Operand, g_hat, x, inside, params, like, dtype):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _int_product(spec, lhs, rhs, lparams, rparams, chain):
+def _int_product(spec, lhs, rhs, lparams, rparams, chain, extra=()):
   xc, _, _ = quantize(spec.x, lhs, lparams, spec.frozen)
   wc, _, _ = quantize(spec.w, rhs, rparams)
-  return spec.forward(xc, wc, lhs.shape).astype(spec.out_dtype), chain
+  return spec.forward(xc, wc, lhs.shape, *extra).astype(spec.out_dtype), chain
 
 
-def _int_product_fwd(spec, lhs, rhs, lparams, rparams, chain):
+def _int_product_fwd(spec, lhs, rhs, lparams, rparams, chain, extra=()):
   xc, new, x_in = quantize(spec.x, lhs, lparams, spec.frozen)
   wc, _, w_in = quantize(spec.w, rhs, rparams)
-  y = spec.forward(xc, wc, lhs.shape).astype(spec.out_dtype)
+  y = spec.forward(xc, wc, lhs.shape, *extra).astype(spec.out_dtype)
   res = (_residual(spec.x, lhs, xc, x_in), _residual(spec.w, rhs, wc, w_in),
-         lparams, rparams, new)
+         lparams, rparams, new, extra)
   return (y, chain), res
 
 
 def _int_product_bwd(spec, res, cts):
-  res_x, res_w, lparams, rparams, new = res
+  res_x, res_w, lparams, rparams, new, extra = res
   g, ct_chain = cts
   # The dequantized operands feed the gradient GEMMs only: build them in the
   # GEMMs' dtype, so no float32 copy of an operand is materialized for bf16.
@@ -340,7 +405,7 @@ def _int_product_bwd(spec, res, cts):
     # The products read the codes (dequantized where they are multiplied);
     # group views and grouped convolutions the dequantized operands.
     grads = spec.code_grads(g, xc, wc)
-    g_xh, g_wh = grads if grads is not None else spec.grads(g, xh, wh)
+    g_xh, g_wh = grads if grads is not None else spec.grads(g, xh, wh, *extra)
   dx, dlp = _role_grads(spec.x, g_xh, x, x_in, lparams, xh, spec.lhs_dtype)
   dw, drp = _role_grads(spec.w, g_wh, w, w_in, rparams, wh, spec.rhs_dtype)
   chain_ct = jnp.zeros_like(ct_chain)
@@ -351,7 +416,9 @@ def _int_product_bwd(spec, res, cts):
     chain_ct = owg.match_varying(chain_ct, ct_chain, lax.pmax)
   dlp = dlp if dlp is not None else tuple(jnp.zeros_like(p) for p in lparams)
   drp = drp if drp is not None else tuple(jnp.zeros_like(p) for p in rparams)
-  return dx, dw, dlp, drp, chain_ct
+  # The extra arrays (a grouped GEMM's group sizes) are integers: no gradient.
+  d_extra = tuple(np.zeros(jnp.shape(e), jax.dtypes.float0) for e in extra)
+  return dx, dw, dlp, drp, chain_ct, d_extra
 
 
 _int_product.defvjp(_int_product_fwd, _int_product_bwd)
@@ -422,7 +489,7 @@ def _params(op: Operand, params, name: str):
 
 
 def _run(spec_cls, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params, out_dtype,
-         chain, owner, **static):
+         chain, owner, extra=(), **static):
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   owg.check_float("lhs", lhs)
   owg.check_float("rhs", rhs)
@@ -436,7 +503,7 @@ def _run(spec_cls, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params,
                   lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape),
                   grad_bits=recipe.grad_bits, grad_sr=recipe.grad_stochastic_rounding,
                   frozen=owg.quantizers_frozen(), **static)
-  return _int_product(spec, lhs, rhs, lp, rp, owg.chain_init(2) if first else chain)
+  return _int_product(spec, lhs, rhs, lp, rp, owg.chain_init(2) if first else chain, extra)
 
 
 def int_dot_general(lhs, rhs, dimension_numbers, *, recipe: IntRecipe, input_params=(),
@@ -518,3 +585,56 @@ def int_conv_general_dilated(lhs, rhs, conv, *, recipe: IntRecipe, input_params=
   k = contracted(recipe.kernel, rhs.shape, rc)
   return _run(_ConvSpec, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params,
               out_dtype, chain, "int_conv_general_dilated", conv=conv)
+
+
+def int_ragged_dot(lhs, rhs, group_sizes, *, recipe: IntRecipe, input_params=(),
+                   kernel_params=(), out_dtype=None, chain=None):
+  """``jax.lax.ragged_dot`` (an MoE's experts) of integer-quantized operands, with STE gradients.
+
+  Forward: the routed tokens ``lhs`` ``(m, k)`` quantized per tensor by their
+  observer, each expert's weight ``rhs[i]`` ``(k, n)`` per tensor or per
+  output channel (``recipe.kernel.granularity``: ``'tensor'`` or
+  ``'channel'``, which gives ``(g, 1, n)`` scales), multiplied as int8 codes
+  in one grouped GEMM with int32 accumulation (``recipe.gemm``; bfloat16 on
+  the CPU where exact), each output row scaled by its expert's scales.
+  Backward: the STE gradients, both gradient products of the dequantized
+  operands in ``recipe.compute_dtype``. The observer's new range is returned
+  as the cotangent of ``input_params[0]``, chained like
+  :func:`int_dot_general`'s. Symmetric grids, STE, no ``grad_bits``
+  (:func:`ragged_supported` says why not otherwise).
+
+  Args:
+    lhs: ``(m, k)`` floating, rows sorted by group.
+    rhs: ``(g, k, n)`` floating.
+    group_sizes: ``(g,)`` integer.
+    recipe: an :class:`~fp8_linen.IntRecipe`.
+    input_params: ``(range,)``: the observer's range.
+    kernel_params: ``()``.
+    out_dtype: output dtype (default: the result type of the operands).
+    chain: as for :func:`int_dot_general`.
+
+  Returns:
+    ``(out (m, n), chain_out)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> from fp8_linen.core import int_product
+    >>> y, _ = int_product.int_ragged_dot(jnp.ones((3, 2)), jnp.ones((2, 2, 4)),
+    ...     jnp.array([1, 2]), recipe=fl.IntRecipe(), input_params=(jnp.zeros(2),))
+    >>> y.shape, float(y[0, 0])
+    ((3, 4), 2.0)
+  """
+  why = ragged_supported(recipe)
+  if why is not None:
+    raise ValueError(f"int_ragged_dot: {why} has no integer grouped GEMM; the layer helpers "
+                     "fake-quantize such a recipe's experts")
+  lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+  if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1] \
+      or group_sizes.shape != (rhs.shape[0],):
+    raise ValueError(f"int_ragged_dot: expected lhs (m, k), rhs (g, k, n), group_sizes (g,); "
+                     f"got {lhs.shape}, {rhs.shape}, {group_sizes.shape}")
+  x_op, w_op = _operands(recipe, (1,), (1,), 1.0, 1.0, "int_ragged_dot")
+  k = contracted(recipe.kernel, rhs.shape, (1,))
+  return _run(_RaggedSpec, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params,
+              out_dtype, chain, "int_ragged_dot", extra=(group_sizes.astype(jnp.int32),))

@@ -234,9 +234,10 @@ def ragged_dot(access, lhs, rhs, group_sizes, recipe: IntRecipe, out_dtype=None,
   routed row: keep padding rows zero), ``rhs`` ``(g, k, n)`` as a weight
   whose contracting axis is ``k``: ``granularity='channel'`` gives each
   expert's output channels their own scale, ``'tensor'`` one scale for all
-  experts. The product runs in the compute dtype on the fake-quantized
-  values (the integer QAT numerics; not an s8 grouped GEMM), and its
-  gradients in float through the estimators (STE, LSQ).
+  experts. Symmetric STE recipes multiply int8 codes in one grouped GEMM
+  (:func:`~fp8_linen.core.int_product.int_ragged_dot`); others (asymmetric
+  grids, LSQ) multiply the fake-quantized values in the compute dtype. The
+  gradients are float, through the estimators.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -256,6 +257,12 @@ def ragged_dot(access, lhs, rhs, group_sizes, recipe: IntRecipe, out_dtype=None,
                      "integer-gradient grouped GEMM; use grad_bits=None for the experts")
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  if int_product.ragged_supported(recipe) is None:
+    return _int_product(access, lhs, rhs, (1,), (1,), recipe, key,
+                        lambda **kw: int_product.int_ragged_dot(
+                            lhs, rhs, group_sizes, recipe=recipe, out_dtype=out_dtype,
+                            input_params=kw["input_params"], kernel_params=kw["kernel_params"],
+                            chain=kw.get("chain")))
   xq, wq = _fake_quantized(access, lhs, rhs, (1,), (1,), recipe, key)
   y = lax_ragged_dot(xq, wq, group_sizes, preferred_element_type=jnp.float32)
   return y.astype(out_dtype)

@@ -1,0 +1,131 @@
+"""The integer grouped GEMM (``int_ragged_dot``): int8 codes per expert, STE gradients,
+the observer's state, and what the accelerators multiply (compile only)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8_linen as fl
+from fp8_linen.core import int_product
+
+GS = np.array([5, 0, 4, 3], np.int32)  # one expert receives no token
+M, K, N, G = int(GS.sum()), 32, 8, len(GS)
+TENSOR = fl.IntRecipe()
+CHANNEL = fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel"))
+
+
+def _data(seed=0):
+  k = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(k[0], (M, K))
+  # Experts of different magnitudes: per-channel scales are each expert's own.
+  w = jax.random.normal(k[1], (G, K, N)) * jnp.array([0.3, 1.0, 0.01, 3.0])[:, None, None]
+  return x, w, jax.random.normal(k[2], (M, N))
+
+
+def _fq64(x, axis):
+  """Symmetric int8 fake quantization in float64, scale max|x| / 127 over ``axis``."""
+  x = np.asarray(x, np.float64)
+  s = np.abs(x).max(axis=axis, keepdims=True) / 127.0
+  return np.clip(np.round(x / s), -128, 127) * s
+
+
+def _ragged64(a, b, gs=GS):
+  out, start = np.zeros((a.shape[0], b.shape[2])), 0
+  for i, n in enumerate(gs):
+    out[start:start + n] = a[start:start + n] @ b[i]
+    start += n
+  return out
+
+
+def _wgrad64(a, g, gs=GS):
+  out, start = np.zeros((len(gs), a.shape[1], g.shape[1])), 0
+  for i, n in enumerate(gs):
+    out[i] = a[start:start + n].T @ g[start:start + n]
+    start += n
+  return out
+
+
+def _apply(x, w, rng, recipe, gs=GS):
+  return int_product.int_ragged_dot(x, w, gs, recipe=recipe, input_params=(rng,))[0]
+
+
+class IntRaggedTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_forward_and_ste_gradients_are_the_float64_fake_quant_products(self):
+    for name, recipe, axis in (("tensor", TENSOR, None), ("channel", CHANNEL, 1)):
+      x, w, ct = _data()
+      rng = jnp.zeros((2,))
+      y = self.variant(lambda x, w, r: _apply(x, w, r, recipe))(x, w, rng)
+      xh, wh = _fq64(x, None), _fq64(w, axis)
+      np.testing.assert_allclose(np.asarray(y), _ragged64(xh, wh), rtol=1e-5, atol=1e-5,
+                                 err_msg=name)
+      loss = lambda x, w, r: jnp.sum(_apply(x, w, r, recipe) * ct)
+      d_x, d_w, d_r = self.variant(jax.grad(loss, argnums=(0, 1, 2)))(x, w, rng)
+      ct64 = np.asarray(ct, np.float64)
+      np.testing.assert_allclose(np.asarray(d_x), _ragged64(ct64, wh.transpose(0, 2, 1)),
+                                 rtol=1e-5, atol=1e-5, err_msg=name)
+      np.testing.assert_allclose(np.asarray(d_w), _wgrad64(xh, ct64), rtol=1e-5, atol=1e-5,
+                                 err_msg=name)
+      assert not np.any(np.asarray(d_w[1]))  # the expert without tokens gets no gradient
+      # The observer's new range is the cotangent of its range: the batch's [-min, max].
+      np.testing.assert_allclose(np.asarray(d_r), [-float(x.min()), float(x.max())],
+                                 rtol=1e-6)
+
+  def test_per_channel_scales_keep_a_small_expert(self):
+    x, w, _ = _data(1)
+    ref = _ragged64(np.asarray(x, np.float64), np.asarray(w, np.float64))
+    rows = slice(9, 12)  # the routed rows of the largest expert (group 3)
+    small = slice(5, 9)  # ... and of the smallest (group 2)
+    err = lambda y, r: np.abs(np.asarray(y)[r] - ref[r]).max() / np.abs(ref[r]).max()
+    tensor, channel = (_apply(x, w, jnp.zeros((2,)), r) for r in (TENSOR, CHANNEL))
+    assert err(channel, small) < 0.05 < err(tensor, small)
+    assert err(channel, rows) < 0.05
+
+
+def test_int8_and_bf16_lowerings_agree_bit_for_bit():
+  x, w, _ = _data(2)
+  ys = [_apply(x, w, jnp.zeros((2,)), fl.IntRecipe(gemm=g,
+                                                   kernel=fl.IntQuantConfig(granularity="channel")))
+        for g in ("int8", "bf16")]
+  chex.assert_trees_all_equal(*ys)
+
+
+def test_unsupported_recipes_are_named_and_fake_quantized_by_the_layers():
+  assert int_product.ragged_supported(CHANNEL) is None
+  asym = fl.IntRecipe(input=fl.IntQuantConfig(symmetric=False))
+  assert "asymmetric" in int_product.ragged_supported(asym)
+  assert "LSQ" in int_product.ragged_supported(fl.int8_lsq())
+  x, w, _ = _data()
+  with pytest.raises(ValueError, match="asymmetric"):
+    _apply(x, w, jnp.zeros((2,)), asym)
+  with pytest.raises(ValueError, match=r"rhs \(g, k, n\)"):
+    _apply(x, w[0], jnp.zeros((2,)), CHANNEL)
+
+
+# (target, what the forward grouped GEMM multiplies, its kind)
+_TARGETS = [("tpu-v5e", "mosaic-grouped-gemm"), ("tpu-v6e", "mosaic-grouped-gemm"),
+            ("h100", "cublas")]
+
+
+@pytest.mark.parametrize("target,kind", _TARGETS, ids=[t for t, _ in _TARGETS])
+def test_the_forward_is_an_int8_grouped_gemm(require_target, target, kind):
+  t = require_target(target)
+  from fp8_linen.testing.compile import compile_for  # pylint: disable=import-outside-toplevel
+
+  gs = np.array([128, 0, 256, 128], np.int32)
+  x = jnp.ones((512, 256), jnp.bfloat16)
+  w = jnp.ones((4, 256, 384), jnp.float32)
+
+  def step(x, w, rng):
+    loss = lambda x, w, r: jnp.sum(int_product.int_ragged_dot(
+        x, w, gs, recipe=fl.IntRecipe(gemm="int8"), input_params=(r,))[0])
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w, rng)
+
+  report = compile_for(t, step, x, w, jnp.zeros((2,)))
+  ints = [p for p in report.product_list if p.operand_class == "int8"]
+  assert len(ints) == 1 and ints[0].kind == kind, report.product_list
+  # The two gradient products stay in the activations' dtype (bf16).
+  assert report.classes.get("bf16") == 2, report.classes
