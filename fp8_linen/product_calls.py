@@ -18,6 +18,8 @@ Example:
 from __future__ import annotations
 
 import string
+import threading
+import warnings
 
 import jax.numpy as jnp
 
@@ -28,7 +30,39 @@ from fp8_linen.core.dims import einsum_plan
 from fp8_linen.families import dispatch
 from fp8_linen.families.table import family_for
 
-__all__ = ["Backend", "handlers", "matmul_equation", "dot_equation", "common_problem"]
+__all__ = ["Backend", "handlers", "matmul_equation", "dot_equation", "common_problem",
+           "warn_once", "report_unseen"]
+
+_WARNED: set = set()
+_WARNED_LOCK = threading.Lock()
+
+
+def warn_once(key, message: str, stacklevel: int) -> None:
+  """Warns ``message`` the first time ``key`` is seen in this process (once per call site)."""
+  with _WARNED_LOCK:
+    if key in _WARNED:
+      return
+    _WARNED.add(key)
+  warnings.warn(message, stacklevel=stacklevel + 1)
+
+
+def report_unseen(report, on_unquantized: str, *, who: str, what: str, fix: str,
+                  stacklevel: int) -> None:
+  """Warns about (``'warn'``) or raises for (``'raise'``) the report's ``unseen`` products.
+
+  ``who`` opens the message, ``what`` names the run traced, ``fix`` the
+  functions to write instead.
+  """
+  unseen = report.with_status("unseen")
+  if not unseen or on_unquantized == "ignore":
+    return
+  msg = (f"{who}: {len(unseen)} product(s) of {what} never reach the interception and run "
+         "unquantized (`x @ w`, functions bound at import time, other product functions; "
+         f"write them as {fix} to quantize them):\n" + "\n".join(f"  {p}" for p in unseen[:10])
+         + ("\n  ..." if len(unseen) > 10 else ""))
+  if on_unquantized == "raise":
+    raise ValueError(msg)
+  warnings.warn(msg, stacklevel=stacklevel + 1)
 
 
 class Backend:

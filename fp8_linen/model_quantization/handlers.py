@@ -16,8 +16,6 @@ written, with a warning (once per call site) saying why.
 from __future__ import annotations
 
 import contextvars
-import threading
-import warnings
 
 import flax.linen as nn
 import jax
@@ -41,16 +39,10 @@ SESSION: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_qm_session",
 # inside the model (nn.jit, a raw jax.jit) traced as float is traced again
 # when the model runs quantized, and the other way round.
 QUANTIZING = settings.TraceSetting("quantize_model", default=None)
-_WARNED: set = set()
-_WARNED_LOCK = threading.Lock()
 
 
 def _warn_once(key, message: str) -> None:
-  with _WARNED_LOCK:
-    if key in _WARNED:
-      return
-    _WARNED.add(key)
-  warnings.warn(message, stacklevel=4)
+  product_calls.warn_once(key, message, stacklevel=4)
 
 
 # ----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import flax.linen as nn
 
-from fp8_linen import interception
+from fp8_linen import interception, product_calls
 from fp8_linen.model_quantization.handlers import HANDLERS, QUANTIZING, SESSION, interceptor
 from fp8_linen.model_quantization.rules import Session
 from fp8_linen.product_report import ProductReport, product_report
@@ -126,17 +126,9 @@ class QuantizedModel:
                     f"products ({type(e).__name__}: {e}); pass on_unquantized='ignore' to "
                     "skip the check", stacklevel=3)
       return
-    unseen = report.with_status("unseen")
-    if not unseen:
-      return
-    msg = (f"fp8_linen.quantize_model: {len(unseen)} product(s) of the model's forward never "
-           "reach the interception and run unquantized (`x @ w`, functions bound at import "
-           "time, other product functions; write them as jnp.matmul / jnp.einsum / a Linen "
-           "layer to quantize them):\n" + "\n".join(f"  {p}" for p in unseen[:10])
-           + ("\n  ..." if len(unseen) > 10 else ""))
-    if self.on_unquantized == "raise":
-      raise ValueError(msg)
-    warnings.warn(msg, stacklevel=3)
+    product_calls.report_unseen(report, self.on_unquantized, who="fp8_linen.quantize_model",
+                                what="the model's forward",
+                                fix="jnp.matmul / jnp.einsum / a Linen layer", stacklevel=3)
 
   def init(self, *args, **kwargs):
     """``model.init`` with quantization (creates the fp8 state)."""

@@ -66,7 +66,6 @@ import functools
 import inspect
 import threading
 import types
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -89,16 +88,10 @@ UNQUANTIZED_ATTR = "fl_unquantized_products"
 _STACK: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_nnx_stack", default=())
 _DISCOVERY: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_nnx_discovery",
                                                             default=None)
-_WARNED: set = set()
-_WARNED_LOCK = threading.Lock()
 
 
 def _warn_once(key, message: str) -> None:
-  with _WARNED_LOCK:
-    if key in _WARNED:
-      return
-    _WARNED.add(key)
-  warnings.warn(message, stacklevel=5)
+  product_calls.warn_once(key, message, stacklevel=5)
 
 
 class ProductSite(nnx.Module):
@@ -445,22 +438,10 @@ def attach(model, rules, recipe, example, *, library, float_layers, on_unquantiz
   for name, node in modules.items():
     if name in kept:
       setattr(node, UNQUANTIZED_ATTR, tuple(sorted(kept[name])))
-  _check_unseen(report, on_unquantized)
+  product_calls.report_unseen(report, on_unquantized, who="fp8_linen.nnx.quantize_model",
+                              what="the example run",
+                              fix="jnp.matmul / jnp.einsum / jax.lax.dot_general", stacklevel=3)
   return discovery.hits
-
-
-def _check_unseen(report, on_unquantized: str) -> None:
-  unseen = report.with_status("unseen")
-  if not unseen or on_unquantized == "ignore":
-    return
-  msg = (f"fp8_linen.nnx.quantize_model: {len(unseen)} product(s) of the example run never "
-         "reach the interception and run unquantized (`x @ w`, functions bound at import "
-         "time, other product functions; write them as jnp.matmul / jnp.einsum / "
-         "jax.lax.dot_general to quantize them):\n" + "\n".join(f"  {p}" for p in unseen[:10])
-         + ("\n  ..." if len(unseen) > 10 else ""))
-  if on_unquantized == "raise":
-    raise ValueError(msg)
-  warnings.warn(msg, stacklevel=4)
 
 
 def model_report(model, *args, **kwargs):
