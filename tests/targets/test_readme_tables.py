@@ -87,6 +87,17 @@ def test_estimate_vs_measured_table_is_the_benchmark_output():
   assert [r["shape"] for r in te] == [[16384, 8192, 32768]] * 2
 
 
+def test_moe_quality_table_is_the_benchmark_output():
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import bench_moe_quality as bm  # pylint: disable=import-outside-toplevel
+  payload = json.loads((ROOT / "benchmarks/results/cpu-moe-quality.json").read_text())
+  doc = ROOT.joinpath("docs/transforms.md").read_text()
+  assert _table_after(doc, "<!-- moe quality table") == _rows(bm.markdown(payload))
+  assert payload["device"] == "cpu" and payload["steps"] == 1200
+  assert all(payload["summary"][a]["seeds"] == 3 for a in bm.ARMS)
+  assert all(r["products"]["quantized"] == 8 for r in payload["runs"] if r["arm"] != "bf16")
+
+
 def _rows(table: str) -> list[list[str]]:
   return [[c.strip() for c in l.strip().strip("|").split("|")] for l in table.splitlines()]
 
