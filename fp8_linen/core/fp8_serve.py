@@ -29,19 +29,23 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 
 from jax import lax
 
 from fp8_linen.core import conv as conv_ops
-from fp8_linen.core import dims, lowering, numerics
+from fp8_linen.core import dims, lowering, numerics, owg, ragged_dot
 from fp8_linen.core.block_dot import BlockDot, block_factor, block_fold_kernel
 from fp8_linen.core.dot_general import fp8_dot_of, row_quantize
 from fp8_linen.core.serve import ServedRecord, record, require_arrays
 from fp8_linen.recipes.fp8 import Fp8Recipe, ScalingConfig
 
 __all__ = ["weight_codes", "served_weight", "fold_fp8_kernel", "freeze_fp8_input", "live_fp8_kernel", "fp8_dot", "fp8_conv",
-           "fp8_servable", "fp8_record", "fp8_served_dot", "fp8_served_conv"]
+           "fp8_servable", "fp8_record", "fp8_served_dot", "fp8_served_conv", "tensor_quantize",
+           "ragged_record", "served_ragged_dot"]
 
 
 def fp8_servable(recipe: Fp8Recipe, conv: bool = False) -> str | None:
@@ -149,7 +153,7 @@ def freeze_fp8_input(recipe: Fp8Recipe, input_state) -> dict:
   return {}
 
 
-def _tensor_q(cfg: ScalingConfig, x, scale):
+def tensor_quantize(cfg: ScalingConfig, x, scale):
   """``(q, s)`` of a per-tensor role: the frozen scale, or this batch's."""
   if scale is None:
     s = numerics.select_scale(cfg, jnp.ones((1,), jnp.float32),
@@ -178,7 +182,7 @@ def fp8_dot(lhs, kernel, dimension_numbers, *, recipe: Fp8Recipe, arrays: dict, 
   (lc, rc), _ = dn
   in_cfg, k_cfg = recipe.input, recipe.kernel
   if recipe.granularity == "tensor":
-    quantize = lambda x, cfg, contract, scale: _tensor_q(cfg, x, scale)
+    quantize = lambda x, cfg, contract, scale: tensor_quantize(cfg, x, scale)
   else:
     quantize = lambda x, cfg, contract, scale: row_quantize(x, contract, cfg)
   if folded:
@@ -226,7 +230,7 @@ def fp8_conv(lhs, kernel, conv_kwargs: dict, *, recipe: Fp8Recipe, arrays: dict,
                          conv_kwargs.get("lhs_dilation"), conv_kwargs.get("rhs_dilation"), dn,
                              conv_kwargs.get("feature_group_count", 1))
   q_r, s_r = kernel.astype(recipe.kernel.jnp_dtype), arrays["kernel_scale"]
-  q_l, s_l = _tensor_q(recipe.input, lhs, arrays.get("input_scale"))
+  q_l, s_l = tensor_quantize(recipe.input, lhs, arrays.get("input_scale"))
   return conv_ops.fp8_conv_of(q_l, s_l, q_r, s_r, cfg, lowering.resolve_gemm(recipe), out_dtype)
 
 
@@ -276,3 +280,60 @@ def fp8_served_conv(lhs, rhs, conv_kwargs: dict, *, recipe: Fp8Recipe, arrays: d
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
   require_arrays(where, arrays, ("kernel_scale",))
   return fp8_conv(lhs, rhs, conv_kwargs, recipe=recipe, arrays=arrays, out_dtype=out_dtype)
+
+
+# ----------------------------------------------------------------------------
+# Serving: the frozen forward of a trained grouped GEMM.
+# ----------------------------------------------------------------------------
+
+
+def _kernel_scales(cfg, state, grouped: bool):
+  """The weight's delayed scale(s) as the next QAT step would use them."""
+  one = lambda s, h: numerics.select_scale(cfg, s, h, jnp.zeros((), jnp.float32))
+  return jax.vmap(one)(state.scale, state.amax_history) if grouped else one(*state)
+
+
+def ragged_record(recipe: Fp8Recipe, input_state, kernel_state) -> ServedRecord:
+  """What serving a trained fp8 grouped GEMM needs (see :func:`served_ragged_dot`).
+
+  The experts' weights stay the module's own parameters and are quantized at
+  each call: with their delayed scale(s) as training left them
+  (``kernel_live_scale``, ``(g, 1)`` per expert) or, with current scaling,
+  their own amax. The input's delayed scale is frozen (``input_scale``).
+  Nothing is folded: the record says no weight is stored as codes.
+  """
+  grouped = jnp.ndim(kernel_state[0]) == 2
+  live = ({"kernel_live_scale": _kernel_scales(recipe.kernel, owg.as_state(*kernel_state),
+                                                 grouped)}
+          if recipe.kernel.scaling == "delayed" else {})
+  frozen = freeze_fp8_input(recipe, input_state)
+  ok = jnp.any(input_state.amax_history > 0) if frozen else True
+  rec = record({}, live, frozen, ok)
+  return dataclasses.replace(rec, kernel_at=jnp.asarray(-1), kernel_equal=jnp.asarray(False))
+
+
+def served_ragged_dot(lhs, rhs, group_sizes, *, recipe: Fp8Recipe, arrays: dict, out_dtype=None):
+  """The served fp8 grouped GEMM: the frozen QAT forward of :func:`~fp8_linen.core.ragged_dot.fp8_ragged_dot`.
+
+  The routed tokens are quantized with the frozen ``input_scale`` (delayed;
+  current scaling measures the batch), each expert's weight with its
+  ``kernel_live_scale`` (or its own amax), and the codes multiplied as in
+  training: the same output, bit for bit, as the QAT forward under
+  :func:`~fp8_linen.frozen_quantizers`.
+  """
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  q_l, s_l = tensor_quantize(recipe.input, lhs, arrays.get("input_scale"))
+  live = arrays.get("kernel_live_scale")
+  grouped = live is None or jnp.ndim(live) == 2
+  if grouped:
+    scales = None if live is None else jnp.asarray(live)
+    q_r, s_r = jax.vmap(lambda w, s: tensor_quantize(recipe.kernel, w, s),
+                        in_axes=(0, None if scales is None else 0))(rhs, scales)
+  else:
+    q_r, s_r = tensor_quantize(recipe.kernel, rhs, live)
+  y = ragged_dot.ragged_gemm(q_l, q_r, group_sizes, lowering.resolve_gemm(recipe))
+  if grouped:
+    return ragged_dot.rows_scaled(y, numerics.scale_product(s_l, ragged_dot.group_row_scales(s_r, group_sizes,
+                                                                    lhs.shape[0])), out_dtype)
+  return lowering.scaled(y, numerics.scale_product(s_l, s_r), out_dtype)

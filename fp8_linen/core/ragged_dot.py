@@ -48,7 +48,7 @@ from fp8_linen.core import lowering, numerics, owg
 from fp8_linen.core.fp8_vjp import Fp8Spec, backward_with_state
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
-__all__ = ["fp8_ragged_dot", "ragged_gemm"]
+__all__ = ["fp8_ragged_dot", "ragged_gemm", "group_row_scales", "rows_scaled"]
 
 # wgrad: lhs (m, k) and g (m, n) contract their ragged rows; one (k, n) per group.
 _RAGGED_CONTRACTING = lax.RaggedDotDimensionNumbers(
@@ -76,14 +76,14 @@ def _ragged_vjp(spec, grouped, lhs, rhs, group_sizes, states, chain):
   return _forward(spec, grouped, lhs, rhs, group_sizes, states)[0], chain
 
 
-def _group_scales(s_r, group_sizes, m: int):
+def group_row_scales(s_r, group_sizes, m: int):
   """The kernel scale of each of the ``m`` rows: its group's (rows past the groups multiply
   nothing, whatever their scale)."""
   rows = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=m)
   return s_r[rows]
 
 
-def _out_scaled(y, scale, out_dtype):
+def rows_scaled(y, scale, out_dtype):
   return (y * scale.astype(y.dtype)).astype(out_dtype)
 
 
@@ -98,7 +98,7 @@ def _forward(spec, grouped, lhs, rhs, group_sizes, states):
     q_r, s_r, a_r = numerics.quantize_with(c_r, *states[1], rhs)
   y = ragged_gemm(q_l, q_r, group_sizes, spec.gemm)
   if grouped:
-    y = _out_scaled(y, numerics.scale_product(s_l, _group_scales(s_r, group_sizes,
+    y = rows_scaled(y, numerics.scale_product(s_l, group_row_scales(s_r, group_sizes,
                                                                  lhs.shape[0])), spec.out_dtype)
   else:
     y = lowering.scaled(y, numerics.scale_product(s_l, s_r), spec.out_dtype)
@@ -120,7 +120,7 @@ def _bwd(spec, grouped, res, cts):
     # dgrad: g (m, n) x rhs[i]^T (n, k) per group.
     d_l = ragged_gemm(q_g, jnp.swapaxes(q_r, 1, 2), group_sizes, spec.gemm)
     if grouped:
-      d_l = _out_scaled(d_l, numerics.scale_product(s_g, _group_scales(
+      d_l = rows_scaled(d_l, numerics.scale_product(s_g, group_row_scales(
           s_r, group_sizes, q_l.shape[0])), spec.lhs_dtype)
     else:
       d_l = lowering.scaled(d_l, numerics.scale_product(s_g, s_r), spec.lhs_dtype)

@@ -191,8 +191,10 @@ def ragged_dot(access: VariableAccess, lhs, rhs, group_sizes, recipe, out_dtype=
     key: chain key.
 
   Raises:
-    ValueError: the recipe's family has no grouped GEMM, or the model is
-      being converted or served (grouped GEMMs are trained only, for now).
+    ValueError: the recipe's family has no grouped GEMM, or none that can be
+      converted or served (fp8 can: the experts' weights stay float and are
+      quantized at each call with their trained scales), or the model is
+      being calibrated.
   """
   family = family_for(recipe, access.owner)
   if family.ragged_dot is None:
@@ -201,11 +203,19 @@ def ragged_dot(access: VariableAccess, lhs, rhs, group_sizes, recipe, out_dtype=
                      "(fl.delayed_scaling(), fl.current_scaling()) for the experts, or a rule "
                      "that leaves them unquantized")
   in_mode = modes.current_mode()
-  if in_mode in ("convert", "serve", "calibrate"):
+  servable = family.ragged_record is not None and family.served_ragged is not None
+  if in_mode == "calibrate" or (in_mode in ("convert", "serve") and not servable):
     what = {"convert": "converted", "serve": "served", "calibrate": "calibrated"}[in_mode]
-    raise ValueError(f"{access.path}: a quantized grouped GEMM (jax.lax.ragged_dot) cannot be "
-                     f"{what} yet; convert a model whose rules leave the experts unquantized")
-  return family.ragged_dot(access, lhs, rhs, group_sizes, recipe, out_dtype, key)
+    raise ValueError(f"{access.path}: a quantized grouped GEMM (jax.lax.ragged_dot) under "
+                     f"{type(recipe).__name__} cannot be {what} yet; train the experts with an "
+                     "fp8 recipe, or convert a model whose rules leave them unquantized")
+  if in_mode == "serve":
+    return family.served_ragged(lhs, rhs, group_sizes, recipe=recipe,
+                                arrays=access.served_arrays(), out_dtype=out_dtype)
+  y = family.ragged_dot(access, lhs, rhs, group_sizes, recipe, out_dtype, key)
+  if in_mode == "convert":
+    access.record(family.ragged_record(access, recipe, rhs))
+  return y
 
 
 def _reduce(x, axes):

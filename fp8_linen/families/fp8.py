@@ -31,7 +31,7 @@ from fp8_linen.core.ragged_dot import fp8_ragged_dot
 from fp8_linen.recipes.fp8 import ActivationRecipe, Fp8Recipe, Fp8WeightOnly, ScalingConfig
 
 __all__ = ["role_state", "declare", "declare_ragged", "dot_general", "conv", "ragged_dot",
-           "record", "activation",
+           "record", "ragged_record", "activation",
            "weight_only_dot", "weight_only_conv", "weight_only_record",
            "declare_activation"]
 
@@ -133,6 +133,13 @@ def record(access, recipe: Fp8Recipe, rhs, contract, *, batch=(), conv: bool = F
                               _stored_role(access, "input", recipe.input),
                               _stored_role(access, "kernel", recipe.kernel), conv=conv,
                               batch=batch)
+
+
+def ragged_record(access, recipe: Fp8Recipe, rhs):
+  """A grouped GEMM's conversion record (:func:`~fp8_linen.core.fp8_serve.ragged_record`)."""
+  del rhs
+  return fp8_serve.ragged_record(recipe, _stored_role(access, "input", recipe.input),
+                                 _stored_role(access, "kernel", recipe.kernel))
 
 
 def declare_activation(access, recipe: ActivationRecipe) -> None:

@@ -83,6 +83,10 @@ class RecipeFamily:
     ragged_dot: ``fn(access, lhs, rhs, group_sizes, recipe, out_dtype, key)
       -> out``: the QAT grouped GEMM (``jax.lax.ragged_dot``: an MoE's
       experts), or ``None`` when the family has none.
+    ragged_record: ``fn(access, recipe, rhs) -> ServedRecord``: what serving
+      a trained grouped GEMM needs, or ``None`` (it cannot be converted).
+    served_ragged: ``fn(lhs, rhs, group_sizes, *, recipe, arrays, out_dtype)
+      -> out``: the served grouped GEMM, or ``None``.
     declare_ragged: ``fn(access, recipe, groups)``: declares the grouped
       GEMM's variables before any data (NNX), where they differ from
       ``declare``'s (fp8: one kernel state per group); ``None``: ``declare``.
@@ -108,6 +112,8 @@ class RecipeFamily:
   served_conv: Callable | None = None
   ragged_dot: Callable | None = None
   declare_ragged: Callable | None = None
+  ragged_record: Callable | None = None
+  served_ragged: Callable | None = None
   weight_codes: Callable | None = None
   served_weight: Callable | None = None
 
@@ -117,7 +123,8 @@ _TABLE: dict[type, RecipeFamily] = {
         declare=fp8.declare, dot_general=fp8.dot_general, conv=fp8.conv,
         servable=fp8_serve.fp8_servable, record=fp8.record, served_dot=fp8_serve.fp8_served_dot,
         served_conv=fp8_serve.fp8_served_conv, ragged_dot=fp8.ragged_dot,
-        declare_ragged=fp8.declare_ragged,
+        declare_ragged=fp8.declare_ragged, ragged_record=fp8.ragged_record,
+        served_ragged=fp8_serve.served_ragged_dot,
         weight_codes=fp8_serve.weight_codes, served_weight=fp8_serve.served_weight),
     IntRecipe: RecipeFamily(
         declare=integer.declare, dot_general=integer.dot_general, conv=integer.conv,
