@@ -424,8 +424,29 @@ def test_trained_fp8_experts_serve_as_their_frozen_qat_forward():
   chex.assert_trees_all_equal(y_served, frozen(state.params, ROUTED, GROUPS))
   y_float = RaggedMoe().apply({"params": state.params["params"]}, ROUTED, GROUPS)
   assert not np.array_equal(np.asarray(y_served), np.asarray(y_float))  # fp8, not float
-  # Integer experts cannot be converted yet: said, naming the product.
-  qi = fl.quantize_model(RaggedMoe(), fl.IntRecipe())
-  vi = qi.init(jax.random.key(0), ROUTED, GROUPS)
-  with pytest.raises(ValueError, match="ragged_dot_0.*IntRecipe cannot be converted"):
-    fl.convert(qi, vi, ROUTED, GROUPS)
+
+
+def test_trained_int8_experts_serve_as_their_frozen_qat_forward():
+  qm = fl.quantize_model(RaggedMoe(), fl.IntRecipe(kernel=fl.IntQuantConfig(
+      granularity="channel")))
+  v = qm.init(jax.random.key(0), ROUTED, GROUPS)
+  state = fl.TrainState.create(apply_fn=qm.apply, params=v, tx=optax.adam(1e-2))
+  loss = lambda p: jnp.mean((state.apply_fn(p, ROUTED, GROUPS) - ROUTED) ** 2)
+  state = jax.jit(lambda st: st.apply_gradients(grads=jax.grad(loss)(st.params)))(state)
+  served, params = fl.convert(qm, state.params, ROUTED, GROUPS)
+  assert set(params["params"]["ragged_dot_0"]) == {"input_scale"}
+
+  @jax.jit
+  def frozen(p, x, g):
+    with fl.frozen_quantizers():
+      return qm.apply(p, x, g)
+
+  chex.assert_trees_all_equal(jax.jit(served.apply)(params, ROUTED, GROUPS),
+                              frozen(state.params, ROUTED, GROUPS))
+  # Fake-quantized experts (LSQ, asymmetric) cannot be converted: said, naming the product.
+  qa = fl.quantize_model(RaggedMoe(), fl.IntRecipe(input=fl.IntQuantConfig(symmetric=False)))
+  va = qa.init(jax.random.key(0), ROUTED, GROUPS)
+  va = jax.jit(lambda p: fl.merge_owg(p, jax.grad(lambda q: qa.apply(q, ROUTED, GROUPS).sum())(
+      p)))(va)
+  with pytest.raises(ValueError, match="ragged_dot_0: integer experts .* cannot be converted"):
+    fl.convert(qa, va, ROUTED, GROUPS)

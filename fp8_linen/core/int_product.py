@@ -66,6 +66,7 @@ from fp8_linen.core.lowering import grad_gemm, relayout
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["int_dot_general", "int_conv_general_dilated", "int_ragged_dot", "ragged_supported",
+           "ragged_code_gemm",
            "operand_params", "run_product"]
 
 
@@ -271,18 +272,7 @@ class _RaggedSpec(_Spec):
 
   def forward(self, xc, wc, lhs_shape, group_sizes):
     del lhs_shape
-    if self.how == "int8":
-      y = lax_ragged_dot(xc.codes, wc.codes, group_sizes, preferred_element_type=jnp.int32)
-    else:  # int8 codes are exact in bfloat16; accumulate in float32
-      y = lax_ragged_dot(xc.codes.astype(jnp.bfloat16), wc.codes.astype(jnp.bfloat16),
-                         group_sizes, preferred_element_type=jnp.float32)
-    s_w = rank_like(wc.scale, wc.codes)
-    if s_w.shape[0] > 1:  # one scale per expert: each row takes its group's
-      rows = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
-                        total_repeat_length=y.shape[0])
-      s_w = s_w[rows]
-    return y.astype(jnp.float32) * jnp.reshape(xc.scale, ()) * jnp.reshape(
-        s_w, (-1, s_w.shape[-1]))
+    return ragged_code_gemm(xc, wc, group_sizes, self.how)
 
   def grads(self, g, xh, wh, group_sizes):
     how = jnp.bfloat16 if self.grad_dtype == jnp.bfloat16 else jnp.float32
@@ -298,6 +288,26 @@ class _RaggedSpec(_Spec):
   def code_grads(self, g, xc, wc):
     del g, xc, wc
     return None  # the gradients multiply the dequantized operands (grads)
+
+
+def ragged_code_gemm(xc: Codes, wc: Codes, group_sizes, how: str):
+  """The grouped GEMM of symmetric int8 codes (float32 out), each row scaled by its group's.
+
+  ``how``: ``'int8'`` (int32 accumulation) or ``'bf16'`` (codes are exact in
+  bfloat16; float32 accumulation). Shared by training and serving.
+  """
+  if how == "int8":
+    y = lax_ragged_dot(xc.codes, wc.codes, group_sizes, preferred_element_type=jnp.int32)
+  else:
+    y = lax_ragged_dot(xc.codes.astype(jnp.bfloat16), wc.codes.astype(jnp.bfloat16),
+                       group_sizes, preferred_element_type=jnp.float32)
+  s_w = rank_like(wc.scale, wc.codes)
+  if s_w.shape[0] > 1:  # one scale per expert: each row takes its group's
+    rows = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
+                      total_repeat_length=y.shape[0])
+    s_w = s_w[rows]
+  return y.astype(jnp.float32) * jnp.reshape(xc.scale, ()) * jnp.reshape(
+      s_w, (-1, s_w.shape[-1]))
 
 
 # wgrad of a grouped GEMM: lhs (m, k) and g (m, n) contract their ragged rows.

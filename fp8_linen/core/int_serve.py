@@ -25,17 +25,21 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from jax import lax
 
-from fp8_linen.core import dims, int_codes, int_gemm, int_numerics, int_ops, lowering, numerics
+from fp8_linen.core import (dims, int_codes, int_gemm, int_numerics, int_ops, int_product, lowering,
+                            numerics)
+from fp8_linen.core.int_gemm import contracted, resolve_int_gemm
 from fp8_linen.core.serve import ServedRecord, record, require_arrays, unservable_error
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["storage_dtype", "weight_codes", "served_weight", "fold_int_kernel", "freeze_int_input", "live_int_kernel", "int_dot",
            "weight_only_dot", "int_conv", "int_servable", "int_quantizer_params", "int_record",
-           "int_served_dot", "int_served_conv"]
+           "int_served_dot", "int_served_conv", "int_ragged_record", "int_served_ragged_dot"]
 
 _INT4_SHIFT = 8  # unsigned 4-bit grids [0, 15] are stored shifted into int4's [-8, 7]
 
@@ -345,3 +349,34 @@ def int_served_conv(lhs, rhs, conv_kwargs: dict, *, recipe: IntRecipe, arrays: d
   require_arrays(where, arrays, ("kernel_scale",) if recipe.input is None
                  else ("input_scale", "kernel_scale"))
   return int_conv(lhs, rhs, conv_kwargs, recipe=recipe, arrays=arrays, out_dtype=out_dtype)
+
+
+def int_ragged_record(recipe: IntRecipe, read) -> ServedRecord:
+  """What serving a trained integer grouped GEMM needs: the frozen input parameters.
+
+  The experts' weights stay the module's float parameters and are quantized
+  at each call, as in training (min/max per tensor or per expert and output
+  channel). Only recipes with an integer grouped GEMM
+  (:func:`~fp8_linen.core.int_product.ragged_supported`) are recorded.
+  """
+  lp, ok = int_quantizer_params("input", recipe.input, read)
+  rec = record({}, {}, freeze_int_input(recipe.input, lp), ok)
+  return dataclasses.replace(rec, kernel_at=jnp.asarray(-1), kernel_equal=jnp.asarray(False))
+
+
+def int_served_ragged_dot(lhs, rhs, group_sizes, *, recipe: IntRecipe, arrays: dict,
+                          out_dtype=None):
+  """The served integer grouped GEMM: the frozen QAT forward of ``int_ragged_dot``.
+
+  The routed tokens' codes come from the frozen ``input_scale``, each
+  expert's weight is quantized as training quantized it, and the codes are
+  multiplied by the same grouped GEMM.
+  """
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  xc = _input_codes(recipe.input, lhs, arrays)
+  wc = _live_codes(recipe.kernel, rhs, arrays, (1,))
+  how = resolve_int_gemm(recipe.gemm, contracted(recipe.kernel, rhs.shape, (1,)),
+                         _operand(recipe.input, "input", ()), _operand(recipe.kernel, "kernel",
+                                                                       (1,)))
+  return int_product.ragged_code_gemm(xc, wc, group_sizes, how).astype(out_dtype)

@@ -57,7 +57,8 @@ from fp8_linen.core import dims, int_gemm, int_numerics, int_ops, int_product, i
 from fp8_linen.core.ragged_dot import lax_ragged_dot
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
-__all__ = ["declare", "dot_general", "ragged_dot", "conv", "record", "quantize_operand",
+__all__ = ["declare", "dot_general", "ragged_dot", "ragged_record", "conv", "record",
+           "quantize_operand",
            "operand_params"]
 
 
@@ -266,6 +267,21 @@ def ragged_dot(access, lhs, rhs, group_sizes, recipe: IntRecipe, out_dtype=None,
   xq, wq = _fake_quantized(access, lhs, rhs, (1,), (1,), recipe, key)
   y = lax_ragged_dot(xq, wq, group_sizes, preferred_element_type=jnp.float32)
   return y.astype(out_dtype)
+
+
+def ragged_record(access, recipe: IntRecipe, rhs):
+  """A grouped GEMM's conversion record (:func:`~fp8_linen.core.int_serve.int_ragged_record`).
+
+  Raises:
+    ValueError: naming the product, for a recipe whose experts are
+      fake-quantized (no integer grouped GEMM to serve them with).
+  """
+  del rhs
+  why = int_product.ragged_supported(recipe)
+  if why is not None:
+    raise ValueError(f"{access.path}: integer experts under {recipe!r} cannot be converted: "
+                     f"{why} has no integer grouped GEMM (use a symmetric STE recipe)")
+  return int_serve.int_ragged_record(recipe, access.stored)
 
 
 def conv(access, lhs, rhs, conv_kwargs: dict, recipe: IntRecipe, out_dtype=None,
