@@ -450,3 +450,18 @@ def test_trained_int8_experts_serve_as_their_frozen_qat_forward():
       p)))(va)
   with pytest.raises(ValueError, match="ragged_dot_0: integer experts .* cannot be converted"):
     fl.convert(qa, va, ROUTED, GROUPS)
+
+
+@pytest.mark.parametrize("target,recipe,expected", [
+    ("h100", fl.delayed_scaling(history_length=4), {"fp8": 2}),
+    ("tpu-v6e", fl.IntRecipe(gemm="int8"), {"int8": 2}),
+], ids=["h100-fp8", "tpu-v6e-int8"])
+def test_served_experts_multiply_low_precision_codes(require_target, target, recipe, expected):
+  t = require_target(target)
+  from fp8_linen.testing.compile import compile_for  # pylint: disable=import-outside-toplevel
+  qm = fl.quantize_model(RaggedMoe(), recipe)
+  v = qm.init(jax.random.key(0), ROUTED, GROUPS)
+  v = fl.merge_owg(v, jax.grad(lambda p: qm.apply(p, ROUTED, GROUPS).sum())(v))  # trained state
+  served, params = fl.convert(qm, v, ROUTED, GROUPS)
+  report = compile_for(t, served.apply, params, ROUTED.astype(jnp.bfloat16), GROUPS)
+  assert report.classes == expected, report.classes
