@@ -36,11 +36,19 @@ parameters (give the transform the module's whole state on that axis, e.g.
 ``in_axes=(nnx.Carry, 0)``, as ``fl.nnx`` layers built under ``nnx.vmap``
 need too).
 
+Serving: :func:`fl.nnx.convert <fp8_linen.nnx.convert>` turns each site into
+a served one (its training state gone, the frozen input parameters and live
+weight scales it reads as ``nnx.Param`` s): it computes the frozen QAT
+forward bit for bit. The weights stay the module's float parameters (the
+site does not know which of the module's parameters its right operand is),
+quantized at each call.
+
 Limits: recipes that learn quantizer parameters (LSQ, LSQ+) need the flax
 layers' fast path (their steps start from the weight's values, which an
 abstract run does not have); products of modules inside a transform whose
-copies hold other parameters run in float with a warning; converting or
-serving a model with op-level sites is refused, naming the site. A model
+copies hold other parameters run in float with a warning; calibration (PTQ)
+and ``switch_precision`` of a model with op-level sites are refused, naming
+the site. A model
 with op-level sites cannot be pickled (its classes are made at run time;
 checkpoints save its state, which is what they should).
 
@@ -277,11 +285,16 @@ class _NnxBackend(product_calls.Backend):
 
   def run(self, target, op, product):
     site, recipe = target
-    if modes.current_mode() is not None:
+    if modes.current_mode() == "calibrate":
       raise ValueError(f"{site.site_path}: a product quantized inside a module's own code "
-                       f"(fl.nnx.quantize_model's example) cannot be {modes.current_mode()}ed "
-                       "yet; convert a model built from fl.nnx layers")
-    with jax.named_scope(site.site_path), jax.named_scope(MARKERS["quantized"]):
+                       "(fl.nnx.quantize_model's example) cannot be calibrated yet; train it "
+                       "(QAT) and convert it, or calibrate a model built from flax layers")
+    with contextlib.ExitStack() as stack:
+      stack.enter_context(jax.named_scope(site.site_path))
+      stack.enter_context(jax.named_scope(MARKERS["quantized"]))
+      # A served site (fl.nnx.convert) runs its product from the arrays it holds.
+      if getattr(site, "serving", None) is not None:
+        stack.enter_context(modes.mode("serve"))
       return product(NnxAccess(site), recipe)
 
 

@@ -339,11 +339,46 @@ def test_moe_experts_as_ragged_dot():
     np.testing.assert_array_equal(model(x, gs), ref)
 
 
-def test_switch_precision_and_convert_refuse_own_products():
+def test_switch_precision_refuses_own_products():
   x = jnp.ones((2, 16))
   model = fl.nnx.quantize_model(Single(), example=(x,))
   opt = fl.nnx.Optimizer(model, optax.sgd(0.1))
   with pytest.raises(ValueError, match="inside its own modules' code"):
     fl.nnx.switch_precision(model, opt)
-  with pytest.raises(ValueError, match="p/dot_general_0.*cannot be convert"):
-    fl.nnx.convert(model, x)
+
+
+class ProjThenMoe(nnx.Module):
+  def __init__(self):
+    self.p, self.moe = Proj(8, 8), Moe()
+
+  def __call__(self, x, group_sizes):
+    return self.moe(jax.nn.relu(self.p(x)), group_sizes)
+
+
+@pytest.mark.parametrize("recipe", [fl.Fp8Recipe(), fl.IntRecipe()], ids=["fp8", "int8"])
+def test_own_products_serve_as_their_frozen_qat_forward(recipe):
+  x = jax.random.normal(jax.random.key(12), (6, 8))
+  gs = jnp.array([2, 0, 3, 1], jnp.int32)
+  model = fl.nnx.quantize_model(ProjThenMoe(), recipe, example=(x, gs))
+  opt = fl.nnx.Optimizer(model, optax.adam(1e-2))
+
+  @nnx.jit
+  def step(model, opt):
+    _, g = fl.nnx.value_and_grad(lambda m: (m(x, gs) ** 2).mean())(model)
+    opt.update(model, g)
+
+  for _ in range(2):
+    step(model, opt)
+  served = fl.nnx.convert(model, x, gs)
+  # The sites keep what serving reads; the training state is gone; weights stay float.
+  assert not jax.tree.leaves(nnx.state(served, fl.nnx.QuantState))
+  assert "input_scale" in vars(served.p.dot_general_0)
+  assert served.moe.w[...].dtype == jnp.float32
+
+  @nnx.jit
+  def frozen(m, x, g):
+    with fl.frozen_quantizers():
+      return m(x, g)
+
+  chex.assert_trees_all_equal(nnx.jit(lambda m, x, g: m(x, g))(served, x, gs),
+                              frozen(model, x, gs))
