@@ -19,13 +19,12 @@ import contextvars
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from fp8_linen import product_calls
 from fp8_linen.core import settings
 from fp8_linen.core.owg import OWG
 from fp8_linen.linen.access import LinenAccess
-from fp8_linen.model_quantization.frames import Frame, new_frame
+from fp8_linen.model_quantization.frames import new_frame
 from fp8_linen.product_report import MARKERS
 
 __all__ = ["SESSION", "QUANTIZING", "HANDLERS", "interceptor"]
