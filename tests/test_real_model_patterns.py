@@ -327,7 +327,12 @@ def test_moe_experts_as_ragged_dots_are_quantized_and_train():
     state = step(state)
   hist = state.params[fl.OWG]["ragged_dot_0"]["input_amax_history"]
   np.testing.assert_allclose(np.asarray(hist[:3]), float(jnp.max(jnp.abs(ROUTED))), rtol=1e-6)
+  # The gradient's amax: d loss / d y of the last step, over every routed row.
+  p_prev = state.params
+  g_out = jax.grad(lambda y: jnp.mean((y - ROUTED) ** 2))(qm.apply(p_prev, ROUTED, GROUPS))
   assert float(state.params[fl.OWG]["ragged_dot_1"]["output_grad_amax_history"][0]) > 0
+  assert abs(float(state.params[fl.OWG]["ragged_dot_1"]["output_grad_amax_history"][0])
+             - float(jnp.abs(g_out).max())) < 0.5 * float(jnp.abs(g_out).max())
   # One kernel state per expert: each expert's weight measured alone (the expert that
   # received no token too: its weight exists).
   kernel = state.params[fl.OWG]["ragged_dot_0"]

@@ -276,7 +276,7 @@ def state_cotangents(cfgs, states, observed, ct_chain, first: bool, empty: bool 
     offsets = np.cumsum([0] + sizes)
     # A role observed per group (a grouped GEMM's per-expert weights) has one
     # state per group: its scale (g, 1), its history (g, L).
-    parts = [combined[i] if jnp.ndim(o) == 0 else combined[offsets[i]:offsets[i + 1]]
+    parts = [combined[offsets[i]] if jnp.ndim(o) == 0 else combined[offsets[i]:offsets[i + 1]]
              for i, o in enumerate(observed)]
     cts = tuple(_new_role_state(c, s, a) for c, s, a in zip(cfgs, states, parts))
     if empty:

@@ -111,6 +111,8 @@ class PerExpertTest(chex.TestCase):
     np.testing.assert_allclose(np.asarray(d_s[1].scale[:, 0]), amax_e / 448.0, rtol=1e-6)
     np.testing.assert_allclose(float(d_s[0].amax_history[0]), float(jnp.abs(lhs).max()),
                                rtol=1e-6)
+    np.testing.assert_allclose(float(d_s[2].amax_history[0]), float(jnp.abs(ct).max()),
+                               rtol=1e-6)
 
   def test_per_expert_scales_keep_a_small_expert_that_a_shared_scale_flushes(self):
     lhs, rhs, _ = _data(2)
