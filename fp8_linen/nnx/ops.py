@@ -170,12 +170,10 @@ class _Discovery:
     self.sites: dict = {}  # (module path, name) -> (op, recipe or None, status)
     self.stacked: dict = {}  # (module path, name) -> layers stacked on axis 0 (0: none)
     self.groups: dict = {}  # (module path, name) -> a grouped GEMM's groups
-    self.called: set = set()  # paths of modules that called a product
     self.vocab_table = None  # (rows, sorted shape) of the largest table looked up in
 
   def decide(self, frame: _Frame, name: str, op: str, lhs, rhs, problem):
     path = getattr(frame.module, PATH_ATTR, "")
-    self.called.add(path)
     own = [v[...].shape for v in vars(frame.module).values() if isinstance(v, nnx.Param)]
     kinds = operand_kinds(own, (jnp.shape(lhs), jnp.shape(rhs)),
                           self.vocab_table and self.vocab_table[1],
@@ -431,8 +429,11 @@ def attach(model, rules, recipe, example, *, library, float_layers, on_unquantiz
       node.__class__ = originals[name]
       delattr(node, PATH_ATTR)
     raise
+  kept: dict = {}
   for (path, name), (op, rule_recipe, status) in discovery.sites.items():
-    if status[0] == "quantized":
+    if status[0] != "quantized":
+      kept.setdefault(path, []).append((name, status[0], status[1] or ""))
+    else:
       module = modules[path]
       if name in vars(module):
         raise ValueError(f"fl.nnx.quantize_model: module {path or '<root>'!r} already has an "
@@ -442,10 +443,6 @@ def attach(model, rules, recipe, example, *, library, float_layers, on_unquantiz
       if discovery.stacked[(path, name)]:
         _stack_state(site, discovery.stacked[(path, name)])
       setattr(module, name, site)
-  kept: dict = {}
-  for (path, name), (_, _, status) in discovery.sites.items():
-    if status[0] != "quantized":
-      kept.setdefault(path, []).append((name, status[0], status[1] or ""))
   # Every module keeps its running class: a product the example did not reach
   # is then said, not silently run in float.
   for name, node in modules.items():
