@@ -57,7 +57,7 @@ def run(m: int, k: int, n: int, target_names) -> dict:
       sp = passes.step_passes(make(n), (m, k), target=target)
       table[name] = {"non_gemm_bytes": sp.total, "by_purpose": sp.by_purpose,
                      "kernels": [{"name": p.name, "purpose": p.purpose, "bytes": p.bytes,
-                                  "first_step_only": p.branch is not None and p.branch[1] == 1}
+                                  "first_step_only": not p.every_step}
                                  for p in sp.passes],
                      "minimum_bytes": passes.dense_minimum_bytes(m, k, n, low_precision=low)}
     base = table["bf16"]["non_gemm_bytes"]

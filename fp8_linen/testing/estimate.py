@@ -177,11 +177,8 @@ def estimate(kernels: Iterable[hlo_kernels.Kernel], peaks: Peaks) -> Estimate:
   # A conditional runs one branch per step: count its cheapest (delayed
   # scaling's first-step branch, which takes the scale from this step's
   # amax, runs once; every later step takes the other).
-  chosen = [parts.pop(None, [0.0, 0.0, 0.0, 0.0, collections.Counter()])]
-  by_cond = collections.defaultdict(list)
-  for (cond, _), acc in parts.items():
-    by_cond[cond].append(acc)
-  chosen += [min(branches, key=lambda a: a[0]) for branches in by_cond.values()]
+  keep = hlo_kernels.every_step_branches((b, acc[0]) for b, acc in parts.items())
+  chosen = [acc for b, acc in parts.items() if b in keep]
   total, prod, low, other = (sum(a[i] for a in chosen) for i in range(4))
   flops = sum((a[4] for a in chosen), collections.Counter())
   return Estimate(total, prod, low, other, dict(flops), tuple(times), peaks)

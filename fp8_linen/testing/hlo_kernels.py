@@ -31,7 +31,7 @@ from fp8_linen.testing.hlo import Module, branches, reachable
 from fp8_linen.testing.hlo_collectives import KINDS as COLLECTIVE_KINDS
 from fp8_linen.testing.hlo_products import Product, products
 
-__all__ = ["Kernel", "kernels"]
+__all__ = ["Kernel", "kernels", "every_step_branches"]
 
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
@@ -149,3 +149,42 @@ def kernels(module: Module) -> list[Kernel]:
                         sum(a.nbytes for a in res), times,
                         int(cycles.group(1)) if cycles else None, branch))
   return out
+
+
+def every_step_branches(costs) -> set:
+  """The ``(conditional, branch)`` keys a step runs every time: each conditional's cheapest.
+
+  A ``lax.cond`` runs one branch per step; delayed scaling's first-step
+  branch (the scale from this step's amax) is the expensive one and runs
+  once. Which index it has depends on how XLA prints the conditional (a
+  predicate's true/false pair or an indexed list), so the cheapest branch is
+  chosen by cost, not by index; a branch without kernels costs nothing.
+
+  Args:
+    costs: ``(branch, cost)`` pairs, ``branch`` a :attr:`Kernel.branch`
+      (None for kernels outside any conditional: always kept).
+
+  Returns:
+    The set of branch keys to count (None included).
+
+  Example:
+    >>> from fp8_linen.testing import hlo_kernels
+    >>> sorted(hlo_kernels.every_step_branches([(("c", 0), 9.0), (("c", 1), 1.0), (None, 5.0)]),
+    ...        key=str)
+    [('c', 1), None]
+    >>> hlo_kernels.every_step_branches([(("c", 1), 9.0)])
+    {None}
+  """
+  sums = collections.defaultdict(float)
+  for branch, cost in costs:
+    sums[branch] += cost
+  keep = {None}
+  by_cond = collections.defaultdict(dict)
+  for branch in sums:
+    if branch is not None:
+      by_cond[branch[0]][branch[1]] = sums[branch]
+  for cond, per in by_cond.items():
+    if len(per) < 2:
+      continue  # the other branch runs no kernel: it is the cheapest
+    keep.add((cond, min(per, key=per.get)))
+  return keep

@@ -48,12 +48,16 @@ class Pass:
     bytes: bytes it reads and writes per step (times its count).
     branch: ``(conditional, branch)`` when it runs only in one branch of a
       ``lax.cond`` (e.g. the first step's), else None.
+    every_step: False for a kernel of a conditional's branch that is not
+      its cheapest (:func:`~fp8_linen.testing.hlo_kernels.every_step_branches`:
+      delayed scaling's first-step branch), which runs once.
   """
 
   name: str
   purpose: str
   bytes: float
   branch: tuple[str, int] | None = None
+  every_step: bool = True
 
 
 def _instruction(module: hlo.Module, name: str) -> hlo.Instruction | None:
@@ -111,6 +115,8 @@ def passes(report: CompileReport) -> list[Pass]:
   module = hlo.parse(report.hlo)
   out = [Pass(k.name, purpose(module, k), (k.bytes_read + k.bytes_written) * k.count, k.branch)
          for k in report.kernel_list if not k.is_product]
+  every = hlo_kernels.every_step_branches((p.branch, p.bytes) for p in out)
+  out = [dataclasses.replace(p, every_step=p.branch in every) for p in out]
   return sorted(out, key=lambda p: -p.bytes)
 
 
@@ -132,19 +138,13 @@ class StepPasses:
   report: Any = dataclasses.field(repr=False, default=None)
 
 
-def _every_step(p: Pass) -> bool:
-  # A conditional's branch 0 is its false branch: ``lax.cond(first, ...)`` runs branch 1
-  # once and branch 0 every later step.
-  return p.branch is None or p.branch[1] == 0
-
-
 def step_passes(model, x, dtype=None, *, target: str = "h100") -> StepPasses:
   """Compiles ``model``'s training step for ``target`` and sums its non-GEMM kernels."""
   report = compile_train_step(model, x, dtype, target=target)
   ps = tuple(passes(report))
   by = collections.Counter()
   for p in ps:
-    if _every_step(p):
+    if p.every_step:
       by[p.purpose] += p.bytes
   return StepPasses(passes=ps, total=float(sum(by.values())),
                     by_purpose=dict(by.most_common()), report=report)

@@ -71,9 +71,12 @@ def test_a_conditional_counts_its_cheapest_branch():
   small = hlo_kernels.Kernel("noop", "fusion", (), 1024, 1024, branch=("cond", 1))
   always = hlo_kernels.Kernel("gemm", "custom-call", (("bf16", 2 * 4096 ** 3),), 2 ** 25, 2 ** 25)
   both = estimate.estimate([big, small, always], peaks)
-  alone = estimate.estimate([small, always], peaks)
+  alone = estimate.estimate([dataclasses.replace(small, branch=None), always], peaks)
   assert both.seconds == alone.seconds
   assert both.other_bytes == 2048 and len(both.kernels) == 3
+  # A conditional whose other branch runs no kernel: that empty branch is the cheapest.
+  lone = estimate.estimate([big, always], peaks)
+  assert lone.seconds == estimate.estimate([always], peaks).seconds
 
 
 def test_delayed_scaling_first_step_branch_is_not_in_the_estimate(require_target):
