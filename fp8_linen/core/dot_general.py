@@ -42,7 +42,7 @@ class TensorDot(DotSpec):
   def quantize(self, lhs, rhs, states):
     c_l, c_r, _ = self.cfgs
     q_l, s_l, a_l = numerics.quantize_with(c_l, *states[0], lhs)
-    q_r, s_r, a_r = numerics.quantize_with(c_r, *states[1], rhs)
+    q_r, s_r, a_r = numerics.quantize_with(c_r, *states[1], rhs, weight=True)
     return q_l, s_l, q_r, s_r, (a_l, a_r)
 
   @staticmethod

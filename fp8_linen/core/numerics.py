@@ -141,10 +141,19 @@ def amax(x: jnp.ndarray) -> jnp.ndarray:
   max all-reduce, and XLA's all-reduce combiner merges all-reduces of one
   kind that do not depend on each other, so an amax costs one collective, and
   the amaxes of a whole step that only feed its new state share one.
+  Over two or more axes the leading axes are reduced first (the bias
+  gradient's reduction, which XLA then fuses with it).
   """
   x = jnp.asarray(x)
   if x.size == 0:  # an empty batch: max() of nothing would raise
     return jnp.zeros((), jnp.float32)
+  if x.ndim >= 2:
+    # The leading axes first, then the last: a bias gradient reduces the same
+    # axes of the same cotangent, and XLA then computes both in one pass over
+    # it (a multi-output reduction) instead of reading the cotangent twice.
+    # (No reshape: merging a sharded axis would make the partitioner gather x.)
+    lead = tuple(range(x.ndim - 1))
+    return jnp.max(jnp.maximum(jnp.max(x, axis=lead), jnp.max(-x, axis=lead))).astype(jnp.float32)
   return jnp.maximum(jnp.max(x), jnp.max(-x)).astype(jnp.float32)
 
 
@@ -171,6 +180,29 @@ def quantize(x: jnp.ndarray, dtype, scale: jnp.ndarray) -> jnp.ndarray:
   """
   return encode_fp8(saturate(jnp.asarray(x).astype(jnp.float32), _per_tensor(scale),
                               fp8_max(dtype)), dtype)
+
+
+def quantize_measured(x: jnp.ndarray, dtype, scale: jnp.ndarray, a: jnp.ndarray) -> jnp.ndarray:
+  """:func:`quantize` for a tensor whose amax ``a`` the scale was chosen from.
+
+  A finite ``a`` says every element is finite, so a plain clamp saturates
+  and no element needs its own finite check; a non-finite ``a`` (a NaN or
+  Inf anywhere in ``x``) makes every code NaN. Bit-identical to
+  :func:`quantize` for a finite tensor. The per-element check would be a
+  pass of its own where the cast writes transposed codes (XLA:GPU computes
+  the mask apart and reads it back), and the cast waits for ``a`` anyway.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import numerics
+    >>> x = jnp.array([1.0, 1000.0])
+    >>> numerics.quantize_measured(x, jnp.float8_e4m3fn, jnp.ones((1,)), numerics.amax(x)).tolist()
+    [1.0, 448.0]
+  """
+  y = jnp.clip(jnp.asarray(x).astype(jnp.float32) / _per_tensor(scale), -fp8_max(dtype),
+               fp8_max(dtype))
+  # A select on one scalar, not an add of NaN-or-0 (which would turn -0 into +0).
+  return encode_fp8(jnp.where(jnp.isfinite(jnp.asarray(a, jnp.float32)), y, jnp.nan), dtype)
 
 
 def saturate(x32, scale, m):
@@ -381,7 +413,8 @@ def step_scale(cfg: ScalingConfig, prev_scale: jnp.ndarray, history: jnp.ndarray
   return lax.cond(h[0] > 0, lambda: scale_from_amax(h, prev_scale, cfg), first_step)
 
 
-def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, x: jnp.ndarray):
+def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, x: jnp.ndarray,
+                  *, weight: bool = False):
   """Quantizes ``x`` as ``cfg`` says, from a role's stored state.
 
   The one place a tensor (operand or gradient) is measured, scaled and cast:
@@ -389,6 +422,25 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
   select_scale(cfg, scale, history, a)`` (computed by :func:`step_scale`,
   which reads ``a`` only where the scale needs it), ``q = quantize(x, cfg's
   dtype, s)``.
+
+  How the step is shaped, for the passes around the GEMMs (the codes are
+  the same either way):
+
+  * ``weight=True`` (an operand whole when the step starts) on GPU: the
+    delayed scale is ``select_scale`` of ``a``, not a ``lax.cond`` on the
+    history. A conditional's operand is a buffer, so the cond makes XLA:GPU
+    write a copy of the cast weight every step only for the first-step
+    branch to read; waiting for a weight's amax costs nothing (every
+    weight's amax can be taken as the step starts). XLA:TPU fuses the cast
+    into the GEMM's operand instead, and there the cond is the cheaper form.
+  * Where the scale waits for ``a`` (current scaling, weights) the cast is
+    :func:`quantize_measured`: no finite check per element.
+  * Delayed scaling of an activation or gradient on GPU: the cast reads the
+    tensor behind an optimization barrier. The first-step branch already
+    makes XLA write the tensor (in bf16, say); without the barrier XLA:GPU
+    fuses the tensor's producer into the cast and reads the producer's wider
+    input (a float32 cotangent) a second time, and rounds without the bf16
+    step in between.
 
   Returns:
     ``(q, s, a)``: the fp8 tensor, the scale used and the observed amax.
@@ -404,8 +456,12 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
   """
   # Inside shard_map every device must pick the scale one device would.
   a = lowering.global_max(amax(x))
-  s = scale_from_amax(jnp.reshape(a, (1,)), scale, cfg) if cfg.scaling == "current" else \
-      step_scale(cfg, scale, history, x)
+  if cfg.scaling == "current" or (weight and lowering.current_backend() == "gpu"):
+    s = select_scale(cfg, scale, history, a)
+    return quantize_measured(x, cfg.jnp_dtype, s, a), s, a
+  s = step_scale(cfg, scale, history, x)
+  if lowering.current_backend() == "gpu":
+    x = lax.optimization_barrier(x)
   return quantize(x, cfg.jnp_dtype, s), s, a
 
 

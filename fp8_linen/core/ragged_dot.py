@@ -92,10 +92,10 @@ def _forward(spec, grouped, lhs, rhs, group_sizes, states):
   q_l, s_l, a_l = numerics.quantize_with(c_l, *states[0], lhs)
   if grouped:
     # One scale per group: each expert's weight is measured, scaled and cast alone.
-    q_r, s_r, a_r = jax.vmap(functools.partial(numerics.quantize_with, c_r))(
+    q_r, s_r, a_r = jax.vmap(functools.partial(numerics.quantize_with, c_r, weight=True))(
         states[1].scale, states[1].amax_history, rhs)
   else:
-    q_r, s_r, a_r = numerics.quantize_with(c_r, *states[1], rhs)
+    q_r, s_r, a_r = numerics.quantize_with(c_r, *states[1], rhs, weight=True)
   y = ragged_gemm(q_l, q_r, group_sizes, spec.gemm)
   if grouped:
     y = rows_scaled(y, numerics.scale_product(s_l, group_row_scales(s_r, group_sizes,

@@ -130,3 +130,63 @@ def test_integer_encoder_is_bit_identical_to_astype(name):
   x = np.clip(x, -m, m)
   got = np.asarray(jax.jit(lambda y: numerics.encode_fp8(y, dt))(jnp.asarray(x)))
   np.testing.assert_array_equal(got.view(np.uint8), x.astype(dt).view(np.uint8))
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("scale", [0.5, 3.0e-3, 2.0 ** 100])
+def test_quantize_measured_equals_quantize_on_finite_tensors(name, scale):
+  """The clamp-only cast (its amax says every element is finite) gives quantize's codes."""
+  dt = getattr(ml_dtypes, name)
+  m = float(ml_dtypes.finfo(dt).max)
+  rng = np.random.default_rng(1)
+  x = np.concatenate([rng.normal(size=(300,)) * m * scale,
+                      [m * scale * 10, -m * scale * 10, 3.0e38, -3.0e38, 0.0, -0.0]])
+  x = jnp.asarray(x.astype(np.float32))
+  s = jnp.asarray([scale], jnp.float32)
+  got = numerics.quantize_measured(x, dt, s, numerics.amax(x))
+  want = numerics.quantize(x, dt, s)
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+  ref = np.clip(np.asarray(x, np.float64) / scale, -m, m).astype(np.float32).astype(dt)
+  np.testing.assert_array_equal(np.asarray(got).astype(np.float32), ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_quantize_measured_makes_a_non_finite_tensor_all_nan(bad):
+  """A NaN or Inf anywhere: every code is NaN (nothing non-finite is hidden by a clamp)."""
+  x = jnp.asarray([1.0, 1e6, bad, -2.0], jnp.float32)
+  for dt in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+    got = numerics.quantize_measured(x, dt, jnp.ones((1,)), numerics.amax(x))
+    assert np.all(np.isnan(np.asarray(got, np.float32)))
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 9), (2, 3, 17), (0, 4), (3, 0)])
+def test_amax_over_any_rank_is_the_largest_magnitude(shape):
+  """Leading axes first, then the last: the same value as max(|x|) over everything."""
+  x = np.random.default_rng(2).normal(size=shape).astype(np.float32) * 5
+  want = float(np.max(np.abs(x))) if x.size else 0.0
+  assert float(numerics.amax(jnp.asarray(x))) == want
+  if x.size:
+    x.flat[x.size // 2] = np.nan
+    assert np.isnan(float(numerics.amax(jnp.asarray(x))))
+
+
+@pytest.mark.parametrize("backend", ["gpu", "cpu", "tpu"])
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+@pytest.mark.parametrize("history", ["empty", "seen"])
+def test_quantize_with_a_weights_shape_of_step_gives_the_same_codes(backend, scaling, history):
+  """``weight=True`` changes how the step is shaped (no first-step cond on GPU), not the codes."""
+  from fp8_linen.core import lowering
+  cfg = ScalingConfig(scaling=scaling)
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(64, 48)) * 700, jnp.bfloat16)
+  h = jnp.zeros((8,)) if history == "empty" else jnp.zeros((8,)).at[0].set(300.0)
+  with lowering.target_backend(backend):
+    plain = jax.jit(lambda x, s, h: numerics.quantize_with(cfg, s, h, x))(x, jnp.ones((1,)), h)
+    weight = jax.jit(lambda x, s, h: numerics.quantize_with(cfg, s, h, x, weight=True))(
+        x, jnp.ones((1,)), h)
+  np.testing.assert_array_equal(np.asarray(plain[0]).view(np.uint8),
+                                np.asarray(weight[0]).view(np.uint8))
+  np.testing.assert_array_equal(plain[1], weight[1])
+  assert float(plain[2]) == float(weight[2]) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+  # The first step takes its scale from the tensor: nothing clips (700 sigma > 448).
+  if history == "empty" or scaling == "current":
+    assert float(jnp.max(jnp.abs(plain[0].astype(jnp.float32)))) == 448.0
