@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from fp8_linen.core import lowering
-from fp8_linen.core.numerics import E4M3_MAX, SCALE_FLOOR, fp8_max, pow2, saturate
+from fp8_linen.core.numerics import E4M3_MAX, SCALE_FLOOR, fp8_max, pow2, saturate_measured
 
 __all__ = [
     "E2M1_MAX",
@@ -101,7 +101,7 @@ def mx_quantize(x: jnp.ndarray, axis: int, block_size: int, dtype):
   e = jnp.ceil(jnp.log2(jnp.maximum(a, SCALE_FLOOR) / fp8_max(dtype)))
   e = jnp.where(jnp.isfinite(a) & (a > 0), e, 0.0)
   scale = pow2(e)
-  q = saturate(xb, scale, fp8_max(dtype)).astype(dtype)
+  q = saturate_measured(xb, scale, fp8_max(dtype), a).astype(dtype)
   q = q.reshape(q.shape[:axis] + (q.shape[axis] * q.shape[axis + 1],) + q.shape[axis + 2:])
   q = lax_slice_axis(q, axis, n)
   return q, jnp.squeeze(scale, axis + 1).astype(jnp.float8_e8m0fnu)
@@ -196,7 +196,7 @@ def block_quantize(x: jnp.ndarray, block_size: int, dtype, *, tensor_scale=None,
     m = fp8_max(dtype)
     e = jnp.ceil(jnp.log2(jnp.maximum(a, SCALE_FLOOR) / m))
     scale = pow2(jnp.where(jnp.isfinite(a) & (a > 0), e, 0.0))
-    q = saturate(xb, scale, m).astype(dtype)
+    q = saturate_measured(xb, scale, m, a).astype(dtype)
     stored = scale.astype(jnp.float8_e8m0fnu)
   else:
     g = jnp.reshape(jnp.asarray(tensor_scale, jnp.float32), ())

@@ -32,8 +32,7 @@ __all__ = ["TensorDot", "RowDot", "fp8_dot_general", "fp8_dot_of", "row_quantize
 
 def row_quantize(x, contract, cfg):
   """``(q, s)``: ``x`` in fp8 with one current scale per slice along ``contract`` (kept size 1)."""
-  s = numerics.row_scale(x, contract, cfg)
-  return numerics.quantize(x, cfg.jnp_dtype, s), s
+  return numerics.row_quantize(x, contract, cfg)
 
 
 class TensorDot(DotSpec):
@@ -93,14 +92,12 @@ class RowDot(DotSpec):
     # GEMM, so it is folded into g before g is quantized for that GEMM.
     # dgrad contracts rhs's free axes: fold s_r into g, scale g per row.
     g1 = g32 * relayout_like(s_r, lay.rhs_to_out, g32)
-    s_g1 = numerics.row_scale(g1, lay.rhs_free_out, g_cfg)
-    q_g1 = numerics.quantize(g1, g_cfg.jnp_dtype, s_g1)
+    q_g1, s_g1 = numerics.row_quantize(g1, lay.rhs_free_out, g_cfg)
     d_lhs = grad_gemm(q_g1, q_r, self.dn, *nd, "lhs", self.gemm, jnp.float32, one, like=q_l)
     d_lhs = (d_lhs * relayout_like(s_g1, dims.flip(lay.lhs_to_out), d_lhs)).astype(self.lhs_dtype)
     # wgrad contracts lhs's free axes: fold s_l into g, scale g per column.
     g2 = g32 * relayout_like(s_l, lay.lhs_to_out, g32)
-    s_g2 = numerics.row_scale(g2, lay.lhs_free_out, g_cfg)
-    q_g2 = numerics.quantize(g2, g_cfg.jnp_dtype, s_g2)
+    q_g2, s_g2 = numerics.row_quantize(g2, lay.lhs_free_out, g_cfg)
     d_rhs = grad_gemm(q_g2, q_l, self.dn, *nd, "rhs", self.gemm, jnp.float32, one, like=q_r)
     d_rhs = (d_rhs * relayout_like(s_g2, dims.flip(lay.rhs_to_out), d_rhs)).astype(self.rhs_dtype)
     return d_lhs, d_rhs, numerics.amax(g)

@@ -61,6 +61,7 @@ __all__ = [
     "step_scale",
     "quantize_with",
     "row_scale",
+    "row_quantize",
     "saturate",
     "E4M3_MAX",
     "nvfp4_tensor_scale",
@@ -199,10 +200,19 @@ def quantize_measured(x: jnp.ndarray, dtype, scale: jnp.ndarray, a: jnp.ndarray)
     >>> numerics.quantize_measured(x, jnp.float8_e4m3fn, jnp.ones((1,)), numerics.amax(x)).tolist()
     [1.0, 448.0]
   """
-  y = jnp.clip(jnp.asarray(x).astype(jnp.float32) / _per_tensor(scale), -fp8_max(dtype),
-               fp8_max(dtype))
-  # A select on one scalar, not an add of NaN-or-0 (which would turn -0 into +0).
-  return encode_fp8(jnp.where(jnp.isfinite(jnp.asarray(a, jnp.float32)), y, jnp.nan), dtype)
+  return encode_fp8(saturate_measured(jnp.asarray(x).astype(jnp.float32), _per_tensor(scale),
+                                      fp8_max(dtype), a), dtype)
+
+
+def saturate_measured(x32, scale, m, a):
+  """``clip(x / scale, -m, m)`` where the amax ``a`` (broadcastable: a block's) is finite, else NaN.
+
+  The finite check is on ``a``, one value per tensor or block, not on each
+  element (see :func:`quantize_measured`).
+  """
+  # A select on the amax, not an add of NaN-or-0 (which would turn -0 into +0).
+  ok = jnp.isfinite(jnp.asarray(a, jnp.float32))
+  return jnp.where(ok, jnp.clip(x32 / scale, -m, m), jnp.nan)
 
 
 def saturate(x32, scale, m):
@@ -357,6 +367,28 @@ def row_scale(x: jnp.ndarray, axes, cfg: ScalingConfig) -> jnp.ndarray:
   """
   a = jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True).astype(jnp.float32)
   return scale_from_amax(a, jnp.ones_like(a), cfg)
+
+
+def row_quantize(x: jnp.ndarray, axes, cfg: ScalingConfig):
+  """``(q, s)``: ``x`` in ``cfg``'s fp8 format with one current scale per slice along ``axes``.
+
+  The scales of :func:`row_scale`; each slice is cast as
+  :func:`quantize_measured` casts a tensor (its amax says whether it is
+  finite: a slice holding a NaN or Inf becomes NaN codes).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen import recipes
+    >>> from fp8_linen.core import numerics
+    >>> q, s = numerics.row_quantize(jnp.array([[896.0, 1.0], [3.0, 0.0]]), (1,),
+    ...                              recipes.ScalingConfig(scaling='current'))
+    >>> q.astype(jnp.float32).tolist(), s.tolist()
+    ([[448.0, 0.5], [448.0, 0.0]], [[2.0], [0.0066964291036129]])
+  """
+  x32 = jnp.asarray(x).astype(jnp.float32)
+  a = jnp.max(jnp.abs(x32), axis=tuple(axes), keepdims=True)
+  s = scale_from_amax(a, jnp.ones_like(a), cfg)
+  return encode_fp8(saturate_measured(x32, s, fp8_max(cfg.jnp_dtype), a), cfg.jnp_dtype), s
 
 
 def history_amax(cfg: ScalingConfig, history: jnp.ndarray) -> jnp.ndarray:

@@ -571,3 +571,22 @@ def _trained_mlp(recipe_name):
 def test_a_block_scaled_mlp_trains(recipe_name):
   first, last = _trained_mlp(recipe_name)
   assert np.isfinite(last) and last < 0.7 * first
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_block_is_nan_and_the_others_unchanged(bad):
+  """The finite check is per block (its amax), not per element: a NaN or Inf makes its block's
+  codes NaN, and every other block is cast as if it were alone."""
+  x = np.random.default_rng(5).normal(size=(4, 64)).astype(np.float32) * 100
+  clean_mx, _ = block_numerics.mx_quantize(jnp.asarray(x), 1, 32, jnp.float8_e4m3fn)
+  clean_tile, _ = block_numerics.block_quantize(jnp.asarray(x), 32, jnp.float8_e4m3fn)
+  x[1, 40] = bad
+  for q, clean in ((block_numerics.mx_quantize(jnp.asarray(x), 1, 32, jnp.float8_e4m3fn)[0],
+                    clean_mx),
+                   (block_numerics.block_quantize(jnp.asarray(x), 32, jnp.float8_e4m3fn)[0],
+                    clean_tile)):
+    q32, c32 = np.asarray(q, np.float32), np.asarray(clean, np.float32)
+    assert np.all(np.isnan(q32[1, 32:]))
+    keep = np.ones_like(q32, bool)
+    keep[1, 32:] = False
+    np.testing.assert_array_equal(q32[keep], c32[keep])

@@ -236,3 +236,25 @@ def test_shared_fine_layer_takes_max_not_sum():
   v = jax.jit(m.init)(jax.random.key(0), a, b)
   grads = jax.jit(jax.grad(lambda v: jnp.sum(m.apply(v, a, b))))(v)
   assert float(grads[fl.OWG]["QDense_0"]["input_amax_history"][0]) == 3.0
+
+
+def test_row_quantize_makes_only_a_non_finite_row_nan():
+  """Row-wise codes: a row's amax is its finite check; the other rows keep their codes."""
+  from fp8_linen.core import numerics
+  from fp8_linen.recipes import ScalingConfig
+  cfg = ScalingConfig(scaling="current")
+  x = np.random.default_rng(6).normal(size=(3, 16)).astype(np.float32) * 1000
+  clean, s_clean = numerics.row_quantize(jnp.asarray(x), (1,), cfg)
+  # Each row against an ml_dtypes cast of x / its own scale, clamped (float64 division).
+  a = np.max(np.abs(x), axis=1, keepdims=True)
+  s_ref = np.asarray(s_clean)
+  ref = np.clip(x.astype(np.float64) / s_ref, -448, 448).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(clean, np.float32),
+                                ref.astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+  assert np.all(np.abs(np.asarray(clean, np.float32)).max(axis=1) == 448.0) and a.all()
+  x[2, 3] = -np.inf
+  q, s = numerics.row_quantize(jnp.asarray(x), (1,), cfg)
+  q = np.asarray(q, np.float32)
+  assert np.all(np.isnan(q[2])) and np.all(np.isfinite(q[:2]))
+  np.testing.assert_array_equal(q[:2], np.asarray(clean, np.float32)[:2])
+  np.testing.assert_array_equal(np.asarray(s)[:2], np.asarray(s_clean)[:2])
