@@ -347,8 +347,9 @@ class BlockDot(DotSpec):
     q_g2, s_g2 = self._quant(gt, g_cfg, g_gt, seed=seed, salt=2)    # along M, for wgrad
     if self.gemm == "block":
       d_l = self._block_gemm(q_g1, s_g1, wc, s_wc, g_g * g_w, self.lhs_dtype)   # (B, M, K)
-      d_r = self._block_gemm(q_g2, s_g2, xc, s_xc, g_gt * g_xc, self.rhs_dtype)  # (B, N, K)
-      return (_unview(d_l, q_l.shape, lb, lf, lc), _unview(d_r, q_r.shape, rb, rf, rc), a_g)
+      # (B, K, N): the kernel's own layout, so no transposed copy of its gradient.
+      d_r = self._block_gemm(xc, s_xc, q_g2, s_g2, g_gt * g_xc, self.rhs_dtype)
+      return (_unview(d_l, q_l.shape, lb, lf, lc), _unview(d_r, q_r.shape, rb, rc, rf), a_g)
     one = jnp.ones((), jnp.float32)
     nd = (q_l.ndim, q_r.ndim)
     up = self._emulation_dtype()
