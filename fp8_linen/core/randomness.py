@@ -95,11 +95,19 @@ def hadamard_signs(size: int) -> np.ndarray:
   return np.where(rng.random(size) < 0.5, -1.0, 1.0).astype(np.float32)
 
 
+def _sylvester(n: int) -> np.ndarray:
+  """The ``n`` x ``n`` Sylvester Hadamard matrix (``n`` a power of two), entries ±1."""
+  h = np.ones((1, 1), np.float32)
+  while h.shape[0] < n:
+    h = np.block([[h, h], [h, -h]])
+  return h
+
+
 def random_hadamard(x: jnp.ndarray, size: int) -> jnp.ndarray:
   """``x`` times a random orthogonal ``H D / sqrt(size)`` per group of ``size`` along its last axis.
 
   ``D`` flips signs (:func:`hadamard_signs`), ``H`` is the Sylvester Hadamard
-  matrix, applied as a butterfly of additions (no GEMM for XLA to count). The
+  matrix, applied as a sum of signed terms (no GEMM for XLA to count). The
   transform is orthogonal, so transforming both operands of a product along
   the contracted axis leaves the product unchanged while spreading each
   group's outliers over the group (what makes them quantize well). A trailing
@@ -119,12 +127,10 @@ def random_hadamard(x: jnp.ndarray, size: int) -> jnp.ndarray:
   if full == 0:
     return x
   lead = x.shape[:-1]
-  h = x[..., :full].reshape(*lead, full // size, size) * jnp.asarray(hadamard_signs(size))
-  step = 1
-  while step < size:
-    h = h.reshape(*lead, full // size, size // (2 * step), 2, step)
-    a, b = h[..., 0, :], h[..., 1, :]
-    h = jnp.stack([a + b, a - b], axis=-2)
-    step *= 2
-  h = h.reshape(*lead, full) * np.float32(1.0 / np.sqrt(size))
+  # Each output is a signed sum over its group: one reduction over the
+  # group's axis, which XLA runs as one pass (a butterfly of slices and
+  # concatenations became four passes on XLA:GPU), and not a dot (no GEMM).
+  m = jnp.asarray(_sylvester(size) * hadamard_signs(size)[None, :] / np.sqrt(size), jnp.float32)
+  g = x[..., :full].reshape(*lead, full // size, 1, size)
+  h = jnp.sum(g * m, axis=-1).reshape(*lead, full)
   return h if full == n else jnp.concatenate([h, x[..., full:]], axis=-1)

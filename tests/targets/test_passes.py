@@ -29,7 +29,7 @@ RECORD = {
     ("h100", "fp8_rowwise"): 1.82,
     ("b200", "fp8_delayed"): 1.32,
     ("b200", "mxfp8"): 2.27,
-    ("b200", "nvfp4"): 5.37,
+    ("b200", "nvfp4"): 4.23,
     ("tpu-v5e", "int8_ste"): 1.17,
 }
 RECIPES = {"fp8_delayed": fl.delayed_scaling(), "fp8_current": fl.current_scaling(),
