@@ -12,11 +12,13 @@ purpose. Figures read from compiled programs: estimates, not measurements.
 
   python benchmarks/bench_passes.py --out benchmarks/results/estimate-passes.json
   python benchmarks/bench_passes.py --m 512 --k 256 --n 256 --targets h100   # quick
+  python benchmarks/bench_passes.py --before OLD.json   # ratios as "before -> now"
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -30,6 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 DEVICE = "estimate (compile only)"
+TARGETS = ["h100", "b200", "tpu-v5e", "tpu-v6e", "tpu7x"]
+ARMS = ["bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "mxfp8", "nvfp4", "int8_ste"]
 
 
 def arms(target: str) -> dict:
@@ -68,15 +72,26 @@ def run(m: int, k: int, n: int, target_names) -> dict:
   return rows
 
 
-def markdown(rows: dict, top: int = 3) -> str:
-  """The table of docs/accelerators.md."""
-  lines = ["| target | recipe | non-GEMM MiB | vs bf16's step | vs minimum | largest passes (MiB) |",
+def markdown(rows: dict, top: int = 3, before: dict | None = None) -> str:
+  """The table of docs/accelerators.md (GiB); with ``before`` (an earlier run's
+  ``results``), each arm's ratio to bf16's step as ``before -> now``."""
+  gib = lambda b: f"{b / 2**30:.1f}"
+  lines = ["| target | recipe | non-GEMM GiB | vs bf16's step | vs minimum | largest passes (GiB) |",
            "| --- | --- | ---: | ---: | ---: | --- |"]
-  for target, table in rows.items():
-    for name, r in table.items():
-      big = ", ".join(f"{p} {b / 2**20:.0f}" for p, b in list(r["by_purpose"].items())[:top])
-      lines.append(f"| {target} | {name} | {r['non_gemm_bytes'] / 2**20:.0f} | "
-                   f"{r['vs_bf16']:.2f} | {r['vs_minimum']:.2f} | {big} |")
+  order = lambda keys, first: sorted(keys, key=lambda k: (first.index(k) if k in first
+                                                          else len(first), k))
+  for target in order(rows, TARGETS):
+    table = rows[target]
+    for name in order(table, ARMS):
+      r = table[name]
+      largest = sorted(r["by_purpose"].items(), key=lambda kv: -kv[1])[:top]
+      big = ", ".join(f"{p} {gib(b)}" for p, b in largest)
+      ratio = f"{r['vs_bf16']:.2f}"
+      old = (before or {}).get(target, {}).get(name)
+      if old is not None and name != "bf16":
+        ratio = f"{old['vs_bf16']:.2f} -> {ratio}"
+      lines.append(f"| {target} | {name} | {gib(r['non_gemm_bytes'])} | {ratio} | "
+                   f"{r['vs_minimum']:.2f} | {big} |")
   return "\n".join(lines)
 
 
@@ -85,13 +100,19 @@ def main(argv=None) -> dict:
   p.add_argument("--m", type=int, default=8 * 2048)
   p.add_argument("--k", type=int, default=8192)
   p.add_argument("--n", type=int, default=32768)
-  p.add_argument("--targets", nargs="+", default=["h100", "b200", "tpu-v5e", "tpu-v6e", "tpu7x"])
+  p.add_argument("--targets", nargs="+", default=TARGETS)
   p.add_argument("--out", default=None)
+  p.add_argument("--before", default=None,
+                 help="an earlier run's JSON: print each ratio as 'before -> now'")
   args = p.parse_args(argv)
   rows = run(args.m, args.k, args.n, args.targets)
+  before = None
+  if args.before:
+    with open(args.before) as f:
+      before = json.load(f)["results"]
   print(f"non-GEMM passes of a dense layer's step, x ({args.m}, {args.k}) -> {args.n} "
         f"({DEVICE})")
-  print(markdown(rows))
+  print(markdown(rows, before=before))
   payload = {"meta": {"device": DEVICE, "shape": {"m": args.m, "k": args.k, "n": args.n},
                       **common.environment()},
              "results": rows}
