@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 import fp8_linen as fl
-from fp8_linen.testing import passes, targets
+from fp8_linen.testing import estimate, passes, targets
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -59,7 +59,9 @@ def run(m: int, k: int, n: int, target_names) -> dict:
     table = {}
     for name, (make, low) in arms(target).items():
       sp = passes.step_passes(make(n), (m, k), target=target)
+      est = estimate.estimate(sp.report.kernel_list, estimate.PEAKS[target])
       table[name] = {"non_gemm_bytes": sp.total, "by_purpose": sp.by_purpose,
+                     "step_seconds_estimate": est.seconds,
                      "kernels": [{"name": p.name, "purpose": p.purpose, "bytes": p.bytes,
                                   "first_step_only": not p.every_step}
                                  for p in sp.passes],
@@ -67,6 +69,8 @@ def run(m: int, k: int, n: int, target_names) -> dict:
     base = table["bf16"]["non_gemm_bytes"]
     for row in table.values():
       row["vs_bf16"] = row["non_gemm_bytes"] / base
+      row["step_vs_bf16_estimate"] = (row["step_seconds_estimate"] /
+                                      table["bf16"]["step_seconds_estimate"])
       row["vs_minimum"] = row["non_gemm_bytes"] / row["minimum_bytes"]
     rows[target] = table
   return rows
@@ -76,8 +80,9 @@ def markdown(rows: dict, top: int = 3, before: dict | None = None) -> str:
   """The table of docs/accelerators.md (GiB); with ``before`` (an earlier run's
   ``results``), each arm's ratio to bf16's step as ``before -> now``."""
   gib = lambda b: f"{b / 2**30:.1f}"
-  lines = ["| target | recipe | non-GEMM GiB | vs bf16's step | vs minimum | largest passes (GiB) |",
-           "| --- | --- | ---: | ---: | ---: | --- |"]
+  lines = ["| target | recipe | non-GEMM GiB | vs bf16's step | vs minimum | step vs bf16 "
+           "(estimate) | largest passes (GiB) |",
+           "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
   order = lambda keys, first: sorted(keys, key=lambda k: (first.index(k) if k in first
                                                           else len(first), k))
   for target in order(rows, TARGETS):
@@ -86,12 +91,11 @@ def markdown(rows: dict, top: int = 3, before: dict | None = None) -> str:
       r = table[name]
       largest = sorted(r["by_purpose"].items(), key=lambda kv: -kv[1])[:top]
       big = ", ".join(f"{p} {gib(b)}" for p, b in largest)
-      ratio = f"{r['vs_bf16']:.2f}"
-      old = (before or {}).get(target, {}).get(name)
-      if old is not None and name != "bf16":
-        ratio = f"{old['vs_bf16']:.2f} -> {ratio}"
-      lines.append(f"| {target} | {name} | {gib(r['non_gemm_bytes'])} | {ratio} | "
-                   f"{r['vs_minimum']:.2f} | {big} |")
+      old = (before or {}).get(target, {}).get(name) if name != "bf16" else None
+      pair = lambda key: (f"{old[key]:.2f} -> {r[key]:.2f}" if old and key in old
+                          else f"{r[key]:.2f}")
+      lines.append(f"| {target} | {name} | {gib(r['non_gemm_bytes'])} | {pair('vs_bf16')} | "
+                   f"{r['vs_minimum']:.2f} | {pair('step_vs_bf16_estimate')} | {big} |")
   return "\n".join(lines)
 
 
