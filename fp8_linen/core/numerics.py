@@ -465,8 +465,11 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
     branch to read; waiting for a weight's amax costs nothing (every
     weight's amax can be taken as the step starts). XLA:TPU fuses the cast
     into the GEMM's operand instead, and there the cond is the cheaper form.
-  * Where the scale waits for ``a`` (current scaling, weights) the cast is
-    :func:`quantize_measured`: no finite check per element.
+  * A weight whose scale waits for ``a`` (current scaling, or delayed on
+    GPU) is cast by :func:`quantize_measured`: no finite check per element
+    (a non-finite weight gives NaN codes). Activations and gradients keep
+    the per-element check, so a NaN or Inf stays in its own row of the
+    output, as in a float layer.
   * Delayed scaling of an activation or gradient on GPU: the cast reads the
     tensor behind an optimization barrier. The first-step branch already
     makes XLA write the tensor (in bf16, say); without the barrier XLA:GPU
@@ -490,7 +493,10 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
   a = lowering.global_max(amax(x))
   if cfg.scaling == "current" or (weight and lowering.current_backend() == "gpu"):
     s = select_scale(cfg, scale, history, a)
-    return quantize_measured(x, cfg.jnp_dtype, s, a), s, a
+    # A weight's NaN poisons every output anyway; an activation's must stay in
+    # its own row, as in a float layer, so activations keep the per-element check.
+    q = quantize_measured(x, cfg.jnp_dtype, s, a) if weight else quantize(x, cfg.jnp_dtype, s)
+    return q, s, a
   s = step_scale(cfg, scale, history, x)
   if lowering.current_backend() == "gpu":
     x = lax.optimization_barrier(x)
