@@ -335,7 +335,7 @@ class BlockDot(DotSpec):
     b = xc.shape[0]
     m, n = math.prod(q_l.shape[a] for a in lf), math.prod(q_r.shape[a] for a in rf)
     g3 = g.reshape(b, m, n)
-    a_g = lowering.global_max(numerics.amax(g))
+    a_g = lowering.global_max(numerics.amax(g, columns_first=True))
     g_g = self._tensor_scale(g_cfg, states[2], a_g)
     # Stochastic rounding draws its bits from the gradient role's state (this
     # layer's amax history: it changes every step and is the same on every

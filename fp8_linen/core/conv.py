@@ -184,7 +184,7 @@ class ConvSpec(Fp8Spec):
 
   def backward(self, q_l, q_r, extras, states, g):
     s_l, s_r = extras
-    q_g, s_g, a_g = numerics.quantize_with(self.cfgs[2], *states[2], g)
+    q_g, s_g, a_g = numerics.quantize_with(self.cfgs[2], *states[2], g, gradient=True)
     cfg = self.conv_cfg
     (x_n, x_c), (w_o, w_i), (y_n, y_o) = (cfg[4].lhs_spec[:2], cfg[4].rhs_spec[:2],
                                           cfg[4].out_spec[:2])

@@ -32,7 +32,7 @@ __all__ = ["TensorDot", "RowDot", "fp8_dot_general", "fp8_dot_of", "row_quantize
 
 def row_quantize(x, contract, cfg):
   """``(q, s)``: ``x`` in fp8 with one current scale per slice along ``contract`` (kept size 1)."""
-  return numerics.row_quantize(x, contract, cfg)
+  return numerics.row_quantize(x, contract, cfg)[:2]
 
 
 class TensorDot(DotSpec):
@@ -52,7 +52,7 @@ class TensorDot(DotSpec):
 
   def backward(self, q_l, q_r, extras, states, g):
     s_l, s_r = extras
-    q_g, s_g, a_g = numerics.quantize_with(self.cfgs[2], *states[2], g)
+    q_g, s_g, a_g = numerics.quantize_with(self.cfgs[2], *states[2], g, gradient=True)
     nd = (q_l.ndim, q_r.ndim)
     d_lhs = grad_gemm(q_g, q_r, self.dn, *nd, "lhs", self.gemm, self.lhs_dtype,
                       numerics.scale_product(s_g, s_r), like=q_l)
@@ -68,9 +68,13 @@ class RowDot(DotSpec):
     del states  # current scaling per row; the state only records the global amax
     in_cfg, k_cfg, _ = self.cfgs
     (lc, rc), _ = self.dn
-    q_l, s_l = row_quantize(lhs, lc, in_cfg)   # lhs layout, contracting axes size 1
-    q_r, s_r = row_quantize(rhs, rc, k_cfg)    # rhs layout, contracting axes size 1
-    return q_l, s_l, q_r, s_r, (numerics.amax(lhs), numerics.amax(rhs))
+    # lhs / rhs layout, contracting axes size 1.
+    q_l, s_l, a_l = numerics.row_quantize(lhs, lc, in_cfg)
+    q_r, s_r, _ = numerics.row_quantize(rhs, rc, k_cfg)
+    # A kernel's channels are its last axis: reduced columns first, its amax
+    # shares the pass of the channels' own (XLA folds a max of the channels'
+    # maxima into a reduction of its own).
+    return q_l, s_l, q_r, s_r, (a_l, numerics.amax(rhs, columns_first=True))
 
   @staticmethod
   def multiply(q_l, s_l, q_r, s_r, *, dn, recipe, gemm, out_dtype):
@@ -92,15 +96,15 @@ class RowDot(DotSpec):
     # GEMM, so it is folded into g before g is quantized for that GEMM.
     # dgrad contracts rhs's free axes: fold s_r into g, scale g per row.
     g1 = g32 * relayout_like(s_r, lay.rhs_to_out, g32)
-    q_g1, s_g1 = numerics.row_quantize(g1, lay.rhs_free_out, g_cfg)
+    q_g1, s_g1, _ = numerics.row_quantize(g1, lay.rhs_free_out, g_cfg)
     d_lhs = grad_gemm(q_g1, q_r, self.dn, *nd, "lhs", self.gemm, jnp.float32, one, like=q_l)
     d_lhs = (d_lhs * relayout_like(s_g1, dims.flip(lay.lhs_to_out), d_lhs)).astype(self.lhs_dtype)
     # wgrad contracts lhs's free axes: fold s_l into g, scale g per column.
     g2 = g32 * relayout_like(s_l, lay.lhs_to_out, g32)
-    q_g2, s_g2 = numerics.row_quantize(g2, lay.lhs_free_out, g_cfg)
+    q_g2, s_g2, _ = numerics.row_quantize(g2, lay.lhs_free_out, g_cfg)
     d_rhs = grad_gemm(q_g2, q_l, self.dn, *nd, "rhs", self.gemm, jnp.float32, one, like=q_r)
     d_rhs = (d_rhs * relayout_like(s_g2, dims.flip(lay.rhs_to_out), d_rhs)).astype(self.rhs_dtype)
-    return d_lhs, d_rhs, numerics.amax(g)
+    return d_lhs, d_rhs, numerics.amax(g, columns_first=True)
 
 
 _SPECS = {"tensor": TensorDot, "row": RowDot, "block": BlockDot}

@@ -128,7 +128,7 @@ def scale_product(*scales) -> jnp.ndarray:
   return jnp.minimum(out, _F32_MAX)
 
 
-def amax(x: jnp.ndarray) -> jnp.ndarray:
+def amax(x: jnp.ndarray, *, columns_first: bool = False) -> jnp.ndarray:
   """``max(|x|)`` over all elements, as a float32 scalar (NaN if any is NaN).
 
   An empty ``x`` has amax 0 ("nothing observed").
@@ -142,16 +142,18 @@ def amax(x: jnp.ndarray) -> jnp.ndarray:
   max all-reduce, and XLA's all-reduce combiner merges all-reduces of one
   kind that do not depend on each other, so an amax costs one collective, and
   the amaxes of a whole step that only feed its new state share one.
-  Over two or more axes the leading axes are reduced first (the bias
-  gradient's reduction, which XLA then fuses with it).
+
+  ``columns_first=True`` (an output gradient) reduces the leading axes
+  first, then the last: a bias gradient reduces the same axes of the same
+  cotangent, and XLA computes both in one pass over it (a multi-output
+  reduction) instead of reading the cotangent twice. Over a batch-sharded
+  tensor its all-reduce then carries one value per column instead of one
+  scalar, so the other roles reduce everything at once.
   """
   x = jnp.asarray(x)
   if x.size == 0:  # an empty batch: max() of nothing would raise
     return jnp.zeros((), jnp.float32)
-  if x.ndim >= 2:
-    # The leading axes first, then the last: a bias gradient reduces the same
-    # axes of the same cotangent, and XLA then computes both in one pass over
-    # it (a multi-output reduction) instead of reading the cotangent twice.
+  if columns_first and x.ndim >= 2:
     # (No reshape: merging a sharded axis would make the partitioner gather x.)
     lead = tuple(range(x.ndim - 1))
     return jnp.max(jnp.maximum(jnp.max(x, axis=lead), jnp.max(-x, axis=lead))).astype(jnp.float32)
@@ -370,25 +372,27 @@ def row_scale(x: jnp.ndarray, axes, cfg: ScalingConfig) -> jnp.ndarray:
 
 
 def row_quantize(x: jnp.ndarray, axes, cfg: ScalingConfig):
-  """``(q, s)``: ``x`` in ``cfg``'s fp8 format with one current scale per slice along ``axes``.
+  """``(q, s, a)``: ``x`` in ``cfg``'s fp8 format with one current scale per slice along ``axes``.
 
   The scales of :func:`row_scale`; each slice is cast as
   :func:`quantize_measured` casts a tensor (its amax says whether it is
-  finite: a slice holding a NaN or Inf becomes NaN codes).
+  finite: a slice holding a NaN or Inf becomes NaN codes). ``a`` is the
+  amax of all of ``x`` (float32 scalar), the largest of the slices' amaxes.
 
   Example:
     >>> import jax.numpy as jnp
     >>> from fp8_linen import recipes
     >>> from fp8_linen.core import numerics
-    >>> q, s = numerics.row_quantize(jnp.array([[896.0, 1.0], [3.0, 0.0]]), (1,),
-    ...                              recipes.ScalingConfig(scaling='current'))
-    >>> q.astype(jnp.float32).tolist(), s.tolist()
-    ([[448.0, 0.5], [448.0, 0.0]], [[2.0], [0.0066964291036129]])
+    >>> q, s, a = numerics.row_quantize(jnp.array([[896.0, 1.0], [3.0, 0.0]]), (1,),
+    ...                                 recipes.ScalingConfig(scaling='current'))
+    >>> q.astype(jnp.float32).tolist(), s.tolist(), float(a)
+    ([[448.0, 0.5], [448.0, 0.0]], [[2.0], [0.0066964291036129]], 896.0)
   """
   x32 = jnp.asarray(x).astype(jnp.float32)
   a = jnp.max(jnp.abs(x32), axis=tuple(axes), keepdims=True)
   s = scale_from_amax(a, jnp.ones_like(a), cfg)
-  return encode_fp8(saturate_measured(x32, s, fp8_max(cfg.jnp_dtype), a), cfg.jnp_dtype), s
+  q = encode_fp8(saturate_measured(x32, s, fp8_max(cfg.jnp_dtype), a), cfg.jnp_dtype)
+  return q, s, (jnp.max(a) if a.size else jnp.zeros((), jnp.float32))
 
 
 def history_amax(cfg: ScalingConfig, history: jnp.ndarray) -> jnp.ndarray:
@@ -446,7 +450,7 @@ def step_scale(cfg: ScalingConfig, prev_scale: jnp.ndarray, history: jnp.ndarray
 
 
 def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, x: jnp.ndarray,
-                  *, weight: bool = False):
+                  *, weight: bool = False, gradient: bool = False):
   """Quantizes ``x`` as ``cfg`` says, from a role's stored state.
 
   The one place a tensor (operand or gradient) is measured, scaled and cast:
@@ -470,6 +474,8 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
     (a non-finite weight gives NaN codes). Activations and gradients keep
     the per-element check, so a NaN or Inf stays in its own row of the
     output, as in a float layer.
+  * ``gradient=True`` (an output gradient): its amax is taken
+    ``columns_first`` (:func:`amax`), beside the bias gradient's sum.
   * Delayed scaling of an activation or gradient on GPU: the cast reads the
     tensor behind an optimization barrier. The first-step branch already
     makes XLA write the tensor (in bf16, say); without the barrier XLA:GPU
@@ -490,7 +496,7 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
     (896.0, [2.0])
   """
   # Inside shard_map every device must pick the scale one device would.
-  a = lowering.global_max(amax(x))
+  a = lowering.global_max(amax(x, columns_first=gradient))
   if cfg.scaling == "current" or (weight and lowering.current_backend() == "gpu"):
     s = select_scale(cfg, scale, history, a)
     # A weight's NaN poisons every output anyway; an activation's must stay in

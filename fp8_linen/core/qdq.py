@@ -71,7 +71,7 @@ def _dequantize_fwd(grad_cfg, out_dtype, first, frozen, xq, scale_out, grad_stat
 
 def _dequantize_bwd(grad_cfg, out_dtype, first, frozen, grad_state, cts):
   g, ct_chain = cts
-  g_q, s, a = numerics.quantize_with(grad_cfg, *grad_state, g)
+  g_q, s, a = numerics.quantize_with(grad_cfg, *grad_state, g, gradient=True)
   a, empty = _observed(a, frozen)
   (st,), chain_ct = owg.state_cotangents((grad_cfg,), (grad_state,), (a,), ct_chain, first,
                                          empty=empty or g.size == 0)

@@ -116,7 +116,7 @@ def _bwd(spec, grouped, res, cts):
   g, ct_chain = cts
 
   def grads():
-    q_g, s_g, a_g = numerics.quantize_with(spec.cfgs[2], *states[2], g)
+    q_g, s_g, a_g = numerics.quantize_with(spec.cfgs[2], *states[2], g, gradient=True)
     # dgrad: g (m, n) x rhs[i]^T (n, k) per group.
     d_l = ragged_gemm(q_g, jnp.swapaxes(q_r, 1, 2), group_sizes, spec.gemm)
     if grouped:

@@ -244,7 +244,8 @@ def test_row_quantize_makes_only_a_non_finite_row_nan():
   from fp8_linen.recipes import ScalingConfig
   cfg = ScalingConfig(scaling="current")
   x = np.random.default_rng(6).normal(size=(3, 16)).astype(np.float32) * 1000
-  clean, s_clean = numerics.row_quantize(jnp.asarray(x), (1,), cfg)
+  clean, s_clean, a_clean = numerics.row_quantize(jnp.asarray(x), (1,), cfg)
+  assert float(a_clean) == float(np.max(np.abs(x)))
   # Each row against an ml_dtypes cast of x / its own scale, clamped (float64 division).
   a = np.max(np.abs(x), axis=1, keepdims=True)
   s_ref = np.asarray(s_clean)
@@ -253,7 +254,7 @@ def test_row_quantize_makes_only_a_non_finite_row_nan():
                                 ref.astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
   assert np.all(np.abs(np.asarray(clean, np.float32)).max(axis=1) == 448.0) and a.all()
   x[2, 3] = -np.inf
-  q, s = numerics.row_quantize(jnp.asarray(x), (1,), cfg)
+  q, s, _ = numerics.row_quantize(jnp.asarray(x), (1,), cfg)
   q = np.asarray(q, np.float32)
   assert np.all(np.isnan(q[2])) and np.all(np.isfinite(q[:2]))
   np.testing.assert_array_equal(q[:2], np.asarray(clean, np.float32)[:2])
