@@ -63,6 +63,8 @@ __all__ = [
     "row_scale",
     "row_quantize",
     "saturate",
+    "quantize_measured",
+    "saturate_measured",
     "E4M3_MAX",
     "nvfp4_tensor_scale",
 ]
