@@ -478,12 +478,6 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
     output, as in a float layer.
   * ``gradient=True`` (an output gradient): its amax is taken
     ``columns_first`` (:func:`amax`), beside the bias gradient's sum.
-  * Delayed scaling of an activation or gradient on GPU: the cast reads the
-    tensor behind an optimization barrier. The first-step branch already
-    makes XLA write the tensor (in bf16, say); without the barrier XLA:GPU
-    fuses the tensor's producer into the cast and reads the producer's wider
-    input (a float32 cotangent) a second time, and rounds without the bf16
-    step in between.
 
   Returns:
     ``(q, s, a)``: the fp8 tensor, the scale used and the observed amax.
@@ -506,8 +500,6 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
     q = quantize_measured(x, cfg.jnp_dtype, s, a) if weight else quantize(x, cfg.jnp_dtype, s)
     return q, s, a
   s = step_scale(cfg, scale, history, x)
-  if lowering.current_backend() == "gpu":
-    x = lax.optimization_barrier(x)
   return quantize(x, cfg.jnp_dtype, s), s, a
 
 
