@@ -27,12 +27,7 @@ from fp8_linen.core.fp8_vjp import DotSpec, fp8_vjp
 from fp8_linen.core.lowering import grad_gemm, relayout_like
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
-__all__ = ["TensorDot", "RowDot", "fp8_dot_general", "fp8_dot_of", "row_quantize"]
-
-
-def row_quantize(x, contract, cfg):
-  """``(q, s)``: ``x`` in fp8 with one current scale per slice along ``contract`` (kept size 1)."""
-  return numerics.row_quantize(x, contract, cfg)[:2]
+__all__ = ["TensorDot", "RowDot", "fp8_dot_general", "fp8_dot_of"]
 
 
 class TensorDot(DotSpec):

@@ -39,7 +39,7 @@ from jax import lax
 from fp8_linen.core import conv as conv_ops
 from fp8_linen.core import dims, lowering, numerics, owg, ragged_dot
 from fp8_linen.core.block_dot import BlockDot, block_factor, block_fold_kernel
-from fp8_linen.core.dot_general import fp8_dot_of, row_quantize
+from fp8_linen.core.dot_general import fp8_dot_of
 from fp8_linen.core.serve import ServedRecord, record, require_arrays
 from fp8_linen.recipes.fp8 import Fp8Recipe, ScalingConfig
 
@@ -99,7 +99,7 @@ def fold_fp8_kernel(recipe: Fp8Recipe, w, contract, kernel_state, batch=()) -> d
                              numerics.nvfp4_tensor_scale(t))
     return {"kernel": q, "kernel_scale": s, "kernel_tensor_scale": t}
   if recipe.granularity == "row":
-    q, s = row_quantize(w, tuple(contract), cfg)
+    q, s, _ = numerics.row_quantize(w, tuple(contract), cfg)
     return {"kernel": q, "kernel_scale": s}
   s = numerics.select_scale(cfg, kernel_state[0], kernel_state[1], numerics.amax(w))
   return {"kernel": numerics.quantize(w, cfg.jnp_dtype, s), "kernel_scale": s}
@@ -184,7 +184,7 @@ def fp8_dot(lhs, kernel, dimension_numbers, *, recipe: Fp8Recipe, arrays: dict, 
   if recipe.granularity == "tensor":
     quantize = lambda x, cfg, contract, scale: tensor_quantize(cfg, x, scale)
   else:
-    quantize = lambda x, cfg, contract, scale: row_quantize(x, contract, cfg)
+    quantize = lambda x, cfg, contract, scale: numerics.row_quantize(x, contract, cfg)[:2]
   if folded:
     q_r, s_r = kernel.astype(k_cfg.jnp_dtype), arrays["kernel_scale"]
   else:
