@@ -17,6 +17,7 @@ import sys as _sys
 from fp8_linen.conversion import ServedModel, ServedModule, convert, weight_bytes
 from fp8_linen.core.conv import fp8_conv_general_dilated
 from fp8_linen.core.dims import EinsumPlan, einsum_plan
+from fp8_linen.core.block_kernels import pallas_kernels
 from fp8_linen.core.dot_general import fp8_dot_general
 from fp8_linen.core.int_ops import (
     fake_quant_ste,
@@ -166,6 +167,7 @@ __all__ = [
     "StateUseError",
     "fp8_ragged_dot",
     "target_backend",
+    "pallas_kernels",
     "frozen_quantizers",
     # Linen layers
     "Fp8DotGeneral",

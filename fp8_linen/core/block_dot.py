@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from fp8_linen.core import block_numerics, dims, lowering, numerics, owg, randomness
+from fp8_linen.core import block_kernels, block_numerics, dims, lowering, numerics, owg, randomness
 from fp8_linen.core.fp8_vjp import DotSpec
 from fp8_linen.core.lowering import grad_gemm
 
@@ -209,6 +209,21 @@ class BlockDot(DotSpec):
     h = self.recipe.wgrad_hadamard
     return randomness.random_hadamard(t, h) if h else t
 
+  def _one_read(self, x, groups, cfg):
+    """``x`` as (B, P, Q) when :mod:`~fp8_linen.core.block_kernels` may quantize it, else None.
+
+    The kernel writes both layouts of MX codes from ``x``'s own layout, so
+    ``groups`` (the axes that become B, P, Q) must need no transpose; the
+    second copy must be neither rotated nor rounded stochastically.
+    """
+    r = self.recipe
+    if r.is_nvfp4 or r.wgrad_hadamard or r.grad_stochastic_rounding:
+      return None
+    if tuple(a for g in groups for a in g) != tuple(range(x.ndim)):
+      return None
+    t = _view(x, *groups)
+    return t if block_kernels.kernel_mode(t, r.block_size, gemm=self.gemm) else None
+
   def _block_gemm(self, a, sa, b, sb, scale, out_dtype):
     """(B, P, Q) x (B, R, Q) -> (B, P, R): the block-scaled GEMM, then NVFP4's tensor factors."""
     nv = self.recipe.is_nvfp4
@@ -235,31 +250,59 @@ class BlockDot(DotSpec):
   def _forward(self, lhs, rhs, states):
     in_cfg, k_cfg, _ = self.cfgs
     lb, lf, lc, rb, rf, rc = self._axes(lhs.ndim, rhs.ndim)
-    x3, w3 = _view(lhs, lb, lf, lc), _view(rhs, rb, rf, rc)   # (B, M, K), (B, N, K)
-    (_, m, k), n = x3.shape, w3.shape[1]
-    a_x = lowering.global_max(numerics.amax(lhs))
-    a_w = lowering.global_max(numerics.amax(rhs))
-    g_x, g_w = self._tensor_scale(in_cfg, states[0], a_x), self._tensor_scale(k_cfg, states[1], a_w)
-    q_x, s_x = self._quant(x3, in_cfg, g_x)                          # along K
-    q_w, s_w, tiles = _forward_kernel(self.recipe, w3, k_cfg, g_w)   # along K
-    if tiles is not None:
-      # One set of tile codes: rows of it for the forward (along K), columns
-      # for dgrad (along N); a tile's scale is repeated on each of its rows.
-      bs = self.recipe.block_size
-      q_t, s_t = tiles                                               # (B, Np, Kp)
-      q_wc = _crop(jnp.swapaxes(q_t, 1, 2), 1, k)                   # (B, K, Np)
-      s_wc = _crop(jnp.repeat(jnp.swapaxes(s_t[:, ::bs, :], 1, 2), bs, axis=1), 1, k)
-    else:
-      q_wc, s_wc = self._quant(jnp.swapaxes(w3, 1, 2), k_cfg, g_w)   # along N, for dgrad
-    # lhs along M, for wgrad (rotated first: its factor is the rotated copy's own).
-    xc = self._rotate(jnp.swapaxes(x3, 1, 2))                        # (B, K, M)
-    g_xc = self._current_scale(in_cfg, xc) if self.recipe.wgrad_hadamard else g_x
-    q_xc, s_xc = self._quant(xc, in_cfg, g_xc)
+    (q_x, s_x), (q_xc, s_xc), a_x, g_x, g_xc = self._input_codes(lhs, (lb, lf, lc), in_cfg,
+                                                                 states[0])
+    (q_w, s_w), (q_wc, s_wc), a_w, g_w = self._kernel_codes(rhs, (rb, rf, rc), k_cfg, states[1])
+    m, n = math.prod(lhs.shape[a] for a in lf), math.prod(rhs.shape[a] for a in rf)
     y = self._multiply(q_x, s_x, q_w, s_w, g_x * g_w, lhs.shape, rhs.shape)
     res_l = _unview(_crop(q_xc, 2, m), lhs.shape, lb, lc, lf)
     res_r = _unview(_crop(q_wc, 2, n), rhs.shape, rb, rc, rf)
     extras = (owg.name_fp8_residual(s_xc), owg.name_fp8_residual(s_wc), g_xc, g_w)
     return y, (res_l, res_r), (a_x, a_w), extras
+
+  def _input_codes(self, lhs, groups, cfg, state):
+    """``lhs``'s codes along K (B, M, Kp) and along M (B, K, Mp), its amax and factors.
+
+    Returns ``((q_x, s_x), (q_xc, s_xc), a_x, g_x, g_xc)``; ``g_xc`` is the
+    wgrad copy's NVFP4 factor (its own when that copy is rotated).
+    """
+    one = self._one_read(lhs, groups, cfg)                         # (B, M, K)
+    if one is not None:
+      along_k, along_m, a = block_kernels.mx_codes_both(one, cfg.jnp_dtype, self.recipe.block_size)
+      a = lowering.global_max(a)
+      g = self._tensor_scale(cfg, state, a)
+      return along_k, along_m, a, g, g
+    x3 = _view(lhs, *groups)
+    a = lowering.global_max(numerics.amax(lhs))
+    g = self._tensor_scale(cfg, state, a)
+    along_k = self._quant(x3, cfg, g)
+    # Along M, for wgrad (rotated first: its factor is the rotated copy's own).
+    xc = self._rotate(jnp.swapaxes(x3, 1, 2))                        # (B, K, M)
+    g_xc = self._current_scale(cfg, xc) if self.recipe.wgrad_hadamard else g
+    return along_k, self._quant(xc, cfg, g_xc), a, g, g_xc
+
+  def _kernel_codes(self, rhs, groups, cfg, state):
+    """``rhs``'s codes along K (B, N, Kp) and along N (B, K, Np), its amax and factor."""
+    rb, rf, rc = groups
+    one = None if self.recipe.kernel_2d_blocks else self._one_read(rhs, (rb, rc, rf), cfg)
+    if one is not None:                                              # (B, K, N)
+      along_n, along_k, a = block_kernels.mx_codes_both(one, cfg.jnp_dtype, self.recipe.block_size)
+      a = lowering.global_max(a)
+      return along_k, along_n, a, self._tensor_scale(cfg, state, a)
+    w3 = _view(rhs, rb, rf, rc)                                      # (B, N, K)
+    k = w3.shape[2]
+    a = lowering.global_max(numerics.amax(rhs))
+    g = self._tensor_scale(cfg, state, a)
+    q_w, s_w, tiles = _forward_kernel(self.recipe, w3, cfg, g)       # along K
+    if tiles is None:
+      return (q_w, s_w), self._quant(jnp.swapaxes(w3, 1, 2), cfg, g), a, g   # along N
+    # One set of tile codes: rows of it for the forward (along K), columns
+    # for dgrad (along N); a tile's scale is repeated on each of its rows.
+    bs = self.recipe.block_size
+    q_t, s_t = tiles                                                 # (B, Np, Kp)
+    q_wc = _crop(jnp.swapaxes(q_t, 1, 2), 1, k)                     # (B, K, Np)
+    s_wc = _crop(jnp.repeat(jnp.swapaxes(s_t[:, ::bs, :], 1, 2), bs, axis=1), 1, k)
+    return (q_w, s_w), (q_wc, s_wc), a, g
 
   def _multiply(self, q_x, s_x, q_w, s_w, factor, lhs_shape, rhs_shape):
     """The forward GEMM of the codes (B, M, Kp) and (B, N, Kp), in the output's layout.
@@ -335,16 +378,24 @@ class BlockDot(DotSpec):
     b = xc.shape[0]
     m, n = math.prod(q_l.shape[a] for a in lf), math.prod(q_r.shape[a] for a in rf)
     g3 = g.reshape(b, m, n)
-    a_g = lowering.global_max(numerics.amax(g, columns_first=True))
-    g_g = self._tensor_scale(g_cfg, states[2], a_g)
-    # Stochastic rounding draws its bits from the gradient role's state (this
-    # layer's amax history: it changes every step and is the same on every
-    # device of a mesh, unlike the gradient's own last bits).
-    seed = randomness.bits_seed(states[2].scale, states[2].amax_history)
-    q_g1, s_g1 = self._quant(g3, g_cfg, g_g, seed=seed, salt=1)     # along N, for dgrad
-    gt = self._rotate(jnp.swapaxes(g3, 1, 2))                        # (B, N, M)
-    g_gt = self._current_scale(g_cfg, gt) if self.recipe.wgrad_hadamard else g_g
-    q_g2, s_g2 = self._quant(gt, g_cfg, g_gt, seed=seed, salt=2)    # along M, for wgrad
+    one_g = self._one_read(g3, ((0,), (1,), (2,)), g_cfg)
+    if one_g is not None:
+      # Along N for dgrad and along M for wgrad, from one read of g.
+      (q_g1, s_g1), (q_g2, s_g2), a_g = block_kernels.mx_codes_both(
+          one_g, g_cfg.jnp_dtype, bs)
+      a_g = lowering.global_max(a_g)
+      g_g = g_gt = self._tensor_scale(g_cfg, states[2], a_g)
+    else:
+      a_g = lowering.global_max(numerics.amax(g, columns_first=True))
+      g_g = self._tensor_scale(g_cfg, states[2], a_g)
+      # Stochastic rounding draws its bits from the gradient role's state (this
+      # layer's amax history: it changes every step and is the same on every
+      # device of a mesh, unlike the gradient's own last bits).
+      seed = randomness.bits_seed(states[2].scale, states[2].amax_history)
+      q_g1, s_g1 = self._quant(g3, g_cfg, g_g, seed=seed, salt=1)   # along N, for dgrad
+      gt = self._rotate(jnp.swapaxes(g3, 1, 2))                      # (B, N, M)
+      g_gt = self._current_scale(g_cfg, gt) if self.recipe.wgrad_hadamard else g_g
+      q_g2, s_g2 = self._quant(gt, g_cfg, g_gt, seed=seed, salt=2)  # along M, for wgrad
     if self.gemm == "block":
       d_l = self._block_gemm(q_g1, s_g1, wc, s_wc, g_g * g_w, self.lhs_dtype)   # (B, M, K)
       # (B, K, N): the kernel's own layout, so no transposed copy of its gradient.

@@ -38,6 +38,8 @@ from fp8_linen.core.numerics import E4M3_MAX, SCALE_FLOOR, fp8_max, pow2, satura
 
 __all__ = [
     "E2M1_MAX",
+    "block_amax",
+    "mx_scale",
     "mx_quantize",
     "mx_dequantize",
     "lax_slice_axis",
@@ -54,6 +56,31 @@ _E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
 
 def _is_e2m1(dtype) -> bool:
   return np.dtype(dtype) == _E2M1
+
+
+def block_amax(xb: jnp.ndarray, axis) -> jnp.ndarray:
+  """``max(|xb|)`` over ``axis`` (kept), in float32: each block's amax.
+
+  A block whose amax is not finite gets NaN codes
+  (:func:`~fp8_linen.core.numerics.saturate_measured`). Whether a NaN
+  element makes its block's amax NaN is the backend's reduction's choice
+  (XLA:CPU's may skip it; the element's own code is NaN either way).
+  """
+  return jnp.max(jnp.abs(jnp.asarray(xb, jnp.float32)), axis=axis, keepdims=True)
+
+
+def mx_scale(a: jnp.ndarray, m: float) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """``(scale, e)``: MX's power-of-two block scale for block amaxes ``a`` and its exponent.
+
+  ``scale = 2**e`` with ``e = ceil(log2(a / m))`` clamped to [-126, 127]
+  (float32, exact), so no element exceeds ``m`` after division; a zero or
+  non-finite amax gets ``e = 0``. ``e`` is int32: ``e + 127`` is the scale's
+  ``float8_e8m0fnu`` bit pattern.
+  """
+  e = jnp.ceil(jnp.log2(jnp.maximum(a, SCALE_FLOOR) / m))
+  e = jnp.where(jnp.isfinite(a) & (a > 0), e, 0.0)
+  e = jnp.clip(e, -126.0, 127.0).astype(jnp.int32)
+  return pow2(e), e
 
 
 def _block_split(x: jnp.ndarray, axis: int, block_size: int):
@@ -97,10 +124,8 @@ def mx_quantize(x: jnp.ndarray, axis: int, block_size: int, dtype):
   # Blocks must not straddle shards: gather a blocked axis an explicit mesh shards.
   x = lowering.unshard_axis(jnp.asarray(x), axis)
   xb, n = _block_split(x.astype(jnp.float32), axis, block_size)
-  a = jnp.max(jnp.abs(xb), axis=axis + 1, keepdims=True)
-  e = jnp.ceil(jnp.log2(jnp.maximum(a, SCALE_FLOOR) / fp8_max(dtype)))
-  e = jnp.where(jnp.isfinite(a) & (a > 0), e, 0.0)
-  scale = pow2(e)
+  a = block_amax(xb, axis + 1)
+  scale, _ = mx_scale(a, fp8_max(dtype))
   q = saturate_measured(xb, scale, fp8_max(dtype), a).astype(dtype)
   q = q.reshape(q.shape[:axis] + (q.shape[axis] * q.shape[axis + 1],) + q.shape[axis + 2:])
   q = lax_slice_axis(q, axis, n)
@@ -188,14 +213,13 @@ def block_quantize(x: jnp.ndarray, block_size: int, dtype, *, tensor_scale=None,
   x = jnp.asarray(x).astype(jnp.float32)
   rows = block_size if tile else 1
   xb = _blocks(x, block_size, rows)
-  a = jnp.max(jnp.abs(xb), axis=(-3, -1), keepdims=True)
+  a = block_amax(xb, (-3, -1))
   if not _is_e2m1(dtype):
     if tensor_scale is not None or noise is not None or four_over_six:
       raise ValueError("block_quantize: tensor_scale, noise and four_over_six are for e2m1 "
                        "elements (NVFP4)")
     m = fp8_max(dtype)
-    e = jnp.ceil(jnp.log2(jnp.maximum(a, SCALE_FLOOR) / m))
-    scale = pow2(jnp.where(jnp.isfinite(a) & (a > 0), e, 0.0))
+    scale, _ = mx_scale(a, m)
     q = saturate_measured(xb, scale, m, a).astype(dtype)
     stored = scale.astype(jnp.float8_e8m0fnu)
   else:

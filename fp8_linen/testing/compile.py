@@ -253,7 +253,11 @@ def compile_for(target: str | Target, fn: Callable, *args,
   default = GPU_COMPILER_OPTIONS if t.platform == "gpu" else {}
   options = dict(default if compiler_options is None else compiler_options)
   t0 = time.perf_counter()
-  with _traced_for(t) if trace_as_target else contextlib.nullcontext():
+  # A one-device target traces on its mesh, so code that asks how many
+  # devices it runs on (the Pallas kernels) sees the target's one, not this
+  # machine's CPU devices.
+  with (_traced_for(t) if trace_as_target else contextlib.nullcontext()), \
+       (jax.set_mesh(mesh) if mesh.size == 1 else contextlib.nullcontext()):
     lowered = jax.jit(fn).lower(*abstract_on(args, mesh))
   with _kept_out_of_persistent_cache():
     compiled = lowered.compile(compiler_options=options or None)

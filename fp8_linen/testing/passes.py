@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 from typing import Any
 
 from fp8_linen.testing import hlo, hlo_kernels
@@ -35,6 +36,9 @@ __all__ = ["Pass", "purpose", "passes", "StepPasses", "step_passes", "dense_mini
 _LOW = {"f8e4m3fn": "fp8 e4m3", "f8e5m2": "fp8 e5m2", "f8e4m3fnuz": "fp8 e4m3",
         "f8e5m2fnuz": "fp8 e5m2", "f4e2m1fn": "fp4 e2m1", "s8": "int8", "s4": "int4",
         "u8": "uint8", "f8e8m0fnu": "e8m0 block scales"}
+# Pallas kernels reach XLA as custom calls: Triton's (GPU) and Mosaic's (TPU).
+_PALLAS_TARGETS = ('"__gpu$xla.gpu.triton"', '"tpu_custom_call"', '"mosaic_gpu')
+_KERNEL_NAME = re.compile(r'\bname = "([^"]+)"')
 _SMALL = 1 << 16  # bytes: a kernel whose results are all this small updates scales and state
 
 
@@ -76,11 +80,16 @@ def purpose(module: hlo.Module, kernel: hlo_kernels.Kernel) -> str:
   the library takes an amax as ``max(x)`` and ``max(-x)``), ``sum`` (an
   add-reduction: a bias gradient, the loss), ``finite check``,
   ``transpose``, ``random bits``; else ``cast to f32``; ``scales and state``
-  for a kernel whose results are all small; else ``elementwise``.
+  for a kernel whose results are all small; else ``elementwise``. A Pallas
+  kernel is ``Pallas kernel <its name>``.
   """
   inst = _instruction(module, kernel.name)
   if inst is None:
     return "other"
+  if inst.opcode == "custom-call" and any(f"custom_call_target={t}" in inst.attrs
+                                          for t in _PALLAS_TARGETS):
+    name = _KERNEL_NAME.search(inst.attrs)
+    return f"Pallas kernel {name.group(1)}" if name else "Pallas kernel"
   comps = hlo.reachable(module, [inst.calls]) if inst.calls else set()
   insts = [inst] + [i for c in comps for i in module.computations.get(c, ())]
   ops = collections.Counter(i.opcode for i in insts)

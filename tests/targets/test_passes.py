@@ -28,15 +28,17 @@ RECORD = {
     ("h100", "fp8_current"): 1.44,
     ("h100", "fp8_rowwise"): 1.82,
     ("b200", "fp8_delayed"): 1.18,
-    ("b200", "mxfp8"): 2.27,
+    ("b200", "mxfp8"): 1.41,        # one Pallas kernel per operand
+    ("b200", "mxfp8_jnp"): 2.27,    # the same step with the kernels off
     ("b200", "nvfp4"): 4.29,
     ("tpu-v5e", "int8_ste"): 1.17,
 }
 RECIPES = {"fp8_delayed": fl.delayed_scaling(), "fp8_current": fl.current_scaling(),
            "fp8_rowwise": fl.rowwise_scaling(), "mxfp8": fl.mx_block_scaling(),
-           "nvfp4": fl.nvfp4(), "int8_ste": fl.IntRecipe()}
+           "mxfp8_jnp": fl.mx_block_scaling(), "nvfp4": fl.nvfp4(), "int8_ste": fl.IntRecipe()}
 CODES = {"fp8_delayed": "cast to fp8 e4m3", "fp8_current": "cast to fp8 e4m3",
-         "fp8_rowwise": "cast to fp8 e4m3", "mxfp8": "cast to fp8 e4m3",
+         "fp8_rowwise": "cast to fp8 e4m3", "mxfp8": "Pallas kernel mx_codes_both",
+         "mxfp8_jnp": "cast to fp8 e4m3",
          "nvfp4": "cast to fp4 e2m1", "int8_ste": "cast to int8"}
 
 
@@ -44,7 +46,8 @@ CODES = {"fp8_delayed": "cast to fp8 e4m3", "fp8_current": "cast to fp8 e4m3",
 def _step(target: str, arm: str) -> passes.StepPasses:
   model = (nn.Dense(N, dtype=jnp.bfloat16) if arm == "bf16"
            else fl.QDense(N, dtype=jnp.bfloat16, recipe=RECIPES[arm]))
-  return passes.step_passes(model, (M, K), target=target)
+  with fl.pallas_kernels("off" if arm.endswith("_jnp") else "auto"):
+    return passes.step_passes(model, (M, K), target=target)
 
 
 @pytest.mark.parametrize("target,arm", list(RECORD))
@@ -60,6 +63,9 @@ def test_non_gemm_bytes_match_the_record(target, arm, require_target):
                                  f"{want:.2f}x: lower RECORD[{(target, arm)!r}] to keep the gain")
   # What the passes are for: the arm's codes are written, bf16's step writes none.
   assert any(CODES[arm] in p.purpose for p in step.passes), [p.purpose for p in step.passes]
+  # Pallas kernels run where they are meant to and only there.
+  kernels = sum("Pallas kernel" in p.purpose for p in step.passes)
+  assert kernels == (3 if arm == "mxfp8" else 0), [p.purpose for p in step.passes]
   assert not any("cast to fp" in p.purpose or "cast to int" in p.purpose for p in bf16.passes)
   # No pass moves less than the minimum: each operand read once, each layout written once.
   assert step.total >= passes.dense_minimum_bytes(M, K, N, low_precision=True) * 0.5

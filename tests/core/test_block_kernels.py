@@ -1,0 +1,197 @@
+"""The Pallas kernel of MX codes (interpret mode on CPU): bit-exact with the jnp reference.
+
+The kernel reads an operand once and writes its codes blocked along each
+axis; ``block_numerics.block_quantize`` of the operand and of its transpose
+is the reference. The layer tests run a whole MXFP8 training step with the
+kernels in Pallas' interpreter and without them: every output, gradient and
+new state must be the same bits. Where the kernel compiles (B200) is checked
+in tests/targets/test_passes.py.
+"""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8_linen as fl
+from fp8_linen.core import block_kernels, block_numerics
+
+
+def _bits(a):
+  return np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))
+
+
+def _assert_same_codes(got, want):
+  """Equal bits, except that a NaN may be any of its format's NaN patterns (e5m2 has several)."""
+  g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+  np.testing.assert_array_equal(np.where(np.isnan(g), 0, _bits(got)),
+                                np.where(np.isnan(w), 0, _bits(want)))
+
+
+def _wide(key, shape):
+  """Values spanning 2**-40 .. 2**40, so block scales differ from block to block."""
+  k1, k2 = jax.random.split(key)
+  mag = jnp.exp2(jax.random.randint(k2, shape, -40, 40).astype(jnp.float32))
+  return jax.random.normal(k1, shape, jnp.float32) * mag
+
+
+@pytest.mark.parametrize("shape,dtype,block", [
+    ((1, 32, 64), jnp.float8_e4m3fn, 32),       # one 32 x 64 tile
+    ((2, 256, 96), jnp.float8_e4m3fn, 32),      # 128 x 32 tiles, a batch
+    ((1, 192, 320), jnp.float8_e5m2, 32),       # 64 x 64 tiles, e5m2 (a gradient)
+    ((3, 64, 128), jnp.float8_e4m3fn, 16),      # blocks of 16
+])
+def test_codes_and_scales_are_block_quantize_bits(shape, dtype, block):
+  x = _wide(jax.random.key(0), shape)
+  x = x.at[0, :block, -block:].set(0.0)
+  x = x.at[0, 1, 2].set(jnp.nan).at[-1, -1, -block - 1].set(-jnp.inf)
+  with fl.pallas_kernels("interpret"):
+    (q, s), (qt, st), a = block_kernels.mx_codes_both(x, dtype, block)
+  # The kernel reads a NaN as Inf (every block holding it becomes NaN codes on
+  # every backend); the reference leaves that to the backend's max-reduction.
+  ref = jnp.where(jnp.isnan(x), jnp.inf, x)
+  rq, rs = block_numerics.block_quantize(ref, block, dtype)
+  rqt, rst = block_numerics.block_quantize(jnp.swapaxes(ref, 1, 2), block, dtype)
+  chex.assert_shape([q, qt, s, st], [shape, (shape[0], shape[2], shape[1]),
+                                     shape[:2] + (shape[2] // block,),
+                                     (shape[0], shape[2], shape[1] // block)])
+  assert q.dtype == qt.dtype == dtype and s.dtype == st.dtype == jnp.float8_e8m0fnu
+  for got, want in [(q, rq), (s, rs), (qt, rqt), (st, rst)]:
+    _assert_same_codes(got, want)
+  assert float(a) == np.inf  # NaN and Inf: the tensor is non-finite
+  # A block holding NaN is all NaN codes, each way; its neighbours are not.
+  assert np.isnan(np.asarray(q[0, 1, :block], np.float32)).all()
+  assert np.isnan(np.asarray(qt[0, 2, :block], np.float32)).all()
+  assert not np.isnan(np.asarray(q[0, 2, :block], np.float32)).any()
+  # Elsewhere the reference on x itself agrees: only NaN's blocks differ.
+  own, _ = block_numerics.block_quantize(x, block, dtype)
+  _assert_same_codes(q[:, 2:], own[:, 2:])
+  # The zero block: zero codes, scale 1 (bits 127).
+  assert (_bits(q[0, :block, -block:]) == 0).all() and (_bits(s[0, :block, -1]) == 127).all()
+
+
+def test_amax_is_the_tensors_on_finite_input():
+  x = jax.random.normal(jax.random.key(1), (2, 128, 64), jnp.bfloat16) * 3
+  with fl.pallas_kernels("interpret"):
+    *_, a = block_kernels.mx_codes_both(x, jnp.float8_e4m3fn, 32)
+  assert a.dtype == jnp.float32
+  assert float(a) == float(np.abs(np.asarray(x, np.float32)).max())
+
+
+def test_tiles_and_errors():
+  assert block_kernels.tile_sizes(256, 96, 32) == (128, 32)
+  assert block_kernels.tile_sizes(64, 48, 16) is None     # 48: no power-of-two tile
+  assert block_kernels.tile_sizes(64, 64, 24) is None     # a block that is no power of two
+  with pytest.raises(ValueError, match=r"\(64, 48\) tensor is not whole tiles"):
+    block_kernels.mx_codes_both(jnp.ones((1, 64, 48)), jnp.float8_e4m3fn, 16)
+  with pytest.raises(ValueError, match="mode='on' must be one of"):
+    with fl.pallas_kernels("on"):
+      pass
+
+
+def test_where_the_kernel_runs():
+  t = jnp.ones((1, 64, 64))
+  assert block_kernels.kernel_mode(t, 32, gemm="block") is None           # CPU: jnp
+  one = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1])
+  with fl.target_backend("gpu", block_scaled=True):
+    with jax.set_mesh(one):
+      assert block_kernels.kernel_mode(t, 32, gemm="block") == "compiled"   # Blackwell
+      assert block_kernels.kernel_mode(t, 32, gemm="bf16") is None          # emulated GEMMs
+      with fl.pallas_kernels("off"):
+        assert block_kernels.kernel_mode(t, 32, gemm="block") is None
+    if len(jax.devices()) > 1:
+      # jit over several devices: XLA would gather the operand for the kernel.
+      with jax.set_mesh(jax.make_mesh((len(jax.devices()),), ("d",))):
+        assert block_kernels.kernel_mode(t, 32, gemm="block") is None
+  with fl.pallas_kernels("interpret"):
+    assert block_kernels.kernel_mode(t, 32, gemm="bf16") == "interpret"
+    assert block_kernels.kernel_mode(jnp.ones((1, 64, 48)), 16, gemm="bf16") is None
+
+
+def _step(model, x):
+  v = model.init(jax.random.key(1), x)
+
+  def loss(v, x):
+    y = model.apply(v, x).astype(jnp.float32)
+    return jnp.sum(y * jnp.sin(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape)))
+
+  return v, jax.value_and_grad(loss, argnums=(0, 1))
+
+
+def _pallas_calls(fn, *args):
+  return str(jax.make_jaxpr(fn)(*args)).count("pallas_call")
+
+
+class KernelInLayerTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_mxfp8_step_is_the_same_bits_with_and_without_the_kernel(self):
+    model = fl.QDense(128, dtype=jnp.bfloat16, recipe=fl.mx_block_scaling())
+    x = jax.random.normal(jax.random.key(0), (4, 64, 256), jnp.bfloat16)
+    v, fn = _step(model, x)
+    step = self.variant(fn)
+    with fl.pallas_kernels("off"):
+      want = step(v, x)
+      assert _pallas_calls(fn, v, x) == 0
+    with fl.pallas_kernels("interpret"):
+      got = step(v, x)
+      # The input, the kernel and the output gradient: one kernel call each.
+      assert _pallas_calls(fn, v, x) == 3
+    chex.assert_trees_all_equal(got, want)
+    # The new state is real: the input's amax history took this batch's amax.
+    hist = got[1][0][fl.OWG]["input_amax_history"]
+    assert float(hist[0]) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+
+  def test_layouts_the_kernel_cannot_write_keep_the_jnp_path(self):
+    """A contraction over a leading axis needs a transpose first; NVFP4 rotates and rounds."""
+    x = jax.random.normal(jax.random.key(2), (64, 4, 96), jnp.bfloat16)
+    for model, calls in [
+        (fl.QDenseGeneral(64, axis=0, dtype=jnp.bfloat16, recipe=fl.mx_block_scaling()), 2),
+        (fl.QDense(64, dtype=jnp.bfloat16, recipe=fl.nvfp4()), 0)]:
+      v, fn = _step(model, x)
+      with fl.pallas_kernels("off"):
+        want = jax.jit(fn)(v, x)
+      with fl.pallas_kernels("interpret"):
+        got = jax.jit(fn)(v, x)
+        # QDenseGeneral(axis=0): the kernel (K, N) and the gradient still qualify.
+        assert _pallas_calls(fn, v, x) == calls
+      chex.assert_trees_all_equal(got, want)
+
+
+def test_inside_shard_map_the_b200_step_runs_the_kernel(require_target):
+  """Expert or data parallel code quantizes each device's own rows with the kernel.
+
+  Compiled for a B200 (compile only). Pallas' interpreter rejects shard_map's
+  varying values, so on a CPU only the weight (replicated) takes the kernel
+  there, with the same result as the jnp path.
+  """
+  require_target("b200")
+  from fp8_linen.testing import targets  # pylint: disable=import-outside-toplevel
+  from fp8_linen.testing.compile import compile_for  # pylint: disable=import-outside-toplevel
+  model = fl.QDense(256, dtype=jnp.bfloat16, recipe=fl.mx_block_scaling())
+  x = jax.random.normal(jax.random.key(3), (256, 128), jnp.bfloat16)
+  v, fn = _step(model, x)
+  spec = jax.sharding.PartitionSpec
+
+  def sharded(mesh):
+    def body(v, x):  # the loss too, or XLA drops the forward GEMM
+      loss, grads = fn(v, x)
+      return jax.lax.psum(loss, "d"), grads
+
+    return lambda v, x: jax.shard_map(body, mesh=mesh, in_specs=(spec(), spec("d")),
+                                      out_specs=(spec(), (spec(), spec("d"))))(v, x)
+
+  report = compile_for("b200", sharded(targets.target_mesh("b200")), v, x)
+  assert sum("pallas" in k.name for k in report.kernel_list) == 3, report.kernel_list
+  assert report.classes == {"fp8": 3}, report.classes  # cuDNN block-scaled dots
+  cpu = jax.make_mesh((2,), ("d",), devices=jax.devices()[:2],
+                      axis_types=(jax.sharding.AxisType.Auto,))
+  with fl.pallas_kernels("off"):
+    want = jax.jit(sharded(cpu))(v, x)
+  with fl.pallas_kernels("interpret"):
+    got = jax.jit(sharded(cpu))(v, x)
+    assert _pallas_calls(sharded(cpu), v, x) == 1  # the weight: the same on every device
+  chex.assert_trees_all_equal(got, want)
