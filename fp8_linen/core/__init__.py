@@ -9,8 +9,8 @@ Its modules, each importing only modules listed above it:
 * ``lowering``: which GEMM form a backend gets, output shardings, the GEMM calls;
 * ``numerics``: fp8 per tensor and per row: saturating casts, amax histories, scales;
 * ``block_numerics``: the block formats (MXFP8, NVFP4): codes with their block scales;
-* ``block_kernels``: Pallas kernels: an operand's MX codes in both layouts from one read;
 * ``randomness``: NVFP4's stochastic-rounding noise and random Hadamard rotation;
+* ``block_kernels``: Pallas kernels: an operand's block codes in both layouts from one read;
 * ``int_numerics``: integer grids (affine, symmetric, power-of-two scales), LSQ's steps;
 * ``owg``: the state protocol: new state leaves a step as its "gradient" (``RoleState``);
 * ``qdq``: the fp8 quantize/dequantize pair (``fl.quantize``, ``Fp8Activation``);

@@ -185,9 +185,12 @@ class BlockDot(DotSpec):
 
   def _current_scale(self, cfg, t):
     """The per-tensor factor of a rotated copy: always its own amax (no history of it)."""
+    return self._factor_of(cfg, lowering.global_max(numerics.amax(t)))
+
+  def _factor_of(self, cfg, a):
+    """NVFP4's per-tensor factor for amax ``a`` alone (current scaling); MX: 1."""
     if not self.recipe.is_nvfp4:
       return jnp.ones((), jnp.float32)
-    a = lowering.global_max(numerics.amax(t))
     return numerics.nvfp4_tensor_scale(numerics.scale_from_amax(a, jnp.ones((), jnp.float32),
                                                                 cfg))
 
@@ -209,20 +212,50 @@ class BlockDot(DotSpec):
     h = self.recipe.wgrad_hadamard
     return randomness.random_hadamard(t, h) if h else t
 
-  def _one_read(self, x, groups, cfg):
+  def _one_read(self, x, groups):
     """``x`` as (B, P, Q) when :mod:`~fp8_linen.core.block_kernels` may quantize it, else None.
 
-    The kernel writes both layouts of MX codes from ``x``'s own layout, so
-    ``groups`` (the axes that become B, P, Q) must need no transpose; the
-    second copy must be neither rotated nor rounded stochastically.
+    The kernels write both copies of a tensor from its own layout, so
+    ``groups`` (the axes that become B, P, Q) must need no transpose. MX: the
+    second copy is neither rotated nor rounded stochastically. NVFP4: blocks
+    of 16, a rotation that fits a tile, no 4/6 choice.
     """
     r = self.recipe
-    if r.is_nvfp4 or r.wgrad_hadamard or r.grad_stochastic_rounding:
+    if r.is_nvfp4:
+      h = r.wgrad_hadamard
+      if r.four_over_six or r.block_size != 16 or (h and (h & (h - 1) or h > 32)):
+        return None
+    elif r.wgrad_hadamard or r.grad_stochastic_rounding:
       return None
     if tuple(a for g in groups for a in g) != tuple(range(x.ndim)):
       return None
     t = _view(x, *groups)
     return t if block_kernels.kernel_mode(t, r.block_size, gemm=self.gemm) else None
+
+  def _both(self, t, cfg, state, *, rotate: bool, seed=None):
+    """Both copies of ``t`` (B, P, Q) from the kernels: along Q, and along P transposed.
+
+    Returns ``((q, s), (q_t, s_t), a, g, g_t)``: the codes, ``t``'s amax and
+    the copies' NVFP4 factors (``g_t`` the rotated copy's own). ``rotate``:
+    the copy along P is a wgrad operand (NVFP4 rotates it); ``seed``: the
+    gradient's stochastic rounding.
+    """
+    r = self.recipe
+    if not r.is_nvfp4:
+      along_q, along_p, a = block_kernels.mx_codes_both(t, cfg.jnp_dtype, r.block_size)
+      a = lowering.global_max(a)
+      g = self._tensor_scale(cfg, state, a)
+      return along_q, along_p, a, g, g
+    h = r.wgrad_hadamard if rotate else 0
+    a, a_t = block_kernels.nvfp4_amaxes(t, h)
+    a = lowering.global_max(a)
+    g = self._tensor_scale(cfg, state, a)
+    g_t = self._factor_of(cfg, lowering.global_max(a_t)) if h else g
+    keys = None
+    if seed is not None and r.grad_stochastic_rounding:
+      keys = (randomness.noise_key(seed, 1), randomness.noise_key(seed, 2))
+    along_q, along_p = block_kernels.nvfp4_codes_both(t, g, g_t, hadamard=h, keys=keys)
+    return along_q, along_p, a, g, g_t
 
   def _block_gemm(self, a, sa, b, sb, scale, out_dtype):
     """(B, P, Q) x (B, R, Q) -> (B, P, R): the block-scaled GEMM, then NVFP4's tensor factors."""
@@ -266,12 +299,9 @@ class BlockDot(DotSpec):
     Returns ``((q_x, s_x), (q_xc, s_xc), a_x, g_x, g_xc)``; ``g_xc`` is the
     wgrad copy's NVFP4 factor (its own when that copy is rotated).
     """
-    one = self._one_read(lhs, groups, cfg)                         # (B, M, K)
+    one = self._one_read(lhs, groups)                              # (B, M, K)
     if one is not None:
-      along_k, along_m, a = block_kernels.mx_codes_both(one, cfg.jnp_dtype, self.recipe.block_size)
-      a = lowering.global_max(a)
-      g = self._tensor_scale(cfg, state, a)
-      return along_k, along_m, a, g, g
+      return self._both(one, cfg, state, rotate=True)
     x3 = _view(lhs, *groups)
     a = lowering.global_max(numerics.amax(lhs))
     g = self._tensor_scale(cfg, state, a)
@@ -284,11 +314,10 @@ class BlockDot(DotSpec):
   def _kernel_codes(self, rhs, groups, cfg, state):
     """``rhs``'s codes along K (B, N, Kp) and along N (B, K, Np), its amax and factor."""
     rb, rf, rc = groups
-    one = None if self.recipe.kernel_2d_blocks else self._one_read(rhs, (rb, rc, rf), cfg)
+    one = None if self.recipe.kernel_2d_blocks else self._one_read(rhs, (rb, rc, rf))
     if one is not None:                                              # (B, K, N)
-      along_n, along_k, a = block_kernels.mx_codes_both(one, cfg.jnp_dtype, self.recipe.block_size)
-      a = lowering.global_max(a)
-      return along_k, along_n, a, self._tensor_scale(cfg, state, a)
+      along_n, along_k, a, g, _ = self._both(one, cfg, state, rotate=False)
+      return along_k, along_n, a, g
     w3 = _view(rhs, rb, rf, rc)                                      # (B, N, K)
     k = w3.shape[2]
     a = lowering.global_max(numerics.amax(rhs))
@@ -378,20 +407,18 @@ class BlockDot(DotSpec):
     b = xc.shape[0]
     m, n = math.prod(q_l.shape[a] for a in lf), math.prod(q_r.shape[a] for a in rf)
     g3 = g.reshape(b, m, n)
-    one_g = self._one_read(g3, ((0,), (1,), (2,)), g_cfg)
+    one_g = self._one_read(g3, ((0,), (1,), (2,)))
+    # Stochastic rounding draws its bits from the gradient role's state (this
+    # layer's amax history: it changes every step and is the same on every
+    # device of a mesh, unlike the gradient's own last bits).
+    seed = randomness.bits_seed(states[2].scale, states[2].amax_history)
     if one_g is not None:
       # Along N for dgrad and along M for wgrad, from one read of g.
-      (q_g1, s_g1), (q_g2, s_g2), a_g = block_kernels.mx_codes_both(
-          one_g, g_cfg.jnp_dtype, bs)
-      a_g = lowering.global_max(a_g)
-      g_g = g_gt = self._tensor_scale(g_cfg, states[2], a_g)
+      (q_g1, s_g1), (q_g2, s_g2), a_g, g_g, g_gt = self._both(one_g, g_cfg, states[2],
+                                                              rotate=True, seed=seed)
     else:
       a_g = lowering.global_max(numerics.amax(g, columns_first=True))
       g_g = self._tensor_scale(g_cfg, states[2], a_g)
-      # Stochastic rounding draws its bits from the gradient role's state (this
-      # layer's amax history: it changes every step and is the same on every
-      # device of a mesh, unlike the gradient's own last bits).
-      seed = randomness.bits_seed(states[2].scale, states[2].amax_history)
       q_g1, s_g1 = self._quant(g3, g_cfg, g_g, seed=seed, salt=1)   # along N, for dgrad
       gt = self._rotate(jnp.swapaxes(g3, 1, 2))                      # (B, N, M)
       g_gt = self._current_scale(g_cfg, gt) if self.recipe.wgrad_hadamard else g_g

@@ -54,10 +54,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from fp8_linen.core import block_numerics, lowering, settings
+import numpy as np
+
+from fp8_linen.core import block_numerics, lowering, randomness, settings
 from fp8_linen.core.numerics import fp8_max, saturate_measured
 
-__all__ = ["MODES", "pallas_kernels", "kernel_mode", "tile_sizes", "mx_codes_both"]
+__all__ = ["MODES", "pallas_kernels", "kernel_mode", "tile_sizes", "mx_codes_both",
+           "e2m1_codes", "nvfp4_amaxes", "nvfp4_codes_both"]
 
 MODES = ("auto", "off", "interpret")
 """The values of :func:`pallas_kernels`."""
@@ -207,3 +210,217 @@ def mx_codes_both(t: jnp.ndarray, dtype, block_size: int):
   codes, codes_t, bits, bits_t, partial = out
   e8m0 = lambda u: lax.bitcast_convert_type(u, jnp.float8_e8m0fnu)
   return (codes, e8m0(bits)), (codes_t, e8m0(bits_t)), jnp.max(partial)
+
+
+# --- NVFP4 -------------------------------------------------------------------
+#
+# Triton has no 4-bit float type, so the kernels write e2m1 codes as bytes
+# holding two codes each (the first in the low nibble, as XLA packs
+# ``float4_e2m1fn``) and the caller bitcasts them. A copy's per-tensor factor
+# needs its amax first, and the wgrad copy is rotated before it is measured:
+# :func:`nvfp4_amaxes` reads the tensor once for both amaxes,
+# :func:`nvfp4_codes_both` once more for both copies' codes.
+
+_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def e2m1_codes(y: jnp.ndarray) -> jnp.ndarray:
+  """The 4-bit e2m1 code (uint8, 0..15) of each float32 ``y``, rounded to nearest even.
+
+  ``y`` within [-6, 6] (larger magnitudes saturate to 6). Integer arithmetic
+  only, so it runs where ``float4_e2m1fn`` does not exist (Triton); equal to
+  the bits of ``y.astype(jnp.float4_e2m1fn)`` (tested).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import block_kernels
+    >>> block_kernels.e2m1_codes(jnp.array([0.25, 0.75, 2.5, -5.0, -0.0])).tolist()
+    [0, 2, 4, 14, 8]
+  """
+  y = jnp.asarray(y, jnp.float32)
+  mag = jnp.abs(y)
+  # e2m1's spacing is 0.5 below 2, 1 up to 4, 2 up to 6. Round half to even by
+  # hand (Triton has no round): v / step is a small multiple of 1/2**k, exact.
+  step = jnp.where(mag < 2.0, 0.5, jnp.where(mag < 4.0, 1.0, 2.0))
+  v = mag / step
+  low = jnp.floor(v)
+  odd = low - 2.0 * jnp.floor(low * 0.5)
+  up = (v - low > 0.5) | ((v - low == 0.5) & (odd == 1.0))
+  r = jnp.minimum(jnp.where(up, low + 1.0, low) * step, 6.0)
+  code = jnp.where(r < 2.0, r * 2.0, jnp.where(r < 4.0, r + 2.0, r * 0.5 + 4.0))
+  sign = jnp.where(lax.bitcast_convert_type(y, jnp.int32) < 0, 8, 0)
+  return (code.astype(jnp.int32) | sign).astype(jnp.uint8)
+
+
+def _pack(codes):
+  """(R, C) codes -> (R, C / 2) bytes, element 2i in the low nibble."""
+  r, c = codes.shape
+  pairs = codes.reshape(r, c // 2, 2).astype(jnp.int32)
+  shift = lax.broadcasted_iota(jnp.int32, pairs.shape, 2) * 4
+  return jnp.sum(pairs << shift, axis=2).astype(jnp.uint8)
+
+
+def _unpack(packed):
+  """Bytes (..., C / 2) from :func:`_pack` -> ``float4_e2m1fn`` (..., C)."""
+  f4 = lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)
+  return f4.reshape(packed.shape[:-1] + (packed.shape[-1] * 2,))
+
+
+def _hadamard_matrix(size: int) -> jnp.ndarray:
+  """:func:`~fp8_linen.core.randomness.random_hadamard`'s matrix, as a kernel input."""
+  return jnp.asarray(randomness.hadamard_matrix(size), jnp.float32)
+
+
+def _rotated_t(x, m, size: int):
+  """The tile ``x`` (tp, tq) transposed, each group of ``size`` along tp rotated by ``m``.
+
+  The same expression as :func:`~fp8_linen.core.randomness.random_hadamard`
+  on the transposed tensor (its groups along the last axis).
+  """
+  xt = x.T
+  if not size:
+    return xt
+  tq, tp = xt.shape
+  return randomness.group_sum(xt.reshape(tq, tp // size, 1, size) * m).reshape(tq, tp)
+
+
+def _nan_as_inf(x):
+  # Whether a max-reduction keeps a NaN differs between Triton, XLA:GPU and
+  # XLA:CPU; an Inf always makes its block non-finite.
+  return jnp.where(jnp.isnan(x), jnp.inf, x)
+
+
+def _nv_amax_tile(x_ref, m_ref, a_ref, at_ref, *, size: int):
+  x = _nan_as_inf(x_ref[...].astype(jnp.float32))
+  a_ref[...] = jnp.full(a_ref.shape, jnp.max(jnp.abs(x)), jnp.float32)
+  at_ref[...] = jnp.full(at_ref.shape, jnp.max(jnp.abs(_rotated_t(x, m_ref[...], size))),
+                         jnp.float32)
+
+
+def _noise(shape, start_row, start_col, rows_total, cols_total, batch, key):
+  """:func:`~fp8_linen.core.randomness.uniform_noise` of a tile at (start_row, start_col).
+
+  The flat index of each element in the (batch, rows_total, cols_total)
+  tensor, hashed with ``key`` (uint32 arithmetic wraps as the reference's).
+  """
+  u32 = lambda v: jnp.asarray(v).astype(jnp.uint32)
+  row = lax.broadcasted_iota(jnp.uint32, shape, 0) + u32(start_row)
+  col = lax.broadcasted_iota(jnp.uint32, shape, 1) + u32(start_col)
+  idx = (u32(batch) * np.uint32(rows_total * cols_total % 2**32)
+         + row * np.uint32(cols_total % 2**32) + col)
+  return randomness.noise_from_index(idx, key)
+
+
+def _nv_copy(x, g, *, bs: int, key=None, origin=None):
+  """Codes (packed) and e4m3 scales of ``x`` (R, C) in 1 x ``bs`` blocks along C."""
+  r, c = x.shape
+  xb = x.reshape(r, 1, c // bs, bs)
+  a = block_numerics.block_amax(xb, (1, 3))
+  stored, _, y = block_numerics.e2m1_block(xb, a, g)
+  if key is not None:
+    y = block_numerics.stochastic_round_e2m1(y, _noise((r, c), *origin, key).reshape(xb.shape))
+  return _pack(e2m1_codes(y).reshape(r, c)), stored.reshape(r, c // bs)
+
+
+def _nv_codes_tile(x_ref, m_ref, f_ref, k_ref, q_ref, qt_ref, s_ref, st_ref, *, bs: int,
+                   size: int, noise: bool, dims):
+  x = _nan_as_inf(x_ref[...].astype(jnp.float32))
+  tp, tq = x.shape
+  b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  p, q = dims
+  q_ref[...], s_ref[...] = _nv_copy(
+      x, f_ref[0], bs=bs, key=k_ref[0] if noise else None,
+      origin=(i * tp, j * tq, p, q, b))
+  qt_ref[...], st_ref[...] = _nv_copy(
+      _rotated_t(x, m_ref[...], size), f_ref[1], bs=bs, key=k_ref[1] if noise else None,
+      origin=(j * tq, i * tp, q, p, b))
+
+
+def _tiled_call(kernel, t, tiles, outs, extra_inputs=(), name=""):
+  """A pallas_call over ``t``'s (tp, tq) tiles; ``outs``: (shape, dtype, block, transposed)."""
+  b, p, q = t.shape
+  tp, tq = tiles
+  interpret = kernel_mode(t, 16, gemm="block") == "interpret"
+  params = {}
+  if not interpret:
+    from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel
+    params = {"compiler_params": pl_triton.CompilerParams(num_warps=4, num_stages=1)}
+  sds = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=getattr(jax.typeof(t), "mat", None))
+  spec = lambda block, transposed: pl.BlockSpec(
+      (None,) + block, lambda i, j, k: (i,) + ((k, j) if transposed else (j, k)))
+  whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, k: (0,) * a.ndim)
+  return pl.pallas_call(
+      kernel, grid=(b, p // tp, q // tq),
+      in_specs=[spec((tp, tq), False)] + [whole(a) for a in extra_inputs],
+      out_specs=[spec(block, tr) for _, _, block, tr in outs],
+      out_shape=[sds(shape, dtype) for shape, dtype, _, _ in outs],
+      interpret=interpret, name=name, **params)(t, *extra_inputs)
+
+
+# NVFP4's tiles are 32 x 32: its rotation multiplies each 16-group by a 16 x 16
+# matrix in registers (Triton has no slices for a butterfly, and its dot would
+# round through tf32), an intermediate 16 times the tile.
+_NV_TILE = 32
+
+
+def _nv_tiles(t):
+  if t.shape[1] % _NV_TILE or t.shape[2] % _NV_TILE:
+    raise ValueError(f"NVFP4 kernels: a {t.shape[1:]} tensor is not whole tiles of "
+                     f"{_NV_TILE} x {_NV_TILE}")
+  return _NV_TILE, _NV_TILE
+
+
+def nvfp4_amaxes(t: jnp.ndarray, hadamard: int):
+  """``(max|t|, max|H(t^T)|)`` of ``t`` (B, P, Q), from one read (``inf`` if ``t`` holds NaN).
+
+  ``H`` rotates groups of ``hadamard`` along P
+  (:func:`~fp8_linen.core.randomness.random_hadamard` of the transpose);
+  ``hadamard=0``: no rotation (both amaxes are ``max|t|``).
+  """
+  b, p, q = t.shape
+  tp, tq = _nv_tiles(t)
+  size = int(hadamard)
+  part = (b, p // tp, q // tq)
+  a, at = _tiled_call(
+      functools.partial(_nv_amax_tile, size=size), t, (tp, tq),
+      [(part, jnp.float32, (1, 1), False), (part, jnp.float32, (1, 1), False)],
+      (_hadamard_matrix(size or 1),), name="nvfp4_amaxes")
+  return jnp.max(a), jnp.max(at)
+
+
+def nvfp4_codes_both(t: jnp.ndarray, factor, factor_t, *, hadamard: int, keys=None):
+  """NVFP4 codes of ``t`` (B, P, Q) along Q, and of its rotated transpose along P, from one read.
+
+  Args:
+    t: the tensor; P and Q whole tiles (:func:`tile_sizes` with blocks of 32).
+    factor: the per-tensor factor of the copy along Q (float32 scalar).
+    factor_t: the factor of the rotated transposed copy.
+    hadamard: the rotation's group size along P (0: none).
+    keys: ``None`` (round to nearest) or the two uint32 keys of stochastic
+      rounding (:func:`~fp8_linen.core.randomness.noise_key` of salts 1 and 2).
+
+  Returns:
+    ``((q, s), (qt, st))``: ``q`` (B, P, Q) ``float4_e2m1fn`` with ``s`` (B, P,
+    Q / 16) e4m3; ``qt`` (B, Q, P) and ``st`` (B, Q, P / 16) of
+    ``random_hadamard(swapaxes(t, 1, 2), hadamard)``. Bit-identical to
+    :func:`~fp8_linen.core.block_numerics.block_quantize` of each (with
+    ``uniform_noise`` of the same keys), NaN read as Inf.
+  """
+  b, p, q = t.shape
+  tp, tq = _nv_tiles(t)
+  bs, size = 16, int(hadamard)
+  factors = jnp.stack([jnp.reshape(factor, ()), jnp.reshape(factor_t, ())]).astype(jnp.float32)
+  noise = keys is not None
+  k = (jnp.stack([jnp.reshape(keys[0], ()), jnp.reshape(keys[1], ())]).astype(jnp.uint32)
+       if noise else jnp.zeros((2,), jnp.uint32))
+  kernel = functools.partial(_nv_codes_tile, bs=bs, size=size, noise=noise, dims=(p, q))
+  codes, codes_t, scales, scales_t = _tiled_call(
+      kernel, t, (tp, tq),
+      # The e4m3 scales last: a trailing byte array of a custom call reads as
+      # a library's scratch space to the pass counter.
+      [((b, p, q // 2), jnp.uint8, (tp, tq // 2), False),
+       ((b, q, p // 2), jnp.uint8, (tq, tp // 2), True),
+       ((b, p, q // bs), jnp.float8_e4m3fn, (tp, tq // bs), False),
+       ((b, q, p // bs), jnp.float8_e4m3fn, (tq, tp // bs), True)],
+      (_hadamard_matrix(size or 1), factors, k), name="nvfp4_codes_both")
+  return (_unpack(codes), scales), (_unpack(codes_t), scales_t)

@@ -45,6 +45,7 @@ __all__ = [
     "lax_slice_axis",
     "block_quantize",
     "block_dequantize",
+    "e2m1_block",
     "stochastic_round_e2m1",
 ]
 
@@ -224,9 +225,9 @@ def block_quantize(x: jnp.ndarray, block_size: int, dtype, *, tensor_scale=None,
     stored = scale.astype(jnp.float8_e8m0fnu)
   else:
     g = jnp.reshape(jnp.asarray(tensor_scale, jnp.float32), ())
-    stored, den, y = _e2m1_block(xb, a, g, E2M1_MAX)
+    stored, den, y = e2m1_block(xb, a, g, E2M1_MAX)
     if four_over_six:
-      stored4, den4, y4 = _e2m1_block(xb, a, g, 4.0)
+      stored4, den4, y4 = e2m1_block(xb, a, g, 4.0)
       # Compared in x's units: the two candidates divide by different scales.
       err6 = jnp.sum(jnp.square(_e2m1_nearest(y) * den - xb), axis=(-3, -1), keepdims=True)
       err4 = jnp.sum(jnp.square(_e2m1_nearest(y4) * den4 - xb), axis=(-3, -1), keepdims=True)
@@ -241,7 +242,7 @@ def block_quantize(x: jnp.ndarray, block_size: int, dtype, *, tensor_scale=None,
   return q, stored.reshape(x.shape[:-1] + (x.shape[-1] // block_size,))
 
 
-def _e2m1_block(xb, a, g, top: float):
+def e2m1_block(xb, a, g, top: float = E2M1_MAX):
   """``(stored e4m3 scale, scale * g, x / (scale * g) clipped to [-6, 6])`` of blocks ``xb``.
 
   Each block's scale maps its amax ``a`` to ``top`` (6, or 4 for the 4/6

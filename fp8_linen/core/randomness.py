@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-__all__ = ["bits_seed", "uniform_noise", "hadamard_signs", "random_hadamard"]
+__all__ = ["bits_seed", "noise_key", "noise_from_index", "uniform_noise", "hadamard_signs",
+           "hadamard_matrix", "group_sum", "random_hadamard"]
 
 
 def bits_seed(*arrays) -> jnp.ndarray:
@@ -59,6 +60,20 @@ def _mix32(x: jnp.ndarray) -> jnp.ndarray:
   return x ^ (x >> np.uint32(16))
 
 
+def noise_key(seed, salt: int) -> jnp.ndarray:
+  """The uint32 key :func:`uniform_noise` hashes indices with, from ``seed`` and ``salt``."""
+  return _mix32(jnp.asarray(seed, jnp.uint32) ^ _mix32(jnp.uint32(salt) * _GOLDEN))
+
+
+def noise_from_index(idx: jnp.ndarray, key) -> jnp.ndarray:
+  """:func:`uniform_noise`'s value at flat indices ``idx`` (uint32) under ``key`` (:func:`noise_key`).
+
+  What a kernel that quantizes a tile computes for its own elements.
+  """
+  r = _mix32(idx * _GOLDEN + key)
+  return (r >> np.uint32(8)).astype(jnp.float32) * np.float32(2.0 ** -24)
+
+
 def uniform_noise(shape, seed, salt: int) -> jnp.ndarray:
   """Uniform [0, 1) float32 values of ``shape`` from ``seed`` (uint32 scalar) and ``salt``.
 
@@ -84,9 +99,7 @@ def uniform_noise(shape, seed, salt: int) -> jnp.ndarray:
   for axis in reversed(range(len(shape))):
     idx = idx + lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(stride % 2**32)
     stride *= shape[axis]
-  key = _mix32(jnp.asarray(seed, jnp.uint32) ^ _mix32(jnp.uint32(salt) * _GOLDEN))
-  r = _mix32(idx * _GOLDEN + key)
-  return (r >> np.uint32(8)).astype(jnp.float32) * np.float32(2.0 ** -24)
+  return noise_from_index(idx, noise_key(seed, salt))
 
 
 def hadamard_signs(size: int) -> np.ndarray:
@@ -101,6 +114,27 @@ def _sylvester(n: int) -> np.ndarray:
   while h.shape[0] < n:
     h = np.block([[h, h], [h, -h]])
   return h
+
+
+def hadamard_matrix(size: int) -> np.ndarray:
+  """``H D / sqrt(size)`` of :func:`random_hadamard`, float32 (``size`` a power of two).
+
+  Row ``i`` holds the signed weights of output ``i`` of a group.
+  """
+  return (_sylvester(size) * hadamard_signs(size)[None, :] / np.sqrt(size)).astype(np.float32)
+
+
+def group_sum(t: jnp.ndarray) -> jnp.ndarray:
+  """``t`` summed over its last axis (a power of two) as a fixed tree of pairwise adds.
+
+  Each level adds neighbours (one addition per output, whose result does not
+  depend on the backend), so the sum rounds the same way on XLA:CPU, XLA:GPU
+  and in a Pallas kernel's tile, where a reduction's order is each backend's
+  own choice.
+  """
+  while t.shape[-1] > 1:
+    t = jnp.sum(t.reshape(*t.shape[:-1], t.shape[-1] // 2, 2), axis=-1)
+  return t[..., 0]
 
 
 def random_hadamard(x: jnp.ndarray, size: int) -> jnp.ndarray:
@@ -127,10 +161,11 @@ def random_hadamard(x: jnp.ndarray, size: int) -> jnp.ndarray:
   if full == 0:
     return x
   lead = x.shape[:-1]
-  # Each output is a signed sum over its group: one reduction over the
-  # group's axis, which XLA runs as one pass (a butterfly of slices and
-  # concatenations became four passes on XLA:GPU), and not a dot (no GEMM).
-  m = jnp.asarray(_sylvester(size) * hadamard_signs(size)[None, :] / np.sqrt(size), jnp.float32)
+  # Each output is a signed sum over its group, added as a fixed pairwise tree
+  # (group_sum: the same rounding here and in the NVFP4 Pallas kernel), not
+  # a butterfly of slices and concatenations (four passes on XLA:GPU) and not
+  # a dot (no GEMM).
+  m = jnp.asarray(hadamard_matrix(size))
   g = x[..., :full].reshape(*lead, full // size, 1, size)
-  h = jnp.sum(g * m, axis=-1).reshape(*lead, full)
+  h = group_sum(g * m).reshape(*lead, full)
   return h if full == n else jnp.concatenate([h, x[..., full:]], axis=-1)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import fp8_linen as fl
-from fp8_linen.core import block_kernels, block_numerics
+from fp8_linen.core import block_kernels, block_numerics, randomness
 
 
 def _bits(a):
@@ -111,6 +111,64 @@ def test_where_the_kernel_runs():
     assert block_kernels.kernel_mode(jnp.ones((1, 64, 48)), 16, gemm="bf16") is None
 
 
+def test_e2m1_codes_are_the_casts_bits():
+  """Round half to even on e2m1's grid, signed zeros and saturation, in integer arithmetic."""
+  y = jnp.concatenate([jnp.linspace(-6.0, 6.0, 24001),
+                       jnp.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0, -0.2, 4.9, 5.1])])
+  codes = block_kernels.e2m1_codes(y)
+  want = _bits(y.astype(jnp.float4_e2m1fn).astype(jnp.float8_e4m3fn))  # via a byte-wide dtype
+  got = _bits(jnp.asarray(block_kernels._unpack(  # pylint: disable=protected-access
+      block_kernels._pack(codes.reshape(1, -1)))).reshape(-1)  # pylint: disable=protected-access
+              .astype(jnp.float8_e4m3fn))
+  np.testing.assert_array_equal(got, want)
+  assert codes.dtype == jnp.uint8 and int(codes.max()) <= 15
+
+
+@pytest.mark.parametrize("shape,hadamard,noise", [
+    ((1, 32, 32), 16, True),      # one tile: a gradient (rotated, stochastic rounding)
+    ((2, 96, 64), 16, False),     # the input's copies: rotated, round to nearest
+    ((1, 64, 128), 0, True),      # no rotation
+    ((1, 64, 32), 32, False),     # a rotation as long as the tile
+])
+def test_nvfp4_codes_are_block_quantize_bits(shape, hadamard, noise):
+  x = _wide(jax.random.key(4), shape) * 1e-8
+  x = x.at[0, 0, 3].set(jnp.inf).at[-1, -1, -1].set(jnp.nan)
+  seed = jnp.uint32(2024)
+  keys = (randomness.noise_key(seed, 1), randomness.noise_key(seed, 2)) if noise else None
+  g, g_t = jnp.float32(3e-4), jnp.float32(7e-5)
+  with fl.pallas_kernels("interpret"):
+    a, a_t = block_kernels.nvfp4_amaxes(x, hadamard)
+    (q, s), (qt, st) = block_kernels.nvfp4_codes_both(x, g, g_t, hadamard=hadamard, keys=keys)
+  ref = jnp.where(jnp.isnan(x), jnp.inf, x)
+  rot = jnp.swapaxes(ref, 1, 2)
+  rot = randomness.random_hadamard(rot, hadamard) if hadamard else rot
+  u = lambda t, salt: randomness.uniform_noise(t.shape, seed, salt) if noise else None
+  rq, rs = block_numerics.block_quantize(ref, 16, jnp.float4_e2m1fn, tensor_scale=g,
+                                         noise=u(ref, 1))
+  rqt, rst = block_numerics.block_quantize(rot, 16, jnp.float4_e2m1fn, tensor_scale=g_t,
+                                           noise=u(rot, 2))
+  assert q.dtype == qt.dtype == jnp.float4_e2m1fn and s.dtype == st.dtype == jnp.float8_e4m3fn
+  chex.assert_shape([q, s, qt, st], [shape, shape[:2] + (shape[2] // 16,),
+                                     (shape[0], shape[2], shape[1]),
+                                     (shape[0], shape[2], shape[1] // 16)])
+  as_f32 = lambda t: np.asarray(t.astype(jnp.float32))
+  for got, want in [(q, rq), (qt, rqt)]:
+    np.testing.assert_array_equal(as_f32(got), as_f32(want))
+    np.testing.assert_array_equal(np.signbit(as_f32(got)), np.signbit(as_f32(want)))
+  for got, want in [(s, rs), (st, rst)]:
+    _assert_same_codes(got, want)
+  assert float(a) == np.inf and float(a_t) == np.inf
+  # The two non-finite blocks get NaN scales, the others are finite.
+  assert np.isnan(as_f32(s[0, 0, 0])) and np.isnan(as_f32(s)).sum() == 2
+  finite = x.at[0, 0, 3].set(1.0).at[-1, -1, -1].set(1.0)
+  with fl.pallas_kernels("interpret"):
+    a, a_t = block_kernels.nvfp4_amaxes(finite, hadamard)
+  rot = jnp.swapaxes(finite, 1, 2)
+  rot = randomness.random_hadamard(rot, hadamard) if hadamard else rot
+  assert float(a) == float(jnp.max(jnp.abs(finite)))
+  assert float(a_t) == float(jnp.max(jnp.abs(rot)))
+
+
 def _step(model, x):
   v = model.init(jax.random.key(1), x)
 
@@ -145,12 +203,27 @@ class KernelInLayerTest(chex.TestCase):
     hist = got[1][0][fl.OWG]["input_amax_history"]
     assert float(hist[0]) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
 
+  def test_nvfp4_steps_are_the_same_bits_with_and_without_the_kernels(self):
+    """NVIDIA's recipe and its variants: every output, gradient and new state."""
+    x = jax.random.normal(jax.random.key(5), (2, 64, 128), jnp.bfloat16)
+    for recipe, calls in [(fl.nvfp4(), 4),                           # 2-D weight tiles: jnp
+                          (fl.nvfp4(kernel_2d_blocks=False), 6),     # the weight too
+                          (fl.nvfp4(scaling="delayed", wgrad_hadamard=0,
+                                    grad_stochastic_rounding=False), 4)]:
+      v, fn = _step(fl.QDense(64, dtype=jnp.bfloat16, recipe=recipe), x)
+      with fl.pallas_kernels("off"):
+        want = jax.jit(fn)(v, x)
+      with fl.pallas_kernels("interpret"):
+        got = jax.jit(fn)(v, x)
+        assert _pallas_calls(fn, v, x) == calls
+      chex.assert_trees_all_equal(got, want)
+
   def test_layouts_the_kernel_cannot_write_keep_the_jnp_path(self):
-    """A contraction over a leading axis needs a transpose first; NVFP4 rotates and rounds."""
+    """A contraction over a leading axis needs a transpose first; NVFP4's 4/6 choice is jnp's."""
     x = jax.random.normal(jax.random.key(2), (64, 4, 96), jnp.bfloat16)
     for model, calls in [
         (fl.QDenseGeneral(64, axis=0, dtype=jnp.bfloat16, recipe=fl.mx_block_scaling()), 2),
-        (fl.QDense(64, dtype=jnp.bfloat16, recipe=fl.nvfp4()), 0)]:
+        (fl.QDense(64, dtype=jnp.bfloat16, recipe=fl.nvfp4(four_over_six=True)), 0)]:
       v, fn = _step(model, x)
       with fl.pallas_kernels("off"):
         want = jax.jit(fn)(v, x)
