@@ -158,6 +158,11 @@ class BlockDot(DotSpec):
   forward codes of the weight (:func:`block_fold_kernel`, stored once) with
   the input quantized as here, in the same "multiply" half.
 
+  Where :mod:`~fp8_linen.core.block_kernels` runs (a Blackwell GPU, or its
+  interpreter), each operand's two copies come from Pallas kernels that
+  read it once (MXFP8) or twice (NVFP4: its amaxes, then its codes), with
+  the same bits as the ``jnp`` path here.
+
   Residuals: the codes the backward reads (``lhs`` blocked along M, ``rhs``
   along N), in the operands' layouts, and their scales. Cropping a padded
   block off and zero-padding it again changes nothing: zeros quantize to
@@ -314,8 +319,15 @@ class BlockDot(DotSpec):
   def _kernel_codes(self, rhs, groups, cfg, state):
     """``rhs``'s codes along K (B, N, Kp) and along N (B, K, Np), its amax and factor."""
     rb, rf, rc = groups
-    one = None if self.recipe.kernel_2d_blocks else self._one_read(rhs, (rb, rc, rf))
-    if one is not None:                                              # (B, K, N)
+    r = self.recipe
+    one = (None if r.kernel_2d_blocks and not r.is_nvfp4
+           else self._one_read(rhs, (rb, rc, rf)))                    # (B, K, N)
+    if one is not None and r.kernel_2d_blocks:
+      a = lowering.global_max(block_kernels.nvfp4_amaxes(one, 0)[0])
+      g = self._tensor_scale(cfg, state, a)
+      along_n, along_k = block_kernels.nvfp4_tile_codes_both(one, g)
+      return along_k, along_n, a, g
+    if one is not None:
       along_n, along_k, a, g, _ = self._both(one, cfg, state, rotate=False)
       return along_k, along_n, a, g
     w3 = _view(rhs, rb, rf, rc)                                      # (B, N, K)

@@ -4,19 +4,31 @@ Each tensor of a block-scaled training step feeds two GEMMs that contract
 different axes (the input: the forward along K, wgrad along M), so it is
 quantized twice, in blocks along each axis. XLA computes each copy's block
 amaxes and codes in passes of their own and reads the tensor for each
-(DESIGN.md 3c). :func:`mx_codes_both` does it in one Pallas kernel: every
-tile of ``t`` (B, P, Q) is read once and yields
+(DESIGN.md 3c). The kernels here read each tile of ``t`` (B, P, Q) once and
+write both copies:
 
-* its codes blocked along Q, in ``t``'s layout, with their scales;
-* its codes blocked along P, transposed to (B, Q, P), with their scales;
-* its amax (one value per tile; their max is the tensor's).
+* :func:`mx_codes_both` (MXFP8): codes blocked along Q in ``t``'s layout,
+  codes blocked along P transposed to (B, Q, P), their e8m0 scales, and the
+  tile's amax, in one pass;
+* :func:`nvfp4_codes_both` (NVFP4): the same two copies in e2m1 with e4m3
+  scales, the one along P rotated first (the wgrad operands' random
+  Hadamard transform) and either rounded stochastically (the gradient).
+  Each copy's per-tensor factor needs its amax before its codes, so
+  :func:`nvfp4_amaxes` reads the tile once before (both amaxes: ``t``'s and
+  the rotated copy's): two reads in all;
+* :func:`nvfp4_tile_codes_both` (NVFP4's weight in 16 x 16 tiles): one set
+  of codes, written in both layouts.
 
 Codes and scales are those of :func:`~fp8_linen.core.block_numerics.block_quantize`
-on ``t`` and on its transpose, bit for bit: the kernel runs the same
-functions (:func:`~fp8_linen.core.block_numerics.block_amax`,
-:func:`~fp8_linen.core.block_numerics.mx_scale`) on its tile. One choice is
-its own: a NaN element makes every block holding it NaN codes (it is read as
-Inf), where the reference leaves that to the backend's max-reduction.
+on ``t`` and on its (rotated) transpose, bit for bit: the kernels run the
+same functions on their tiles (:func:`~fp8_linen.core.block_numerics.block_amax`,
+:func:`~fp8_linen.core.block_numerics.mx_scale`,
+:func:`~fp8_linen.core.block_numerics.e2m1_block`,
+:func:`~fp8_linen.core.randomness.group_sum` for the rotation,
+:func:`~fp8_linen.core.randomness.noise_from_index` for the rounding's
+bits). One choice is their own: a NaN element makes every block holding it
+non-finite (it is read as Inf), where the reference leaves that to the
+backend's max-reduction.
 
 When the kernels run (:func:`pallas_kernels`, part of every jit key):
 
@@ -30,9 +42,7 @@ When the kernels run (:func:`pallas_kernels`, part of every jit key):
   backend: how tests check the kernel against the reference on a CPU), except
   on ``shard_map``'s varying values, which the interpreter rejects.
 
-MXFP8 only (fp8 elements, power-of-two scales). NVFP4's per-tensor factor
-needs the tensor's amax before its codes, and its wgrad copies are rotated
-and stochastically rounded: they keep the ``jnp`` path.
+NVFP4's 4/6 block-scale choice (``four_over_six``) keeps the ``jnp`` path.
 
 Example:
   >>> import jax.numpy as jnp
@@ -60,7 +70,7 @@ from fp8_linen.core import block_numerics, lowering, randomness, settings
 from fp8_linen.core.numerics import fp8_max, saturate_measured
 
 __all__ = ["MODES", "pallas_kernels", "kernel_mode", "tile_sizes", "mx_codes_both",
-           "e2m1_codes", "nvfp4_amaxes", "nvfp4_codes_both"]
+           "e2m1_codes", "nvfp4_amaxes", "nvfp4_codes_both", "nvfp4_tile_codes_both"]
 
 MODES = ("auto", "off", "interpret")
 """The values of :func:`pallas_kernels`."""
@@ -121,7 +131,7 @@ def _per_device(t) -> bool:
 
 
 def kernel_mode(t, block_size: int, *, gemm: str) -> str | None:
-  """``'compiled'``, ``'interpret'`` or None: how :func:`mx_codes_both` would run on ``t`` now.
+  """``'compiled'``, ``'interpret'`` or None: how this module's kernels would run on ``t`` now.
 
   Args:
     t: the tensor, (B, P, Q).
@@ -423,4 +433,48 @@ def nvfp4_codes_both(t: jnp.ndarray, factor, factor_t, *, hadamard: int, keys=No
        ((b, p, q // bs), jnp.float8_e4m3fn, (tp, tq // bs), False),
        ((b, q, p // bs), jnp.float8_e4m3fn, (tq, tp // bs), True)],
       (_hadamard_matrix(size or 1), factors, k), name="nvfp4_codes_both")
+  return (_unpack(codes), scales), (_unpack(codes_t), scales_t)
+
+
+def _nv_tile_codes_tile(x_ref, f_ref, q_ref, qt_ref, s_ref, st_ref, *, bs: int):
+  x = _nan_as_inf(x_ref[...].astype(jnp.float32))
+  tp, tq = x.shape
+  xb = x.reshape(tp // bs, bs, tq // bs, bs)
+  a = block_numerics.block_amax(xb, (1, 3))                 # one amax per bs x bs tile
+  stored, _, y = block_numerics.e2m1_block(xb, a, f_ref[0])
+  codes = e2m1_codes(y.reshape(tp, tq))
+  q_ref[...] = _pack(codes)
+  qt_ref[...] = _pack(codes.T)
+  # Each tile's scale on each of its rows, in each layout (exact through f32).
+  sc = stored.astype(jnp.float32)
+  s_ref[...] = jnp.broadcast_to(sc, (tp // bs, bs, tq // bs, 1)).reshape(
+      tp, tq // bs).astype(jnp.float8_e4m3fn)
+  sct = sc.reshape(tp // bs, tq // bs).T
+  st_ref[...] = jnp.broadcast_to(sct[:, None, :], (tq // bs, bs, tp // bs)).reshape(
+      tq, tp // bs).astype(jnp.float8_e4m3fn)
+
+
+def nvfp4_tile_codes_both(t: jnp.ndarray, factor):
+  """NVFP4 codes of ``t`` (B, P, Q) in 16 x 16 tiles, in ``t``'s layout and transposed.
+
+  The weight's 2-D blocks (``kernel_2d_blocks``): one set of codes serves
+  both of its GEMMs, each reading it along its own contracting axis.
+
+  Returns:
+    ``((q, s), (q_t, s_t))``: ``q`` (B, P, Q) with ``s`` (B, P, Q / 16) and
+    ``q_t`` (B, Q, P) with ``s_t`` (B, Q, P / 16), each tile's scale repeated
+    on its rows: ``block_quantize(..., tile=True)`` of ``t`` and of its
+    transpose, bit for bit (NaN read as Inf).
+  """
+  b, p, q = t.shape
+  tp, tq = _nv_tiles(t)
+  bs = 16
+  factors = jnp.reshape(jnp.asarray(factor, jnp.float32), (1,))
+  codes, codes_t, scales, scales_t = _tiled_call(
+      functools.partial(_nv_tile_codes_tile, bs=bs), t, (tp, tq),
+      [((b, p, q // 2), jnp.uint8, (tp, tq // 2), False),
+       ((b, q, p // 2), jnp.uint8, (tq, tp // 2), True),
+       ((b, p, q // bs), jnp.float8_e4m3fn, (tp, tq // bs), False),
+       ((b, q, p // bs), jnp.float8_e4m3fn, (tq, tp // bs), True)],
+      (factors,), name="nvfp4_tile_codes_both")
   return (_unpack(codes), scales), (_unpack(codes_t), scales_t)

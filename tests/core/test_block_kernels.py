@@ -169,6 +169,24 @@ def test_nvfp4_codes_are_block_quantize_bits(shape, hadamard, noise):
   assert float(a_t) == float(jnp.max(jnp.abs(rot)))
 
 
+def test_nvfp4_weight_tiles_are_block_quantize_bits():
+  """The weight's 16 x 16 tiles: one set of codes, written in both layouts."""
+  x = _wide(jax.random.key(6), (2, 64, 96)) * 1e-6
+  x = x.at[0, 3, 4].set(jnp.nan)
+  with fl.pallas_kernels("interpret"):
+    (q, s), (qt, st) = block_kernels.nvfp4_tile_codes_both(x, jnp.float32(1e-3))
+  ref = jnp.where(jnp.isnan(x), jnp.inf, x)
+  quant = lambda t: block_numerics.block_quantize(t, 16, jnp.float4_e2m1fn,
+                                                  tensor_scale=jnp.float32(1e-3), tile=True)
+  as_f32 = lambda t: np.asarray(t.astype(jnp.float32))
+  for (got_q, got_s), (want_q, want_s) in [((q, s), quant(ref)),
+                                           ((qt, st), quant(jnp.swapaxes(ref, 1, 2)))]:
+    np.testing.assert_array_equal(as_f32(got_q), as_f32(want_q))
+    np.testing.assert_array_equal(as_f32(got_s), as_f32(want_s))
+  np.testing.assert_array_equal(as_f32(qt), as_f32(jnp.swapaxes(q, 1, 2)))  # the same codes
+  assert np.isnan(as_f32(s[0, :16, 0])).all() and np.isnan(as_f32(s)).sum() == 16
+
+
 def _step(model, x):
   v = model.init(jax.random.key(1), x)
 
@@ -206,16 +224,15 @@ class KernelInLayerTest(chex.TestCase):
   def test_nvfp4_steps_are_the_same_bits_with_and_without_the_kernels(self):
     """NVIDIA's recipe and its variants: every output, gradient and new state."""
     x = jax.random.normal(jax.random.key(5), (2, 64, 128), jnp.bfloat16)
-    for recipe, calls in [(fl.nvfp4(), 4),                           # 2-D weight tiles: jnp
-                          (fl.nvfp4(kernel_2d_blocks=False), 6),     # the weight too
-                          (fl.nvfp4(scaling="delayed", wgrad_hadamard=0,
-                                    grad_stochastic_rounding=False), 4)]:
+    # Two kernels per operand: its amax(es), then its codes.
+    for recipe in [fl.nvfp4(), fl.nvfp4(kernel_2d_blocks=False),
+                   fl.nvfp4(scaling="delayed", wgrad_hadamard=0, grad_stochastic_rounding=False)]:
       v, fn = _step(fl.QDense(64, dtype=jnp.bfloat16, recipe=recipe), x)
       with fl.pallas_kernels("off"):
         want = jax.jit(fn)(v, x)
       with fl.pallas_kernels("interpret"):
         got = jax.jit(fn)(v, x)
-        assert _pallas_calls(fn, v, x) == calls
+        assert _pallas_calls(fn, v, x) == 6
       chex.assert_trees_all_equal(got, want)
 
   def test_layouts_the_kernel_cannot_write_keep_the_jnp_path(self):
