@@ -34,22 +34,23 @@ import common  # noqa: E402
 DEVICE = "estimate (compile only)"
 TARGETS = ["h100", "b200", "tpu-v5e", "tpu-v6e", "tpu7x"]
 ARMS = ["bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "mxfp8", "mxfp8_jnp", "nvfp4",
-        "int8_ste"]
+        "nvfp4_jnp", "int8_ste"]
 # Arms compiled with the library's Pallas kernels off: the jnp path they replace.
-NO_KERNELS = {"mxfp8_jnp"}
+NO_KERNELS = {"mxfp8_jnp", "nvfp4_jnp"}
 
 
 def arms(target: str) -> dict:
   """``{name: (model factory, low precision?)}`` of the recipes ``target`` runs.
 
-  ``mxfp8_jnp`` is MXFP8 with ``fl.pallas_kernels('off')`` (:data:`NO_KERNELS`).
+  ``mxfp8_jnp`` and ``nvfp4_jnp`` run with ``fl.pallas_kernels('off')``
+  (:data:`NO_KERNELS`).
   """
   out = {"bf16": (lambda n: nn.Dense(n, dtype=jnp.bfloat16), False)}
   gpu = {"fp8_delayed": fl.delayed_scaling(), "fp8_current": fl.current_scaling(),
          "fp8_rowwise": fl.rowwise_scaling()}
   if target == "b200":
     gpu.update({"mxfp8": fl.mx_block_scaling(), "mxfp8_jnp": fl.mx_block_scaling(),
-                "nvfp4": fl.nvfp4()})
+                "nvfp4": fl.nvfp4(), "nvfp4_jnp": fl.nvfp4()})
   recipes = gpu if targets.get_target(target).platform == "gpu" else {
       "fp8_delayed": fl.delayed_scaling(), "int8_ste": fl.IntRecipe()}
   for name, recipe in recipes.items():
