@@ -307,17 +307,16 @@ def _nv_amax_tile(x_ref, m_ref, a_ref, at_ref, *, size: int):
                          jnp.float32)
 
 
-def _noise(shape, start_row, start_col, rows_total, cols_total, batch, key):
-  """:func:`~fp8_linen.core.randomness.uniform_noise` of a tile at (start_row, start_col).
+def _noise(rows, cols, rows_total: int, cols_total: int, batch, key):
+  """:func:`~fp8_linen.core.randomness.uniform_noise` at a tile's elements.
 
-  The flat index of each element in the (batch, rows_total, cols_total)
-  tensor, hashed with ``key`` (uint32 arithmetic wraps as the reference's).
+  ``rows`` (R,) and ``cols`` (C,): the tile's row and column indices in the
+  (batch, rows_total, cols_total) tensor, ``batch`` its batch index (uint32
+  arrays): each element's flat index is hashed with ``key`` (uint32 arithmetic
+  wraps as the reference's).
   """
-  u32 = lambda v: jnp.asarray(v).astype(jnp.uint32)
-  row = lax.broadcasted_iota(jnp.uint32, shape, 0) + u32(start_row)
-  col = lax.broadcasted_iota(jnp.uint32, shape, 1) + u32(start_col)
-  idx = (u32(batch) * np.uint32(rows_total * cols_total % 2**32)
-         + row * np.uint32(cols_total % 2**32) + col)
+  idx = (batch * np.uint32(rows_total * cols_total % 2**32)
+         + rows[:, None] * np.uint32(cols_total % 2**32) + cols[None, :])
   return randomness.noise_from_index(idx, key)
 
 
@@ -328,26 +327,30 @@ def _nv_copy(x, g, *, bs: int, key=None, origin=None):
   a = block_numerics.block_amax(xb, (1, 3))
   stored, _, y = block_numerics.e2m1_block(xb, a, g)
   if key is not None:
-    y = block_numerics.stochastic_round_e2m1(y, _noise((r, c), *origin, key).reshape(xb.shape))
+    y = block_numerics.stochastic_round_e2m1(y, _noise(*origin, key).reshape(xb.shape))
   return _pack(e2m1_codes(y).reshape(r, c)), stored.reshape(r, c // bs)
 
 
-def _nv_codes_tile(x_ref, m_ref, f_ref, k_ref, q_ref, qt_ref, s_ref, st_ref, *, bs: int,
-                   size: int, noise: bool, dims):
+def _nv_codes_tile(x_ref, m_ref, f_ref, k_ref, b_ref, p_ref, q_ref_, codes_ref, codes_t_ref,
+                   s_ref, st_ref, *, bs: int, size: int, noise: bool, dims):
+  # The tile's indices come in as arrays, not from pl.program_id: under vmap
+  # Pallas puts the batch axis first in the grid and the ids would shift.
   x = _nan_as_inf(x_ref[...].astype(jnp.float32))
-  tp, tq = x.shape
-  b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   p, q = dims
-  q_ref[...], s_ref[...] = _nv_copy(
-      x, f_ref[0], bs=bs, key=k_ref[0] if noise else None,
-      origin=(i * tp, j * tq, p, q, b))
-  qt_ref[...], st_ref[...] = _nv_copy(
+  b, rows, cols = b_ref[0], p_ref[...], q_ref_[...]
+  codes_ref[...], s_ref[...] = _nv_copy(
+      x, f_ref[0], bs=bs, key=k_ref[0] if noise else None, origin=(rows, cols, p, q, b))
+  codes_t_ref[...], st_ref[...] = _nv_copy(
       _rotated_t(x, m_ref[...], size), f_ref[1], bs=bs, key=k_ref[1] if noise else None,
-      origin=(j * tq, i * tp, q, p, b))
+      origin=(cols, rows, q, p, b))
 
 
-def _tiled_call(kernel, t, tiles, outs, extra_inputs=(), name=""):
-  """A pallas_call over ``t``'s (tp, tq) tiles; ``outs``: (shape, dtype, block, transposed)."""
+def _tiled_call(kernel, t, tiles, outs, extra_inputs=(), name="", indices=False):
+  """A pallas_call over ``t``'s (tp, tq) tiles; ``outs``: (shape, dtype, block, transposed).
+
+  ``extra_inputs`` reach every tile whole; ``indices``: three more inputs,
+  the tile's batch index (1,), row indices (tp,) and column indices (tq,).
+  """
   b, p, q = t.shape
   tp, tq = tiles
   interpret = kernel_mode(t, 16, gemm="block") == "interpret"
@@ -359,12 +362,18 @@ def _tiled_call(kernel, t, tiles, outs, extra_inputs=(), name=""):
   spec = lambda block, transposed: pl.BlockSpec(
       (None,) + block, lambda i, j, k: (i,) + ((k, j) if transposed else (j, k)))
   whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, k: (0,) * a.ndim)
+  in_specs = [spec((tp, tq), False)] + [whole(a) for a in extra_inputs]
+  inputs = list(extra_inputs)
+  if indices:
+    iota = lambda n: lax.iota(jnp.uint32, n)
+    inputs += [iota(b), iota(p), iota(q)]
+    in_specs += [pl.BlockSpec((1,), lambda i, j, k: (i,)), pl.BlockSpec((tp,), lambda i, j, k: (j,)),
+                 pl.BlockSpec((tq,), lambda i, j, k: (k,))]
   return pl.pallas_call(
-      kernel, grid=(b, p // tp, q // tq),
-      in_specs=[spec((tp, tq), False)] + [whole(a) for a in extra_inputs],
+      kernel, grid=(b, p // tp, q // tq), in_specs=in_specs,
       out_specs=[spec(block, tr) for _, _, block, tr in outs],
       out_shape=[sds(shape, dtype) for shape, dtype, _, _ in outs],
-      interpret=interpret, name=name, **params)(t, *extra_inputs)
+      interpret=interpret, name=name, **params)(t, *inputs)
 
 
 # NVFP4's tiles are 32 x 32: its rotation multiplies each 16-group by a 16 x 16
@@ -432,7 +441,7 @@ def nvfp4_codes_both(t: jnp.ndarray, factor, factor_t, *, hadamard: int, keys=No
        ((b, q, p // 2), jnp.uint8, (tq, tp // 2), True),
        ((b, p, q // bs), jnp.float8_e4m3fn, (tp, tq // bs), False),
        ((b, q, p // bs), jnp.float8_e4m3fn, (tq, tp // bs), True)],
-      (_hadamard_matrix(size or 1), factors, k), name="nvfp4_codes_both")
+      (_hadamard_matrix(size or 1), factors, k), name="nvfp4_codes_both", indices=True)
   return (_unpack(codes), scales), (_unpack(codes_t), scales_t)
 
 
