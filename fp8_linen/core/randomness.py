@@ -127,10 +127,11 @@ def hadamard_matrix(size: int) -> np.ndarray:
 def group_sum(t: jnp.ndarray) -> jnp.ndarray:
   """``t`` summed over its last axis (a power of two) as a fixed tree of pairwise adds.
 
-  Each level adds neighbours (one addition per output, whose result does not
-  depend on the backend), so the sum rounds the same way on XLA:CPU, XLA:GPU
-  and in a Pallas kernel's tile, where a reduction's order is each backend's
-  own choice.
+  Each level adds neighbours (one addition per output), so the sum rounds
+  alike on XLA:CPU, XLA:GPU and in a Pallas kernel's tile, where one 16-term
+  reduction is summed in each backend's own order. Not guaranteed: XLA may
+  merge the levels back into one reduction in some programs (seen under
+  vmap, and on jax 0.10.0), which can change a sum's last bit.
   """
   while t.shape[-1] > 1:
     t = jnp.sum(t.reshape(*t.shape[:-1], t.shape[-1] // 2, 2), axis=-1)

@@ -166,7 +166,11 @@ def test_nvfp4_codes_are_block_quantize_bits(shape, hadamard, noise):
   rot = jnp.swapaxes(finite, 1, 2)
   rot = randomness.random_hadamard(rot, hadamard) if hadamard else rot
   assert float(a) == float(jnp.max(jnp.abs(finite)))
-  assert float(a_t) == float(jnp.max(jnp.abs(rot)))
+  # The rotation's float32 sums are a fixed tree of pairwise adds, but XLA may
+  # still merge its levels into one reduction, in its own order, in one
+  # program and not another (seen on jax 0.10.0 for the whole tensor and not
+  # the tile): the rotated amax may differ by a rounding there.
+  np.testing.assert_allclose(float(a_t), float(jnp.max(jnp.abs(rot))), rtol=1e-6)
 
 
 def test_nvfp4_weight_tiles_are_block_quantize_bits():
