@@ -193,30 +193,15 @@ def mx_codes_both(t: jnp.ndarray, dtype, block_size: int):
     raise ValueError(f"mx_codes_both: a ({p}, {q}) tensor is not whole tiles of "
                      f"{_TILES} for blocks of {block_size}")
   tp, tq = tiles
-  interpret = kernel_mode(t, block_size, gemm="block") == "interpret"
-  params = {}
-  if not interpret:
-    from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel
-    params = {"compiler_params": pl_triton.CompilerParams(num_warps=4, num_stages=1)}
   bs = block_size
-  grid = (b, p // tp, q // tq)
-  # Inside shard_map the results vary over the mesh axes ``t`` varies over.
-  sds = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=getattr(jax.typeof(t), "mat", None))
-  spec = lambda shape, order: pl.BlockSpec(
-      (None,) + shape, lambda i, j, k: (i,) + ((j, k) if order else (k, j)))
-  out = pl.pallas_call(
-      functools.partial(_mx_tile, bs=bs, dtype=dtype),
-      grid=grid,
-      in_specs=[spec((tp, tq), True)],
-      out_specs=[spec((tp, tq), True), spec((tq, tp), False),
-                 spec((tp, tq // bs), True), spec((tq, tp // bs), False),
-                 spec((1, 1), True)],
+  out = _tiled_call(
+      functools.partial(_mx_tile, bs=bs, dtype=dtype), t, (tp, tq),
       # The amax partials last: a trailing byte array of a custom call reads
       # as a library's scratch space to the pass counter.
-      out_shape=[sds((b, p, q), dtype), sds((b, q, p), dtype),
-                 sds((b, p, q // bs), jnp.uint8), sds((b, q, p // bs), jnp.uint8),
-                 sds((b, p // tp, q // tq), jnp.float32)],
-      interpret=interpret, name="mx_codes_both", **params)(t)
+      [((b, p, q), dtype, (tp, tq), False), ((b, q, p), dtype, (tq, tp), True),
+       ((b, p, q // bs), jnp.uint8, (tp, tq // bs), False),
+       ((b, q, p // bs), jnp.uint8, (tq, tp // bs), True),
+       ((b, p // tp, q // tq), jnp.float32, (1, 1), False)], name="mx_codes_both")
   codes, codes_t, bits, bits_t, partial = out
   e8m0 = lambda u: lax.bitcast_convert_type(u, jnp.float8_e8m0fnu)
   return (codes, e8m0(bits)), (codes_t, e8m0(bits_t)), jnp.max(partial)
@@ -353,11 +338,12 @@ def _tiled_call(kernel, t, tiles, outs, extra_inputs=(), name="", indices=False)
   """
   b, p, q = t.shape
   tp, tq = tiles
-  interpret = kernel_mode(t, 16, gemm="block") == "interpret"
+  interpret = _MODE.get() == "interpret"
   params = {}
   if not interpret:
     from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel
     params = {"compiler_params": pl_triton.CompilerParams(num_warps=4, num_stages=1)}
+  # Inside shard_map the results vary over the mesh axes ``t`` varies over.
   sds = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=getattr(jax.typeof(t), "mat", None))
   spec = lambda block, transposed: pl.BlockSpec(
       (None,) + block, lambda i, j, k: (i,) + ((k, j) if transposed else (j, k)))
