@@ -217,33 +217,35 @@ class BlockDot(DotSpec):
     h = self.recipe.wgrad_hadamard
     return randomness.random_hadamard(t, h) if h else t
 
-  def _one_read(self, x, groups):
+  def _one_read(self, x, groups, *, weight: bool = False):
     """``x`` as (B, P, Q) when :mod:`~fp8_linen.core.block_kernels` may quantize it, else None.
 
     The kernels write both copies of a tensor from its own layout, so
     ``groups`` (the axes that become B, P, Q) must need no transpose. MX: the
-    second copy is neither rotated nor rounded stochastically. NVFP4: blocks
-    of 16, a rotation that fits a tile, no 4/6 choice.
+    second copy is neither rotated nor rounded stochastically, and a weight
+    is not in 2-D tiles. NVFP4: blocks of 16, a rotation that fits a tile,
+    no 4/6 choice.
     """
     r = self.recipe
     if r.is_nvfp4:
       h = r.wgrad_hadamard
       if r.four_over_six or r.block_size != 16 or (h and (h & (h - 1) or h > 32)):
         return None
-    elif r.wgrad_hadamard or r.grad_stochastic_rounding:
+    elif r.wgrad_hadamard or r.grad_stochastic_rounding or (weight and r.kernel_2d_blocks):
       return None
     if tuple(a for g in groups for a in g) != tuple(range(x.ndim)):
       return None
     t = _view(x, *groups)
     return t if block_kernels.kernel_mode(t, r.block_size, gemm=self.gemm) else None
 
-  def _both(self, t, cfg, state, *, rotate: bool, seed=None):
+  def _both(self, t, cfg, state, *, rotate: bool = False, tiles: bool = False, seed=None):
     """Both copies of ``t`` (B, P, Q) from the kernels: along Q, and along P transposed.
 
     Returns ``((q, s), (q_t, s_t), a, g, g_t)``: the codes, ``t``'s amax and
     the copies' NVFP4 factors (``g_t`` the rotated copy's own). ``rotate``:
-    the copy along P is a wgrad operand (NVFP4 rotates it); ``seed``: the
-    gradient's stochastic rounding.
+    the copy along P is a wgrad operand (NVFP4 rotates it); ``tiles``: the
+    weight's 16 x 16 tiles (NVFP4), one set of codes in both layouts;
+    ``seed``: the gradient's stochastic rounding.
     """
     r = self.recipe
     if not r.is_nvfp4:
@@ -255,6 +257,9 @@ class BlockDot(DotSpec):
     a, a_t = block_kernels.nvfp4_amaxes(t, h)
     a = lowering.global_max(a)
     g = self._tensor_scale(cfg, state, a)
+    if tiles:
+      along_q, along_p = block_kernels.nvfp4_tile_codes_both(t, g)
+      return along_q, along_p, a, g, g
     g_t = self._factor_of(cfg, lowering.global_max(a_t)) if h else g
     keys = None
     if seed is not None and r.grad_stochastic_rounding:
@@ -319,16 +324,10 @@ class BlockDot(DotSpec):
   def _kernel_codes(self, rhs, groups, cfg, state):
     """``rhs``'s codes along K (B, N, Kp) and along N (B, K, Np), its amax and factor."""
     rb, rf, rc = groups
-    r = self.recipe
-    one = (None if r.kernel_2d_blocks and not r.is_nvfp4
-           else self._one_read(rhs, (rb, rc, rf)))                    # (B, K, N)
-    if one is not None and r.kernel_2d_blocks:
-      a = lowering.global_max(block_kernels.nvfp4_amaxes(one, 0)[0])
-      g = self._tensor_scale(cfg, state, a)
-      along_n, along_k = block_kernels.nvfp4_tile_codes_both(one, g)
-      return along_k, along_n, a, g
+    one = self._one_read(rhs, (rb, rc, rf), weight=True)             # (B, K, N)
     if one is not None:
-      along_n, along_k, a, g, _ = self._both(one, cfg, state, rotate=False)
+      along_n, along_k, a, g, _ = self._both(one, cfg, state,
+                                             tiles=self.recipe.kernel_2d_blocks)
       return along_k, along_n, a, g
     w3 = _view(rhs, rb, rf, rc)                                      # (B, N, K)
     k = w3.shape[2]
