@@ -216,35 +216,9 @@ def mx_codes_both(t: jnp.ndarray, dtype, block_size: int):
 # :func:`nvfp4_amaxes` reads the tensor once for both amaxes,
 # :func:`nvfp4_codes_both` once more for both copies' codes.
 
-_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def e2m1_codes(y: jnp.ndarray) -> jnp.ndarray:
-  """The 4-bit e2m1 code (uint8, 0..15) of each float32 ``y``, rounded to nearest even.
-
-  ``y`` within [-6, 6] (larger magnitudes saturate to 6). Integer arithmetic
-  only, so it runs where ``float4_e2m1fn`` does not exist (Triton); equal to
-  the bits of ``y.astype(jnp.float4_e2m1fn)`` (tested).
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from fp8_linen.core import block_kernels
-    >>> block_kernels.e2m1_codes(jnp.array([0.25, 0.75, 2.5, -5.0, -0.0])).tolist()
-    [0, 2, 4, 14, 8]
-  """
-  y = jnp.asarray(y, jnp.float32)
-  mag = jnp.abs(y)
-  # e2m1's spacing is 0.5 below 2, 1 up to 4, 2 up to 6. Round half to even by
-  # hand (Triton has no round): v / step is a small multiple of 1/2**k, exact.
-  step = jnp.where(mag < 2.0, 0.5, jnp.where(mag < 4.0, 1.0, 2.0))
-  v = mag / step
-  low = jnp.floor(v)
-  odd = low - 2.0 * jnp.floor(low * 0.5)
-  up = (v - low > 0.5) | ((v - low == 0.5) & (odd == 1.0))
-  r = jnp.minimum(jnp.where(up, low + 1.0, low) * step, 6.0)
-  code = jnp.where(r < 2.0, r * 2.0, jnp.where(r < 4.0, r + 2.0, r * 0.5 + 4.0))
-  sign = jnp.where(lax.bitcast_convert_type(y, jnp.int32) < 0, 8, 0)
-  return (code.astype(jnp.int32) | sign).astype(jnp.uint8)
+# The kernels' e2m1 rounding is block_numerics' integer one (Triton has no
+# 4-bit float); exported here too, as the kernels' own building block.
+e2m1_codes = block_numerics.e2m1_codes
 
 
 def _pack(codes):

@@ -29,12 +29,16 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax import lax
 
 from fp8_linen.core import lowering
-from fp8_linen.core.numerics import E4M3_MAX, SCALE_FLOOR, fp8_max, pow2, saturate_measured
+from fp8_linen.core.numerics import (E4M3_MAX, SCALE_FLOOR, decode_fp8, fp8_max, pow2,
+                                     saturate_measured)
 
 __all__ = [
     "E2M1_MAX",
@@ -46,6 +50,9 @@ __all__ = [
     "block_quantize",
     "block_dequantize",
     "e2m1_block",
+    "e2m1_codes",
+    "e2m1_round",
+    "code_values",
     "stochastic_round_e2m1",
 ]
 
@@ -73,14 +80,28 @@ def block_amax(xb: jnp.ndarray, axis) -> jnp.ndarray:
 def mx_scale(a: jnp.ndarray, m: float) -> tuple[jnp.ndarray, jnp.ndarray]:
   """``(scale, e)``: MX's power-of-two block scale for block amaxes ``a`` and its exponent.
 
-  ``scale = 2**e`` with ``e = ceil(log2(a / m))`` clamped to [-126, 127]
-  (float32, exact), so no element exceeds ``m`` after division; a zero or
-  non-finite amax gets ``e = 0``. ``e`` is int32: ``e + 127`` is the scale's
-  ``float8_e8m0fnu`` bit pattern.
+  ``scale = 2**e`` with ``e = ceil(log2(a / m))`` clamped to [-126, 127], so
+  no element exceeds ``m`` after division; a zero or non-finite amax gets
+  ``e = 0``. ``e`` is int32: ``e + 127`` is the scale's ``float8_e8m0fnu``
+  bit pattern.
+
+  ``e`` is read off the exponent and mantissa bits of ``a`` and ``m``, with no
+  division or logarithm: XLA:GPU computes ``log2(a / m)`` as ``log(a * (1 /
+  m)) * (1 / ln 2)``, which misses the integer when ``a / m`` is a power of
+  two and doubles that block's scale (seen on an H200), and the backends'
+  logarithms differ in their last bits. Bits give the same exponent on every
+  backend and in the Pallas kernels.
   """
-  e = jnp.ceil(jnp.log2(jnp.maximum(a, SCALE_FLOOR) / m))
-  e = jnp.where(jnp.isfinite(a) & (a > 0), e, 0.0)
-  e = jnp.clip(e, -126.0, 127.0).astype(jnp.int32)
+  a = jnp.asarray(a, jnp.float32)
+  # a / m = (1.fa / 1.fm) * 2**(ea - em): a power of two when the mantissas
+  # are equal, else one more than ea - em when a's mantissa is the larger.
+  frac, ex = math.frexp(float(m))
+  em, fm = ex - 1, int(round((frac * 2.0 - 1.0) * 2.0 ** 23))
+  bits = lax.bitcast_convert_type(jnp.maximum(a, SCALE_FLOOR), jnp.int32)  # a normal float
+  ea, fa = (bits >> 23) - 127, bits & 0x7FFFFF
+  e = ea - em + (fa > fm).astype(jnp.int32)
+  e = jnp.where(jnp.isfinite(a) & (a > 0), e, 0)
+  e = jnp.clip(e, -126, 127)
   return pow2(e), e
 
 
@@ -150,9 +171,9 @@ def mx_dequantize(q: jnp.ndarray, scales: jnp.ndarray, axis: int, block_size: in
   """
   axis = axis % q.ndim
   q, scales = lowering.unshard_axis(q, axis), lowering.unshard_axis(scales, axis)
-  s = jnp.repeat(scales.astype(dtype), block_size, axis=axis)
+  s = jnp.repeat(code_values(scales).astype(dtype), block_size, axis=axis)
   s = lax_slice_axis(s, axis, q.shape[axis])
-  return q.astype(dtype) * s
+  return code_values(q).astype(dtype) * s
 
 
 def _blocks(x, block_size: int, rows: int):
@@ -229,8 +250,8 @@ def block_quantize(x: jnp.ndarray, block_size: int, dtype, *, tensor_scale=None,
     if four_over_six:
       stored4, den4, y4 = e2m1_block(xb, a, g, 4.0)
       # Compared in x's units: the two candidates divide by different scales.
-      err6 = jnp.sum(jnp.square(_e2m1_nearest(y) * den - xb), axis=(-3, -1), keepdims=True)
-      err4 = jnp.sum(jnp.square(_e2m1_nearest(y4) * den4 - xb), axis=(-3, -1), keepdims=True)
+      err6 = jnp.sum(jnp.square(e2m1_round(y) * den - xb), axis=(-3, -1), keepdims=True)
+      err4 = jnp.sum(jnp.square(e2m1_round(y4) * den4 - xb), axis=(-3, -1), keepdims=True)
       four = err4 < err6
       stored = jnp.where(four, stored4, stored)
       y = jnp.where(four, y4, y)
@@ -252,15 +273,93 @@ def e2m1_block(xb, a, g, top: float = E2M1_MAX):
   # A non-finite block keeps a NaN scale: its e2m1 codes cannot say so.
   d = jnp.where(jnp.isfinite(a), jnp.minimum(d, E4M3_MAX), jnp.nan)
   stored = d.astype(jnp.float8_e4m3fn)
-  den = stored.astype(jnp.float32) * g
+  # The stored scale's value read from its bits: XLA:GPU would otherwise
+  # divide by the unrounded ``d`` (see numerics.decode_fp8), and the codes
+  # would not match the scale the GEMM multiplies them by.
+  den = decode_fp8(stored) * g
   y = jnp.clip(jnp.where(den > 0, xb / jnp.where(den > 0, den, 1.0), 0.0),
                -E2M1_MAX, E2M1_MAX)
   return stored, den, y
 
 
-def _e2m1_nearest(y):
-  """``y`` rounded to nearest in e2m1, as float32."""
-  return y.astype(jnp.float4_e2m1fn).astype(jnp.float32)
+def _signed_like(r, y):
+  """``r`` (>= 0, float32) with the sign bit of ``y``; -0.0 stays -0.0.
+
+  From the bits: a Pallas kernel compiled by Triton turned ``copysign(0.0,
+  y < 0)`` into +0.0 (seen on an H200), where XLA gives -0.0.
+  """
+  sign = lax.bitcast_convert_type(jnp.asarray(y, jnp.float32), jnp.uint32) & np.uint32(0x80000000)
+  return lax.bitcast_convert_type(lax.bitcast_convert_type(r, jnp.uint32) | sign, jnp.float32)
+
+
+def _e2m1_magnitude(mag):
+  """``mag`` (>= 0, float32) rounded to nearest-even on e2m1's grid, saturating at 6."""
+  # e2m1's spacing is 0.5 below 2, 1 up to 4, 2 up to 6. Round half to even by
+  # hand (Triton has no round): v / step is a small multiple of 1/2**k, exact.
+  step = jnp.where(mag < 2.0, 0.5, jnp.where(mag < 4.0, 1.0, 2.0))
+  v = mag / step
+  low = jnp.floor(v)
+  odd = low - 2.0 * jnp.floor(low * 0.5)
+  up = (v - low > 0.5) | ((v - low == 0.5) & (odd == 1.0))
+  return jnp.minimum(jnp.where(up, low + 1.0, low) * step, E2M1_MAX)
+
+
+def e2m1_round(y: jnp.ndarray) -> jnp.ndarray:
+  """``y`` (float32) rounded to nearest-even in e2m1, as float32 (saturating at 6).
+
+  The values of ``y.astype(jnp.float4_e2m1fn)``, computed in float32 arithmetic:
+  XLA:GPU drops a cast to a narrow float followed by a cast back (see
+  :func:`~fp8_linen.core.numerics.decode_fp8`).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import block_numerics
+    >>> block_numerics.e2m1_round(jnp.array([0.25, 0.75, 2.5, -5.0, 9.0])).tolist()
+    [0.0, 1.0, 2.0, -4.0, 6.0]
+  """
+  y = jnp.asarray(y, jnp.float32)
+  return _signed_like(_e2m1_magnitude(jnp.abs(y)), y)
+
+
+def e2m1_codes(y: jnp.ndarray) -> jnp.ndarray:
+  """The 4-bit e2m1 code (uint8, 0..15) of each float32 ``y``, rounded to nearest even.
+
+  ``y`` within [-6, 6] (larger magnitudes saturate to 6). Integer arithmetic
+  only, so it runs where ``float4_e2m1fn`` does not exist (Triton); equal to
+  the bits of ``y.astype(jnp.float4_e2m1fn)`` (tested).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import block_numerics
+    >>> block_numerics.e2m1_codes(jnp.array([0.25, 0.75, 2.5, -5.0, -0.0])).tolist()
+    [0, 2, 4, 14, 8]
+  """
+  y = jnp.asarray(y, jnp.float32)
+  r = _e2m1_magnitude(jnp.abs(y))
+  code = jnp.where(r < 2.0, r * 2.0, jnp.where(r < 4.0, r + 2.0, r * 0.5 + 4.0))
+  sign = jnp.where(lax.bitcast_convert_type(y, jnp.int32) < 0, 8, 0)
+  return (code.astype(jnp.int32) | sign).astype(jnp.uint8)
+
+
+def code_values(q: jnp.ndarray) -> jnp.ndarray:
+  """The float32 values of block codes or scales (fp8, ``float4_e2m1fn``, ``float8_e8m0fnu``).
+
+  Read from their bits, so the rounding they carry survives XLA:GPU (see
+  :func:`~fp8_linen.core.numerics.decode_fp8`); other dtypes are cast.
+  """
+  dt = np.dtype(q.dtype)
+  if dt == _E2M1:
+    c = lax.bitcast_convert_type(q, jnp.uint4).astype(jnp.int32)
+    e, m = (c >> 1) & 3, c & 1
+    # Normal: (2 + m) * 2**(e - 2); subnormal (e == 0): m / 2.
+    mag = jnp.where(e == 0, m.astype(jnp.float32) * 0.5, (m + 2).astype(jnp.float32) * pow2(e - 2))
+    return jnp.where(c >= 8, -mag, mag)
+  if dt == np.dtype(ml_dtypes.float8_e8m0fnu):
+    b = lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.int32)
+    # pow2 stops at 2**-126 (the smallest normal float32); code 0 is 2**-127.
+    value = jnp.where(b == 0, np.float32(2.0 ** -127), pow2(b - 127))
+    return jnp.where(b == 255, jnp.nan, value)
+  return decode_fp8(q)
 
 
 def block_dequantize(q: jnp.ndarray, scales: jnp.ndarray, block_size: int, dtype=jnp.float32,
@@ -271,8 +370,8 @@ def block_dequantize(q: jnp.ndarray, scales: jnp.ndarray, block_size: int, dtype
   power of two; an e2m1 value, two significant bits, times an e4m3 scale, four:
   six bits), barring underflow below bfloat16's smallest subnormal.
   """
-  s = jnp.repeat(scales.astype(dtype), block_size, axis=-1)
-  out = q.astype(dtype) * s
+  s = jnp.repeat(code_values(scales).astype(dtype), block_size, axis=-1)
+  out = code_values(q).astype(dtype) * s
   if tensor_scale is not None:
     out = (out.astype(jnp.float32) * jnp.reshape(tensor_scale, ())).astype(dtype)
   return out
@@ -299,4 +398,4 @@ def stochastic_round_e2m1(y: jnp.ndarray, u: jnp.ndarray) -> jnp.ndarray:
   lo = jnp.floor(ay / step) * step
   up = u < (ay - lo) / step
   r = jnp.minimum(jnp.where(up, lo + step, lo), E2M1_MAX)
-  return jnp.where(jnp.isfinite(y), jnp.copysign(r, y), y)
+  return jnp.where(jnp.isfinite(y), _signed_like(r, y), y)

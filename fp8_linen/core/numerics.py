@@ -52,6 +52,7 @@ __all__ = [
     "finite_or_zero",
     "quantize",
     "encode_fp8",
+    "decode_fp8",
     "dequantize",
     "qdq",
     "roll_history",
@@ -270,9 +271,48 @@ def encode_fp8(y: jnp.ndarray, dtype) -> jnp.ndarray:
   return lax.bitcast_convert_type(code, dtype)
 
 
-def dequantize(q: jnp.ndarray, scale: jnp.ndarray, dtype) -> jnp.ndarray:
-  """``q * scale`` computed in float32, returned in ``dtype``."""
-  return (q.astype(jnp.float32) * _per_tensor(scale)).astype(dtype)
+def decode_fp8(q: jnp.ndarray) -> jnp.ndarray:
+  """The float32 values of fp8 codes ``q`` (e4m3fn or e5m2), computed from their bits.
+
+  Equal to ``q.astype(jnp.float32)``, but XLA:GPU cannot drop it: with
+  excess precision allowed (its default) it removes a ``convert`` to a
+  narrow float followed by a ``convert`` back, so ``x.astype(e4m3).astype(f32)``
+  compiles to ``x`` there and a fake quantization would silently run in
+  float. Codes read through their bits keep the rounding on every backend.
+  Other dtypes fall back to ``astype``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import numerics
+    >>> numerics.decode_fp8(jnp.array([0.3, -448.0, 2.0 ** -9], jnp.float8_e4m3fn)).tolist()
+    [0.3125, -448.0, 0.001953125]
+  """
+  spec = _ENCODERS.get(np.dtype(q.dtype))
+  if spec is None:
+    return q.astype(jnp.float32)
+  mant, bias, nan_code, inf_code = spec
+  b = lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.int32)
+  mag = b & 0x7F
+  e, m = mag >> mant, mag & ((1 << mant) - 1)
+  # Normal: (2**mant + m) * 2**(e - bias - mant); subnormal (e == 0): m * 2**(1 - bias - mant).
+  normal = (m + (1 << mant)).astype(jnp.float32) * pow2(e - bias - mant)
+  value = jnp.where(e == 0, m.astype(jnp.float32) * np.float32(2.0 ** (1 - bias - mant)), normal)
+  if inf_code is None:
+    value = jnp.where(mag == nan_code, jnp.nan, value)
+  else:
+    value = jnp.where(mag == inf_code, jnp.inf, jnp.where(mag > inf_code, jnp.nan, value))
+  return jnp.where(b >= 0x80, -value, value)
+
+
+def dequantize(q: jnp.ndarray, scale: jnp.ndarray, dtype, *, exact: bool = False) -> jnp.ndarray:
+  """``q * scale`` computed in float32, returned in ``dtype``.
+
+  ``exact=True`` reads the codes through their bits (:func:`decode_fp8`), so
+  XLA:GPU cannot fold the rounding away; the default keeps the plain cast,
+  the pattern XLA:GPU turns into an fp8 GEMM when the value feeds a dot.
+  """
+  values = decode_fp8(q) if exact else q.astype(jnp.float32)
+  return (values * _per_tensor(scale)).astype(dtype)
 
 
 def qdq(x: jnp.ndarray, dtype, scale: jnp.ndarray) -> jnp.ndarray:

@@ -49,8 +49,10 @@ def _quantize_bwd(cfg, x_dtype, first, frozen, res, cts):
   a, state = res
   g_q, g_scale, ct_chain = cts
   # g_q is the fp8 gradient made by dequantize's backward, g_scale the scale
-  # it was quantized with (delivered through the dummy ``scale_out``).
-  dx = numerics.dequantize(g_q, g_scale, x_dtype)
+  # it was quantized with (delivered through the dummy ``scale_out``). It
+  # leaves the pair for whatever made x, never as a GEMM operand here: read
+  # exactly, or XLA:GPU would drop the e5m2 rounding (numerics.decode_fp8).
+  dx = numerics.dequantize(g_q, g_scale, x_dtype, exact=True)
   a, empty = _observed(a, frozen)
   (st,), chain_ct = owg.state_cotangents((cfg,), (state,), (a,), ct_chain, first,
                                          empty=empty or g_q.size == 0)
@@ -60,16 +62,17 @@ def _quantize_bwd(cfg, x_dtype, first, frozen, res, cts):
 _quantize.defvjp(_quantize_fwd, _quantize_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _dequantize(grad_cfg, out_dtype, first, frozen, xq, scale_out, grad_state, chain):
-  return numerics.dequantize(xq, scale_out, out_dtype), chain
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _dequantize(grad_cfg, out_dtype, first, frozen, exact, xq, scale_out, grad_state, chain):
+  return numerics.dequantize(xq, scale_out, out_dtype, exact=exact), chain
 
 
-def _dequantize_fwd(grad_cfg, out_dtype, first, frozen, xq, scale_out, grad_state, chain):
-  return (numerics.dequantize(xq, scale_out, out_dtype), chain), grad_state
+def _dequantize_fwd(grad_cfg, out_dtype, first, frozen, exact, xq, scale_out, grad_state, chain):
+  return (numerics.dequantize(xq, scale_out, out_dtype, exact=exact), chain), grad_state
 
 
-def _dequantize_bwd(grad_cfg, out_dtype, first, frozen, grad_state, cts):
+def _dequantize_bwd(grad_cfg, out_dtype, first, frozen, exact, grad_state, cts):
+  del exact
   g, ct_chain = cts
   g_q, s, a = numerics.quantize_with(grad_cfg, *grad_state, g, gradient=True)
   a, empty = _observed(a, frozen)
@@ -120,7 +123,8 @@ def quantize(x, scale, amax_history, *, cfg: ScalingConfig | None = None, chain=
 
 
 def dequantize(x_fp8, scale_out, grad_scale, grad_amax_history, *,
-               grad_cfg: ScalingConfig | None = None, dtype=jnp.float32, chain=None):
+               grad_cfg: ScalingConfig | None = None, dtype=jnp.float32, chain=None,
+               exact: bool = False):
   """Dequantizes ``x_fp8`` and quantizes the gradient flowing back through it.
 
   Forward: ``x_fp8 * scale_out`` in ``dtype``. Backward: picks the gradient's
@@ -139,6 +143,11 @@ def dequantize(x_fp8, scale_out, grad_scale, grad_amax_history, *,
     dtype: the dtype to dequantize to.
     chain: ``None`` for the first use of the gradient state, else the previous
       use's ``chain_out``.
+    exact: read the codes through their bits. XLA:GPU drops a cast to fp8
+      followed by a cast back (excess precision, its default), so a value
+      that feeds anything but a dot XLA makes an fp8 GEMM of would carry no
+      rounding there; ``True`` keeps it (and keeps XLA from making an fp8
+      GEMM of a dot it feeds). ``Fp8Activation`` uses it.
 
   Returns:
     ``(x, chain_out)``.
@@ -155,5 +164,5 @@ def dequantize(x_fp8, scale_out, grad_scale, grad_amax_history, *,
   grad_cfg = grad_cfg or ScalingConfig(dtype="float8_e5m2")
   state = owg.check_state("output_grad", owg.RoleState(grad_scale, grad_amax_history))
   first = chain is None
-  return _dequantize(grad_cfg, jnp.dtype(dtype), first, owg.quantizers_frozen(), x_fp8,
-                     scale_out, state, owg.chain_init(1) if first else chain)
+  return _dequantize(grad_cfg, jnp.dtype(dtype), first, owg.quantizers_frozen(), bool(exact),
+                     x_fp8, scale_out, state, owg.chain_init(1) if first else chain)

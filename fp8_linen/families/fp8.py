@@ -166,8 +166,10 @@ def activation(access, x, recipe: ActivationRecipe, name: str):
   st_g = role_state(access, "output_grad", recipe.output_grad)
   return access.chained(
       "activation_output_grad",
+      # exact: the value goes on to any op, and XLA:GPU would otherwise drop
+      # the e4m3 rounding (core.numerics.decode_fp8).
       lambda chain: dequantize(xq, s, *st_g, grad_cfg=recipe.output_grad, dtype=x.dtype,
-                               chain=chain), st_g.scale)
+                               chain=chain, exact=True), st_g.scale)
 
 
 def weight_only_dot(access, lhs, rhs, dimension_numbers, recipe: Fp8WeightOnly, out_dtype=None,

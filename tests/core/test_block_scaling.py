@@ -590,3 +590,64 @@ def test_a_non_finite_block_is_nan_and_the_others_unchanged(bad):
     keep = np.ones_like(q32, bool)
     keep[1, 32:] = False
     np.testing.assert_array_equal(q32[keep], c32[keep])
+
+
+@pytest.mark.parametrize("name", ["float4_e2m1fn", "float8_e8m0fnu", "float8_e4m3fn"])
+def test_code_values_are_the_cast_on_every_code(name):
+  """Block codes and scales read from their bits (what the emulated GEMMs multiply)."""
+  dt = getattr(ml_dtypes, name)
+  bits = jnp.arange(16, dtype=jnp.uint4) if name == "float4_e2m1fn" else jnp.arange(256,
+                                                                                  dtype=jnp.uint8)
+  codes = jax.lax.bitcast_convert_type(bits, dt)
+  got = np.asarray(block_numerics.code_values(codes))
+  want = np.asarray(codes.astype(jnp.float32))
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  ok = ~np.isnan(want)
+  np.testing.assert_array_equal(got[ok], want[ok])
+  np.testing.assert_array_equal(np.signbit(got[ok]), np.signbit(want[ok]))
+
+
+def test_e2m1_round_is_the_casts_values():
+  y = jnp.concatenate([jnp.linspace(-7.0, 7.0, 28001),
+                       jnp.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0, -0.2, -5.0])])
+  got = np.asarray(block_numerics.e2m1_round(y))
+  want = np.asarray(y.astype(jnp.float4_e2m1fn).astype(jnp.float32))
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+def test_mx_exponent_is_exact_at_and_around_powers_of_two(name):
+  """ceil(log2(a / m)) from bits: a = m * 2**k gives k, one ulp above gives k + 1."""
+  m = float(ml_dtypes.finfo(getattr(ml_dtypes, name)).max)
+  k = np.arange(-100, 100)
+  at = (m * np.exp2(k.astype(np.float64))).astype(np.float32)
+  above = np.nextafter(at, np.float32(np.inf))
+  below = np.nextafter(at, np.float32(0))
+  rng = np.random.default_rng(0)
+  rand = np.abs(rng.normal(size=2000) * np.exp2(rng.integers(-100, 100, 2000))).astype(np.float32)
+  a = np.concatenate([at, above, below, rand, [0.0, np.inf, np.nan]]).astype(np.float32)
+  scale, e = block_numerics.mx_scale(jnp.asarray(a), m)
+  # The reference in exact rational arithmetic.
+  from fractions import Fraction
+  def ref(v):
+    if not np.isfinite(v) or v <= 0:
+      return 0
+    q = Fraction(max(float(v), 2.0 ** -126)) / Fraction(m)
+    n = q.numerator.bit_length() - q.denominator.bit_length()   # 2**n close to q
+    while Fraction(2) ** n < q:
+      n += 1
+    while Fraction(2) ** (n - 1) >= q:
+      n -= 1
+    return min(max(n, -126), 127)
+  want = np.array([ref(v) for v in a])
+  np.testing.assert_array_equal(np.asarray(e), want)
+  np.testing.assert_array_equal(np.asarray(e)[:200], k)                # exactly m * 2**k
+  np.testing.assert_array_equal(np.asarray(scale), np.exp2(want).astype(np.float32))
+
+
+def test_stochastic_rounding_keeps_the_sign_of_zero():
+  y = jnp.array([-0.2, -0.0, 0.1, -0.01])
+  r = np.asarray(block_numerics.stochastic_round_e2m1(y, jnp.full((4,), 0.99)))
+  np.testing.assert_array_equal(r, [0.0, 0.0, 0.0, 0.0])
+  np.testing.assert_array_equal(np.signbit(r), [True, True, False, True])

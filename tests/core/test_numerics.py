@@ -190,3 +190,21 @@ def test_quantize_with_a_weights_shape_of_step_gives_the_same_codes(backend, sca
   # The first step takes its scale from the tensor: nothing clips (700 sigma > 448).
   if history == "empty" or scaling == "current":
     assert float(jnp.max(jnp.abs(plain[0].astype(jnp.float32)))) == 448.0
+
+
+# XLA:GPU (excess precision allowed, its default) compiles `x.astype(f8).astype(f32)`
+# to `x`; the decoders read codes through their bits so the rounding survives there
+# (tests/targets/test_block_scaled.py checks the compiled GPU programs).
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+def test_decode_fp8_is_the_cast_on_every_code(name):
+  dt = getattr(ml_dtypes, name)
+  codes = np.arange(256, dtype=np.uint8).view(dt)
+  got = np.asarray(numerics.decode_fp8(jnp.asarray(codes)))
+  want = codes.astype(np.float32)
+  assert got.dtype == np.float32
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  ok = ~np.isnan(want)
+  np.testing.assert_array_equal(got[ok], want[ok])
+  np.testing.assert_array_equal(np.signbit(got[ok]), np.signbit(want[ok]))  # -0.0 kept

@@ -103,3 +103,63 @@ def test_h100_served_forward_emulates_the_blocks_in_bf16(require_target, fmt):
   require_target("h100")
   report = cases.compile_case(f"served-{fmt}", "h100")
   assert report.block_scaled_dots == 0 and report.classes == {"bf16": 2}, report.summary()
+
+
+def _low_precision_types(hlo: str) -> set[str]:
+  """The narrow float types some instruction of an optimized HLO module produces."""
+  import re  # pylint: disable=import-outside-toplevel
+  return set(re.findall(r"= (f8e4m3fn|f8e5m2|f4e2m1fn|f8e8m0fnu)\[", hlo))
+
+
+@pytest.mark.parametrize("target", ["h100", "b200"])
+@pytest.mark.xdist_group("h100")
+def test_the_jnp_block_quantization_still_rounds_after_xla_gpu(require_target, target):
+  """XLA:GPU drops a cast to a narrow float followed by a cast back (excess precision).
+
+  Fake quantization written as ``q.astype(f32)`` compiled to no rounding at all
+  there: NVFP4's emulation (H100) ran in float, and on both GPUs NVFP4's
+  codes were divided by the unrounded block scale, not the e4m3 one stored
+  beside them (an H200 run of bench_kernels_gpu.py found it: the jnp codes
+  differed from the Pallas kernel's). Codes and scales are now read through
+  their bits (block_numerics.code_values), which XLA cannot fold away.
+  """
+  from fp8_linen.core import block_numerics as bn  # pylint: disable=import-outside-toplevel
+  require_target(target)
+  g = jnp.float32(1e-3)
+  x = jnp.linspace(-1.0, 1.0, 64 * 64, dtype=jnp.float32).reshape(64, 64)
+  nv = lambda t, **kw: bn.block_quantize(t, 16, jnp.float4_e2m1fn, tensor_scale=g, **kw)
+  cases_ = {
+      # Only float32 comes out: any rounding left is in the program's body.
+      "nvfp4 fake quant": (lambda t: bn.block_dequantize(*nv(t), 16, tensor_scale=g),
+                           {"f4e2m1fn", "f8e4m3fn"}),
+      "nvfp4 4/6 fake quant": (lambda t: bn.block_dequantize(*nv(t, four_over_six=True), 16,
+                                                             tensor_scale=g),
+                               {"f4e2m1fn", "f8e4m3fn"}),
+      # What the codes are divided by: the e4m3-rounded scale.
+      "nvfp4 codes' divisor": (lambda t: bn.e2m1_block(t.reshape(64, 4, 16),
+                                                       bn.block_amax(t.reshape(64, 4, 16), 2),
+                                                       g)[2], {"f8e4m3fn"}),
+      "mxfp8 fake quant": (lambda t: bn.block_dequantize(*bn.block_quantize(
+          t, 32, jnp.float8_e4m3fn), 32), {"f8e4m3fn"}),
+  }
+  for name, (fn, want) in cases_.items():
+    report = compile_for(target, fn, x)
+    assert want <= _low_precision_types(report.hlo), (name, _low_precision_types(report.hlo))
+
+
+@pytest.mark.xdist_group("h100")
+def test_fp8_activation_still_rounds_after_xla_gpu(require_target):
+  """Fp8Activation's e4m3 value and e5m2 gradient go on to any op, not to an fp8 GEMM.
+
+  Read with a plain cast, both compiled to no fp8 at all for the H100 (XLA:GPU
+  drops a cast to fp8 followed by a cast back), so the layer ran in float.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  require_target("h100")
+  x = jnp.linspace(-3.0, 3.0, 64 * 64, dtype=jnp.float32).reshape(64, 64)
+  act = fl.Fp8Activation()
+  v = act.init(jax.random.key(0), x)
+  step = lambda v, x: jax.grad(lambda v, x: jnp.sum(jnp.tanh(act.apply(v, x)) ** 2),
+                               argnums=(0, 1))(v, x)
+  report = compile_for("h100", step, v, x)
+  assert {"f8e4m3fn", "f8e5m2"} <= _low_precision_types(report.hlo), report.summary()
