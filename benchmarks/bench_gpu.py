@@ -146,7 +146,7 @@ def estimate_row(text: str, peaks: estimate.Peaks) -> dict:
 
 
 def run_shape(label: str, shape: tuple[int, int, int], reps: int, warmup: int,
-              peaks: estimate.Peaks) -> dict:
+              peaks: estimate.Peaks, arms: tuple[str, ...] = ARMS) -> dict:
   """Builds, counts, estimates and times every arm on one shape; returns its JSON row.
 
   An arm that fails to build or compile is recorded with its error and left
@@ -157,7 +157,7 @@ def run_shape(label: str, shape: tuple[int, int, int], reps: int, warmup: int,
   # Every arm gets the same random x (bf16) and, through seed=0, the same cotangent.
   x = jax.random.normal(jax.random.key(2), (m, k), jnp.float32).astype(jnp.bfloat16)
   built, rows = {}, {}
-  for arm in ARMS:
+  for arm in arms:
     try:
       a = common.build_train_arm(make_layer(arm, n), x, seed=0)
       text = a.compiled.as_text()
@@ -203,7 +203,7 @@ def run_shape(label: str, shape: tuple[int, int, int], reps: int, warmup: int,
       row["ratio_vs_flax_fp8"] = t["median_ms"] / flax_ms
     # Measured time over the roofline: how far the device is from the peaks.
     row["estimate"]["measured_over_estimate"] = t["median_ms"] / row["estimate"]["ms"]
-  for arm in ARMS:
+  for arm in arms:
     print(arm_line(label, arm, rows[arm]), flush=True)
   return {"label": label, "shape_MKN": list(shape), "reps": reps, "warmup": warmup,
           **({"timing_error": timing_error} if timing_error else {}),
@@ -295,6 +295,8 @@ def main(argv=None) -> dict:
   p.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
   p.add_argument("--shapes", nargs="+", choices=[s for s, _ in SHAPES],
                  help="run only these shapes (default: all)")
+  p.add_argument("--arms", nargs="+", choices=ARMS,
+                 help=f"run only these arms ({BASELINE} always runs; default: all)")
   p.add_argument("--budget-s", type=float, default=300.0,
                  help="past this many seconds the remaining shapes get --late-reps reps")
   p.add_argument("--late-reps", type=int, default=8)
@@ -310,6 +312,7 @@ def main(argv=None) -> dict:
   shapes = SMOKE_SHAPES if args.smoke else tuple(
       (s, shape) for s, shape in SHAPES if not args.shapes or s in args.shapes)
   reps, warmup = (2, 1) if args.smoke else (args.reps, args.warmup)
+  arms = (BASELINE,) + tuple(a for a in ARMS if a != BASELINE and (not args.arms or a in args.arms))
   env = {**common.environment(), **device_info()}
   peaks_name, peaks, peaks_note = peaks_for(env["device_kind"], args.peaks)
   print(f"device {env['device_kind']} ({env['platform']}), jax {env['jax']}, jaxlib "
@@ -324,7 +327,7 @@ def main(argv=None) -> dict:
       "dtypes": {"x": "bfloat16", "params": "float32", "compute": "bfloat16 (fp8 arms: "
                  "e4m3 forward operands, e5m2 output gradient)"},
       "arms": {a: make_layer(a, 1).__class__.__name__ + ("" if a == BASELINE else f" ({a})")
-               for a in ARMS},
+               for a in arms},
       "expected_fp8_products_per_step": 3,
       "estimate": {"label": "estimate (compile only)", "peaks_name": peaks_name,
                    "peaks_note": peaks_note, "flops": dict(peaks.flops), "hbm": peaks.hbm,
@@ -350,7 +353,7 @@ def main(argv=None) -> dict:
         n = args.late_reps
         print(f"{elapsed:.0f} s elapsed (budget {args.budget_s:.0f} s): {label} gets {n} reps",
               flush=True)
-      payload["results"].append(run_shape(label, shape, n, warmup, peaks))
+      payload["results"].append(run_shape(label, shape, n, warmup, peaks, arms))
       slowest = max(slowest, payload["results"][-1]["seconds"])
       payload["seconds"] = time.perf_counter() - t_start
       common.write_json(name, payload, args.out_dir)  # keep what is done so far

@@ -199,6 +199,28 @@ def measure(widths, arms, reps: int, quick: bool) -> dict:
   return result
 
 
+def measure_only(args, arms) -> dict:
+  """``--measure-only``: each width timed on the local device, the JSON rewritten after each."""
+  sys.path.insert(0, HERE)
+  import common  # pylint: disable=import-outside-toplevel
+  t0 = time.perf_counter()
+  payload = {"device": None, "env": common.environment(), "arms": arms, "reps": args.reps,
+             "widths": {}, "complete": False,
+             "model": "pre-LN decoder block as in estimate-targets.json, 4 x 2048 tokens"}
+  out_dir = os.path.dirname(args.out)
+  for d in args.widths:
+    result = measure([d], arms, args.reps, args.quick)
+    payload["device"] = result["device_kind"]
+    payload["estimated_with"] = result["estimated_with"]
+    payload["widths"].update(result["widths"])
+    payload["seconds"] = time.perf_counter() - t0
+    path = common.write_json("targets-measured", payload, out_dir=out_dir)
+  payload["complete"] = True
+  path = common.write_json("targets-measured", payload, out_dir=out_dir)
+  print(f"wrote {path}")
+  return payload
+
+
 LABELS = {"fp8_delayed": "fp8 delayed", "fp8_current": "fp8 current", "fp8_rowwise": "fp8 row-wise",
           "mx_block": "MXFP8", "nvfp4": "NVFP4", "int8_ste": "int8 STE", "int8_lsq": "int8 LSQ",
           "int8_grad8": "int8 STE, grad_bits=8",
@@ -269,6 +291,9 @@ def main(argv=None) -> dict:
   p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
   p.add_argument("--child-timeout", type=float, default=1200,
                  help="seconds one target and width may compile before its cells are given up")
+  p.add_argument("--measure-only", action="store_true",
+                 help="only time the arms on this machine's GPU/TPU (no compile-only targets); "
+                      "writes <device>-targets-measured.json after each width")
   p.add_argument("--tables", metavar="JSON",
                  help="print the markdown tables of a results file and exit")
   args = p.parse_args(argv)
@@ -280,6 +305,8 @@ def main(argv=None) -> dict:
     child(args.child[0], int(args.child[1]), args.child[2:], args.quick)
     return {}
   arms = ["bf16"] + [a for a in args.arms if a != "bf16"]
+  if args.measure_only:
+    return measure_only(args, arms)
   # This process only compiles: keep JAX (and its GPU/TPU plugins) on the CPU. The device
   # probe and the measurement run in their own processes, with the user's environment.
   env = dict(os.environ)

@@ -220,6 +220,8 @@ def test_scripts_import_only_the_public_api():
       for name in names:
         if name.split(".")[0] in ("fp8_linen", "fp8_linen_job", "common", "plot_results"):
           ok = name in allowed_ours or name.startswith("fp8_linen_job.")
+          # The kernels' own benchmark runs them against their jnp reference: both internal.
+          ok = ok or (path.name == "bench_kernels_gpu.py" and name == "fp8_linen.core")
           assert ok, f"{path.name} imports {name}"
       # Only the scripts that measure the job's own models may import the job.
       if path.name not in ("bench_transformer.py", "bench_block_quality.py", "from_float.py",
@@ -372,6 +374,29 @@ def test_bench_gpu_smoke(tmp_path):
     assert res["arms"]["bf16_dense"]["ratio_vs_bf16"] == 1.0
   if payload["env"]["platform"] == "cpu":  # no peaks of its own: the H200's run the code path
     assert saved["estimate"]["peaks_name"] == "h200" and saved["checks"] == []
+
+
+def test_bench_kernels_gpu_smoke(tmp_path):
+  # The kernels' GPU check, here in Pallas' interpreter: every case runs and is bit-exact.
+  bk = _load("bench_kernels_gpu")
+  bk.main(["--smoke", "--out-dir", str(tmp_path)])
+  saved = json.loads((tmp_path / f"{bk.common.device_name()}-kernels-gpu-smoke.json").read_text())
+  assert len(saved["cases"]) == 6
+  for case, row in saved["cases"].items():
+    assert "error" not in row, (case, row)
+    assert row["bit_exact"] and not any(row["differing_elements"]), case
+
+
+def test_bench_targets_measure_only_times_on_this_machine(tmp_path):
+  bt = _load("bench_targets")
+  payload = bt.main(["--measure-only", "--quick", "--widths", "64", "--arms", "bf16",
+                     "fp8_delayed", "--reps", "1", "--out", str(tmp_path / "x.json")])
+  (path,) = tmp_path.glob("*-targets-measured.json")
+  saved = json.loads(path.read_text())
+  assert saved["complete"] and payload["complete"]
+  rows = saved["widths"]["64"]
+  assert set(rows) == {"bf16", "fp8_delayed"}
+  assert all(r["measured_ms"] > 0 for r in rows.values())
 
 
 def test_bench_gpu_peaks_follow_the_device_kind():

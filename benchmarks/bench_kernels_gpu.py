@@ -1,0 +1,207 @@
+"""The block formats' Pallas kernels compiled on a real GPU: bit-exact with jnp, and their speed.
+
+``fp8_linen.core.block_kernels`` writes an operand's two block-code layouts
+from one read. The tests check them bit for bit in Pallas' interpreter on the
+CPU, and the B200 proofs count them in the compiled step; this script runs
+them compiled by Triton on the GPU it finds (any NVIDIA GPU Triton targets:
+the kernels use no Blackwell instruction, only the block-scaled GEMMs they
+feed do) and, per kernel, on operands of the TransformerEngine dense layer
+(x (16384, 8192) bf16, the float32 kernel (8192, 32768), the output gradient
+(16384, 32768) bf16):
+
+1. **bit-exactness**: codes and scales against the ``jnp`` reference
+   (``block_numerics.block_quantize`` of the operand and of its transpose,
+   rotated and rounded stochastically where the recipe does), compiled by XLA
+   on the same GPU: the number of differing elements (NaN patterns aside);
+2. **speed**: the kernel and the ``jnp`` reference timed interleaved (median
+   of rounds of back-to-back calls), and the bandwidth each reaches counting
+   the operand read once and every output written once (the kernel's minimum
+   traffic; XLA's path moves more).
+
+Writes ``<out-dir>/<device>-kernels-gpu.json``. ``--smoke`` runs tiny shapes
+in Pallas' interpreter, so the script is checked on any machine.
+
+Usage:
+  python benchmarks/bench_kernels_gpu.py --out-dir /tmp/k          # on a GPU (~1 min)
+  python benchmarks/bench_kernels_gpu.py --smoke --out-dir /tmp/k  # any machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import fp8_linen as fl  # noqa: E402
+from fp8_linen.core import block_kernels, block_numerics, randomness  # noqa: E402
+
+# (name, shape (B, P, Q), dtype) of the operands; --smoke shrinks them.
+OPERANDS = {"x": ((1, 16384, 8192), jnp.bfloat16), "kernel": ((1, 8192, 32768), jnp.float32),
+            "grad": ((1, 16384, 32768), jnp.bfloat16)}
+SMOKE = {"x": ((1, 64, 128), jnp.bfloat16), "kernel": ((1, 128, 64), jnp.float32),
+         "grad": ((1, 64, 64), jnp.bfloat16)}
+
+
+def _differing(got, want) -> jnp.ndarray:
+  """Elements whose bits differ (two NaNs count as equal; e2m1 compared through float32)."""
+  g, w = got.astype(jnp.float32), want.astype(jnp.float32)
+  both_nan = jnp.isnan(g) & jnp.isnan(w)
+  same = (g == w) & (jnp.signbit(g) == jnp.signbit(w))
+  return jnp.sum(~(same | both_nan))
+
+
+def cases(ops: dict) -> list[tuple[str, str, object, object, list]]:
+  """``(name, operand, kernel fn, reference fn, output labels)`` per kernel."""
+  seed = jnp.uint32(7)
+  keys = (randomness.noise_key(seed, 1), randomness.noise_key(seed, 2))
+  factor, factor_t = jnp.float32(1e-3), jnp.float32(5e-4)
+
+  def mx(dtype):
+    kern = lambda t: block_kernels.mx_codes_both(t, dtype, 32)
+
+    def ref(t):
+      return (block_numerics.block_quantize(t, 32, dtype),
+              block_numerics.block_quantize(jnp.swapaxes(t, 1, 2), 32, dtype),
+              jnp.max(jnp.abs(t.astype(jnp.float32))))
+    return kern, ref
+
+  def nv_ref(t, hadamard, noise):
+    rot = randomness.random_hadamard(jnp.swapaxes(t, 1, 2), hadamard)
+    u = lambda a, salt: randomness.uniform_noise(a.shape, seed, salt) if noise else None
+    amaxes = jnp.max(jnp.abs(t.astype(jnp.float32))), jnp.max(jnp.abs(rot))
+    return (block_numerics.block_quantize(t, 16, jnp.float4_e2m1fn, tensor_scale=factor,
+                                          noise=u(t, 1)),
+            block_numerics.block_quantize(rot, 16, jnp.float4_e2m1fn, tensor_scale=factor_t,
+                                          noise=u(rot, 2))), amaxes
+
+  def nv(hadamard, noise):
+    def kern(t):
+      amaxes = block_kernels.nvfp4_amaxes(t, hadamard)
+      codes = block_kernels.nvfp4_codes_both(t, factor, factor_t, hadamard=hadamard,
+                                             keys=keys if noise else None)
+      return codes, amaxes
+    return kern, lambda t: nv_ref(t, hadamard, noise)
+
+  def nv_tiles(t):
+    return block_kernels.nvfp4_tile_codes_both(t, factor)
+
+  def nv_tiles_ref(t):
+    q = lambda a: block_numerics.block_quantize(a, 16, jnp.float4_e2m1fn, tensor_scale=factor,
+                                                tile=True)
+    return q(t), q(jnp.swapaxes(t, 1, 2))
+
+  out = []
+  for name, operand, (kern, ref) in [
+      ("mx_codes_both e4m3 (MXFP8 input)", "x", mx(jnp.float8_e4m3fn)),
+      ("mx_codes_both e4m3 (MXFP8 weight)", "kernel", mx(jnp.float8_e4m3fn)),
+      ("mx_codes_both e5m2 (MXFP8 gradient)", "grad", mx(jnp.float8_e5m2)),
+      ("nvfp4_amaxes + nvfp4_codes_both (NVFP4 input: rotated wgrad copy)", "x", nv(16, False)),
+      ("nvfp4_amaxes + nvfp4_codes_both (NVFP4 gradient: rotated, stochastic rounding)",
+       "grad", nv(16, True)),
+      ("nvfp4_tile_codes_both (NVFP4 weight, 16 x 16 tiles)", "kernel", (nv_tiles, nv_tiles_ref)),
+  ]:
+    out.append((name, operand, kern, ref))
+  return out
+
+
+def _time(fns: dict, rounds: int, calls: int) -> dict:
+  """Median / min ms per call of each fn: rounds of ``calls`` back-to-back calls, interleaved."""
+  for fn in fns.values():
+    jax.block_until_ready(fn())
+  times = {k: [] for k in fns}
+  for _ in range(rounds):
+    for k, fn in fns.items():
+      t0 = time.perf_counter()
+      for _ in range(calls):
+        r = fn()
+      jax.block_until_ready(r)
+      times[k].append((time.perf_counter() - t0) * 1e3 / calls)
+  return {k: {"median_ms": statistics.median(t), "min_ms": min(t)} for k, t in times.items()}
+
+
+def _bytes(tree) -> int:
+  return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+def run_case(name, operand, kern, ref, x, rounds, calls) -> dict:
+  """Compiles both paths, counts differing elements per output, times both."""
+  t0 = time.perf_counter()
+  fk, fr = jax.jit(kern), jax.jit(ref)
+  got, want = fk(x), fr(x)
+  g_leaves, w_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+  if len(g_leaves) != len(w_leaves):
+    raise ValueError(f"{name}: {len(g_leaves)} outputs vs the reference's {len(w_leaves)}")
+  diffs = [int(_differing(g, w)) for g, w in zip(g_leaves, w_leaves)]
+  pallas = str(fk.lower(x).compile().as_text()).count("__gpu$xla.gpu.triton")
+  row = {"operand": operand, "shape": list(x.shape), "dtype": str(x.dtype),
+         "outputs": [f"{a.dtype}{list(a.shape)}" for a in g_leaves],
+         "differing_elements": diffs, "bit_exact": not any(diffs),
+         "compiled_pallas_calls": pallas, "compile_and_check_s": time.perf_counter() - t0}
+  if rounds:
+    t = _time({"kernel": lambda: fk(x), "jnp": lambda: fr(x)}, rounds, calls)
+    moved = x.size * x.dtype.itemsize + _bytes(got)
+    row.update({"kernel_ms": t["kernel"]["median_ms"], "kernel_min_ms": t["kernel"]["min_ms"],
+                "jnp_ms": t["jnp"]["median_ms"], "jnp_min_ms": t["jnp"]["min_ms"],
+                "kernel_over_jnp": t["kernel"]["median_ms"] / t["jnp"]["median_ms"],
+                "minimum_bytes": moved,
+                "kernel_gb_per_s": moved / (t["kernel"]["median_ms"] * 1e-3) / 1e9,
+                "jnp_gb_per_s": moved / (t["jnp"]["median_ms"] * 1e-3) / 1e9})
+  return row
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out-dir", default=None, help="folder for the JSON (default benchmarks/results)")
+  p.add_argument("--rounds", type=int, default=7, help="timed rounds per kernel")
+  p.add_argument("--calls", type=int, default=10, help="back-to-back calls per round")
+  p.add_argument("--smoke", action="store_true",
+                 help="tiny operands in Pallas' interpreter, not timed (any machine)")
+  args = p.parse_args(argv)
+  env = common.environment()
+  on_gpu = env["platform"] == "gpu"
+  if not on_gpu and not args.smoke:
+    p.error(f"no GPU here (JAX sees {env['platform']!r}): run with --smoke")
+  shapes = SMOKE if args.smoke else OPERANDS
+  rounds = 0 if args.smoke else args.rounds
+  mode = "interpret" if args.smoke else "auto"
+  ops = {}
+  for i, (k, (shape, dtype)) in enumerate(shapes.items()):
+    # Magnitudes over 2**-20 .. 2**20, so block scales differ between blocks.
+    k1, k2 = jax.random.split(jax.random.key(i))
+    mag = jnp.exp2(jax.random.randint(k2, shape, -20, 20).astype(jnp.float32))
+    ops[k] = (jax.random.normal(k1, shape, jnp.float32) * mag * 1e-3).astype(dtype)
+  payload = {"benchmark": "block_kernels_on_gpu", "env": env,
+             "mode": "Pallas interpreter (smoke)" if args.smoke else "compiled (Triton)",
+             "timing": f"median of {rounds} rounds of {args.calls} back-to-back calls, "
+                       "kernel and jnp interleaved", "cases": {}}
+  name = "kernels-gpu-smoke" if args.smoke else "kernels-gpu"
+  with fl.pallas_kernels(mode):
+    for case, operand, kern, ref in cases(ops):
+      try:
+        row = run_case(case, operand, kern, ref, ops[operand], rounds, args.calls)
+      except Exception as e:  # pylint: disable=broad-except  # one kernel must not end the run
+        row = {"error": f"{type(e).__name__}: {e}"[:2000]}
+      payload["cases"][case] = row
+      common.write_json(name, payload, args.out_dir)
+      if "error" in row:
+        print(f"{case}: ERROR {row['error'][:400]}", flush=True)
+        continue
+      speed = (f"kernel {row['kernel_ms']:.3f} ms ({row['kernel_gb_per_s']:.0f} GB/s) vs jnp "
+               f"{row['jnp_ms']:.3f} ms: x{row['kernel_over_jnp']:.2f}") if rounds else "not timed"
+      print(f"{case}: {'bit-exact' if row['bit_exact'] else 'DIFFERS ' + str(row['differing_elements'])}"
+            f"; {speed}", flush=True)
+  path = common.write_json(name, payload, args.out_dir)
+  print(f"wrote {path}")
+  return payload
+
+
+if __name__ == "__main__":
+  main()
