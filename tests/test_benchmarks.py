@@ -389,13 +389,14 @@ def test_bench_kernels_gpu_smoke(tmp_path):
 
 def test_bench_targets_measure_only_times_on_this_machine(tmp_path):
   bt = _load("bench_targets")
+  # One cheap arm: the compiles are the estimate's tests' business; this is the plumbing.
   payload = bt.main(["--measure-only", "--quick", "--widths", "64", "--arms", "bf16",
-                     "fp8_delayed", "--reps", "1", "--out", str(tmp_path / "x.json")])
+                     "--reps", "1", "--out", str(tmp_path / "x.json")])
   (path,) = tmp_path.glob("*-targets-measured.json")
   saved = json.loads(path.read_text())
   assert saved["complete"] and payload["complete"]
   rows = saved["widths"]["64"]
-  assert set(rows) == {"bf16", "fp8_delayed"}
+  assert set(rows) == {"bf16"}
   assert all(r["measured_ms"] > 0 for r in rows.values())
 
 

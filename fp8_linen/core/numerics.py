@@ -316,8 +316,12 @@ def dequantize(q: jnp.ndarray, scale: jnp.ndarray, dtype, *, exact: bool = False
 
 
 def qdq(x: jnp.ndarray, dtype, scale: jnp.ndarray) -> jnp.ndarray:
-  """Quantize then dequantize (fake quantization), result in ``x.dtype``."""
-  return dequantize(quantize(x, dtype, scale), scale, x.dtype)
+  """Quantize then dequantize (fake quantization), result in ``x.dtype``.
+
+  The codes are read exactly (``dequantize(..., exact=True)``): a fake
+  quantization feeds no fp8 GEMM, and XLA:GPU would drop a plain cast pair.
+  """
+  return dequantize(quantize(x, dtype, scale), scale, x.dtype, exact=True)
 
 
 def roll_history(history: jnp.ndarray, new_amax: jnp.ndarray) -> jnp.ndarray:
