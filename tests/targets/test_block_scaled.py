@@ -105,10 +105,12 @@ def test_h100_served_forward_emulates_the_blocks_in_bf16(require_target, fmt):
   assert report.block_scaled_dots == 0 and report.classes == {"bf16": 2}, report.summary()
 
 
-def _low_precision_types(hlo: str) -> set[str]:
+def _low_precision_types(text: str) -> set[str]:
   """The narrow float types some instruction of an optimized HLO module produces."""
-  import re  # pylint: disable=import-outside-toplevel
-  return set(re.findall(r"= (f8e4m3fn|f8e5m2|f4e2m1fn|f8e8m0fnu)\[", hlo))
+  from fp8_linen.testing import hlo  # pylint: disable=import-outside-toplevel
+  narrow = {"f8e4m3fn", "f8e5m2", "f4e2m1fn", "f8e8m0fnu"}
+  return {a.dtype for insts in hlo.parse(text).computations.values() for i in insts
+          for a in i.result if a.dtype in narrow}
 
 
 @pytest.mark.parametrize("target", ["h100", "b200"])
