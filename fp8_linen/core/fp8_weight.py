@@ -49,16 +49,22 @@ def fold(w, contract, recipe: Fp8WeightOnly) -> dict:
   return {"kernel": numerics.quantize(w, recipe.kernel.jnp_dtype, s), "kernel_scale": s}
 
 
-def dequantize(codes, scale, dtype):
-  """``codes * scale`` in ``dtype`` (computed in float32)."""
-  return (jnp.asarray(codes).astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(dtype)
+def dequantize(codes, scale, dtype, *, exact: bool = False):
+  """``codes * scale`` in ``dtype`` (computed in float32).
+
+  ``exact``: read fresh codes through their bits (``numerics.decode_fp8``):
+  XLA:GPU would drop a cast to fp8 followed by a cast back.
+  """
+  codes = jnp.asarray(codes)
+  values = numerics.decode_fp8(codes) if exact else codes.astype(jnp.float32)
+  return (values * jnp.asarray(scale, jnp.float32)).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def fake_quant(w, contract, recipe):
   """The weight quantized to fp8 and dequantized, in ``w``'s dtype; the gradient passes unchanged."""
   a = fold(w, contract, recipe)
-  return dequantize(a["kernel"], a["kernel_scale"], jnp.asarray(w).dtype)
+  return dequantize(a["kernel"], a["kernel_scale"], jnp.asarray(w).dtype, exact=True)
 
 
 def _fake_quant_fwd(w, contract, recipe):

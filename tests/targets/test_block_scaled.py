@@ -165,3 +165,15 @@ def test_fp8_activation_still_rounds_after_xla_gpu(require_target):
                                argnums=(0, 1))(v, x)
   report = compile_for("h100", step, v, x)
   assert {"f8e4m3fn", "f8e5m2"} <= _low_precision_types(report.hlo), report.summary()
+
+
+@pytest.mark.xdist_group("h100")
+def test_fp8_weight_only_qat_still_rounds_after_xla_gpu(require_target):
+  """Fp8WeightOnly's QAT weight feeds a bf16 GEMM: a plain cast pair compiled to float there."""
+  import jax  # pylint: disable=import-outside-toplevel
+  require_target("h100")
+  x = jnp.linspace(-3.0, 3.0, 64 * 64, dtype=jnp.float32).reshape(64, 64).astype(jnp.bfloat16)
+  layer = fl.QDense(64, dtype=jnp.bfloat16, recipe=fl.Fp8WeightOnly())
+  v = layer.init(jax.random.key(0), x)
+  report = compile_for("h100", lambda v, x: layer.apply(v, x), v, x)
+  assert "f8e4m3fn" in _low_precision_types(report.hlo), report.summary()
