@@ -177,3 +177,14 @@ def test_fp8_weight_only_qat_still_rounds_after_xla_gpu(require_target):
   v = layer.init(jax.random.key(0), x)
   report = compile_for("h100", lambda v, x: layer.apply(v, x), v, x)
   assert "f8e4m3fn" in _low_precision_types(report.hlo), report.summary()
+
+
+@pytest.mark.xdist_group("h100")
+def test_fp8_calibration_error_still_rounds_after_xla_gpu(require_target):
+  """An MSE range search measures the fp8 rounding error; folded away, it would see clipping only."""
+  from fp8_linen.core import calibration  # pylint: disable=import-outside-toplevel
+  require_target("h100")
+  qdq = calibration.fp8_qdq(fl.ScalingConfig())
+  x = jnp.linspace(-3.0, 3.0, 4096, dtype=jnp.float32)
+  report = compile_for("h100", lambda x: calibration.qdq_error(x, -2.0, 2.0, qdq), x)
+  assert "f8e4m3fn" in _low_precision_types(report.hlo), report.summary()
