@@ -98,8 +98,7 @@ def cases(ops: dict) -> list[tuple[str, str, object, object, list]]:
                                                 tile=True)
     return q(t), q(jnp.swapaxes(t, 1, 2))
 
-  out = []
-  for name, operand, (kern, ref) in [
+  return [(name, operand, kern, ref) for name, operand, (kern, ref) in [
       ("mx_codes_both e4m3 (MXFP8 input)", "x", mx(jnp.float8_e4m3fn)),
       ("mx_codes_both e4m3 (MXFP8 weight)", "kernel", mx(jnp.float8_e4m3fn)),
       ("mx_codes_both e5m2 (MXFP8 gradient)", "grad", mx(jnp.float8_e5m2)),
@@ -107,9 +106,7 @@ def cases(ops: dict) -> list[tuple[str, str, object, object, list]]:
       ("nvfp4_amaxes + nvfp4_codes_both (NVFP4 gradient: rotated, stochastic rounding)",
        "grad", nv(16, True)),
       ("nvfp4_tile_codes_both (NVFP4 weight, 16 x 16 tiles)", "kernel", (nv_tiles, nv_tiles_ref)),
-  ]:
-    out.append((name, operand, kern, ref))
-  return out
+  ]]
 
 
 def _time(fns: dict, rounds: int, calls: int) -> dict:

@@ -70,7 +70,7 @@ from fp8_linen.core import block_numerics, lowering, randomness, settings
 from fp8_linen.core.numerics import fp8_max, saturate_measured
 
 __all__ = ["MODES", "pallas_kernels", "kernel_mode", "tile_sizes", "mx_codes_both",
-           "e2m1_codes", "nvfp4_amaxes", "nvfp4_codes_both", "nvfp4_tile_codes_both"]
+           "nvfp4_amaxes", "nvfp4_codes_both", "nvfp4_tile_codes_both"]
 
 MODES = ("auto", "off", "interpret")
 """The values of :func:`pallas_kernels`."""
@@ -216,11 +216,6 @@ def mx_codes_both(t: jnp.ndarray, dtype, block_size: int):
 # :func:`nvfp4_amaxes` reads the tensor once for both amaxes,
 # :func:`nvfp4_codes_both` once more for both copies' codes.
 
-# The kernels' e2m1 rounding is block_numerics' integer one (Triton has no
-# 4-bit float); exported here too, as the kernels' own building block.
-e2m1_codes = block_numerics.e2m1_codes
-
-
 def _pack(codes):
   """(R, C) codes -> (R, C / 2) bytes, element 2i in the low nibble."""
   r, c = codes.shape
@@ -287,7 +282,7 @@ def _nv_copy(x, g, *, bs: int, key=None, origin=None):
   stored, _, y = block_numerics.e2m1_block(xb, a, g)
   if key is not None:
     y = block_numerics.stochastic_round_e2m1(y, _noise(*origin, key).reshape(xb.shape))
-  return _pack(e2m1_codes(y).reshape(r, c)), stored.reshape(r, c // bs)
+  return _pack(block_numerics.e2m1_codes(y).reshape(r, c)), stored.reshape(r, c // bs)
 
 
 def _nv_codes_tile(x_ref, m_ref, f_ref, k_ref, b_ref, p_ref, q_ref_, codes_ref, codes_t_ref,
@@ -411,7 +406,7 @@ def _nv_tile_codes_tile(x_ref, f_ref, q_ref, qt_ref, s_ref, st_ref, *, bs: int):
   xb = x.reshape(tp // bs, bs, tq // bs, bs)
   a = block_numerics.block_amax(xb, (1, 3))                 # one amax per bs x bs tile
   stored, _, y = block_numerics.e2m1_block(xb, a, f_ref[0])
-  codes = e2m1_codes(y.reshape(tp, tq))
+  codes = block_numerics.e2m1_codes(y.reshape(tp, tq))
   q_ref[...] = _pack(codes)
   qt_ref[...] = _pack(codes.T)
   # Each tile's scale on each of its rows, in each layout (exact through f32).

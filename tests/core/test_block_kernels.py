@@ -115,7 +115,7 @@ def test_e2m1_codes_are_the_casts_bits():
   """Round half to even on e2m1's grid, signed zeros and saturation, in integer arithmetic."""
   y = jnp.concatenate([jnp.linspace(-6.0, 6.0, 24001),
                        jnp.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0, -0.2, 4.9, 5.1])])
-  codes = block_kernels.e2m1_codes(y)
+  codes = block_numerics.e2m1_codes(y)
   want = _bits(y.astype(jnp.float4_e2m1fn).astype(jnp.float8_e4m3fn))  # via a byte-wide dtype
   got = _bits(jnp.asarray(block_kernels._unpack(  # pylint: disable=protected-access
       block_kernels._pack(codes.reshape(1, -1)))).reshape(-1)  # pylint: disable=protected-access

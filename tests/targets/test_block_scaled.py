@@ -149,42 +149,40 @@ def test_the_jnp_block_quantization_still_rounds_after_xla_gpu(require_target, t
     assert want <= _low_precision_types(report.hlo), (name, _low_precision_types(report.hlo))
 
 
-@pytest.mark.xdist_group("h100")
-def test_fp8_activation_still_rounds_after_xla_gpu(require_target):
-  """Fp8Activation's e4m3 value and e5m2 gradient go on to any op, not to an fp8 GEMM.
-
-  Read with a plain cast, both compiled to no fp8 at all for the H100 (XLA:GPU
-  drops a cast to fp8 followed by a cast back), so the layer ran in float.
-  """
+def _activation_step():
+  """Fp8Activation's e4m3 value and e5m2 gradient go on to any op, not to an fp8 GEMM."""
   import jax  # pylint: disable=import-outside-toplevel
-  require_target("h100")
   x = jnp.linspace(-3.0, 3.0, 64 * 64, dtype=jnp.float32).reshape(64, 64)
   act = fl.Fp8Activation()
   v = act.init(jax.random.key(0), x)
   step = lambda v, x: jax.grad(lambda v, x: jnp.sum(jnp.tanh(act.apply(v, x)) ** 2),
                                argnums=(0, 1))(v, x)
-  report = compile_for("h100", step, v, x)
-  assert {"f8e4m3fn", "f8e5m2"} <= _low_precision_types(report.hlo), report.summary()
+  return step, (v, x), {"f8e4m3fn", "f8e5m2"}
 
 
-@pytest.mark.xdist_group("h100")
-def test_fp8_weight_only_qat_still_rounds_after_xla_gpu(require_target):
-  """Fp8WeightOnly's QAT weight feeds a bf16 GEMM: a plain cast pair compiled to float there."""
+def _weight_only_forward():
+  """Fp8WeightOnly's QAT weight feeds a bf16 GEMM."""
   import jax  # pylint: disable=import-outside-toplevel
-  require_target("h100")
   x = jnp.linspace(-3.0, 3.0, 64 * 64, dtype=jnp.float32).reshape(64, 64).astype(jnp.bfloat16)
   layer = fl.QDense(64, dtype=jnp.bfloat16, recipe=fl.Fp8WeightOnly())
   v = layer.init(jax.random.key(0), x)
-  report = compile_for("h100", lambda v, x: layer.apply(v, x), v, x)
-  assert "f8e4m3fn" in _low_precision_types(report.hlo), report.summary()
+  return (lambda v, x: layer.apply(v, x)), (v, x), {"f8e4m3fn"}
 
 
-@pytest.mark.xdist_group("h100")
-def test_fp8_calibration_error_still_rounds_after_xla_gpu(require_target):
-  """An MSE range search measures the fp8 rounding error; folded away, it would see clipping only."""
+def _calibration_error():
+  """An MSE range search measures the fp8 rounding error (folded away: clipping only)."""
   from fp8_linen.core import calibration  # pylint: disable=import-outside-toplevel
-  require_target("h100")
   qdq = calibration.fp8_qdq(fl.ScalingConfig())
   x = jnp.linspace(-3.0, 3.0, 4096, dtype=jnp.float32)
-  report = compile_for("h100", lambda x: calibration.qdq_error(x, -2.0, 2.0, qdq), x)
-  assert "f8e4m3fn" in _low_precision_types(report.hlo), report.summary()
+  return (lambda x: calibration.qdq_error(x, -2.0, 2.0, qdq)), (x,), {"f8e4m3fn"}
+
+
+@pytest.mark.parametrize("case", [_activation_step, _weight_only_forward, _calibration_error],
+                         ids=["fp8_activation", "fp8_weight_only_qat", "fp8_calibration"])
+@pytest.mark.xdist_group("h100")
+def test_per_tensor_fake_quantization_still_rounds_after_xla_gpu(require_target, case):
+  """Read with a plain cast, each compiled to no fp8 at all for the H100 (the layer or search ran in float)."""
+  require_target("h100")
+  fn, args, want = case()
+  report = compile_for("h100", fn, *args)
+  assert want <= _low_precision_types(report.hlo), report.summary()
