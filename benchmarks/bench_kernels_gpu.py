@@ -21,8 +21,13 @@ feed do) and, per kernel, on operands of the TransformerEngine dense layer
 Writes ``<out-dir>/<device>-kernels-gpu.json``. ``--smoke`` runs tiny shapes
 in Pallas' interpreter, so the script is checked on any machine.
 
+``--sweep`` times each kernel under every launch choice of ``SWEEP`` (tile and
+warps; ``block_kernels._LAUNCH`` holds the ones the library uses), each checked
+bit for bit against the reference, and writes ``<device>-kernels-sweep.json``.
+
 Usage:
   python benchmarks/bench_kernels_gpu.py --out-dir /tmp/k          # on a GPU (~1 min)
+  python benchmarks/bench_kernels_gpu.py --sweep --out-dir /tmp/k  # on a GPU (~4 min)
   python benchmarks/bench_kernels_gpu.py --smoke --out-dir /tmp/k  # any machine
 """
 
@@ -50,6 +55,23 @@ SMOKE = {"x": ((1, 64, 128), jnp.bfloat16), "kernel": ((1, 128, 64), jnp.float32
          "grad": ((1, 64, 64), jnp.bfloat16)}
 
 
+# The kernels each case launches, and the launch choices --sweep tries for them.
+KERNELS = {"mx": ("mx_codes_both",), "nv": ("nvfp4_amaxes", "nvfp4_codes_both"),
+           "nv_tiles": ("nvfp4_tile_codes_both",)}
+SWEEP = {
+    "mx": [{"tile": t, "num_warps": w} for t in ((128, 128), (64, 128), (128, 64), (64, 64),
+                                                 (32, 128), (32, 32)) for w in (4, 8)],
+    "nv": [{"tile": t, "num_warps": w} for t in ((32, 32), (16, 32), (32, 16), (16, 16),
+                                                 (64, 32)) for w in (2, 4, 8)],
+    "nv_tiles": [{"tile": t, "num_warps": w} for t in ((32, 32), (64, 64), (32, 64), (64, 32),
+                                                       (128, 128)) for w in (4, 8)],
+}
+# Tiles other than the library's that the smoke operands are whole tiles of.
+SMOKE_SWEEP = {"mx": [{"tile": (32, 64), "num_warps": 4}],
+               "nv": [{"tile": (16, 32), "num_warps": 4}],
+               "nv_tiles": [{"tile": (64, 32), "num_warps": 4}]}
+
+
 def _differing(got, want) -> jnp.ndarray:
   """Elements whose bits differ (two NaNs count as equal; e2m1 compared through float32)."""
   g, w = got.astype(jnp.float32), want.astype(jnp.float32)
@@ -58,8 +80,8 @@ def _differing(got, want) -> jnp.ndarray:
   return jnp.sum(~(same | both_nan))
 
 
-def cases(ops: dict) -> list[tuple[str, str, object, object, list]]:
-  """``(name, operand, kernel fn, reference fn, output labels)`` per kernel."""
+def cases(ops: dict) -> list[tuple[str, str, object, object, str]]:
+  """``(name, operand, kernel fn, reference fn, family)`` per kernel (``KERNELS[family]``)."""
   seed = jnp.uint32(7)
   keys = (randomness.noise_key(seed, 1), randomness.noise_key(seed, 2))
   factor, factor_t = jnp.float32(1e-3), jnp.float32(5e-4)
@@ -98,14 +120,16 @@ def cases(ops: dict) -> list[tuple[str, str, object, object, list]]:
                                                 tile=True)
     return q(t), q(jnp.swapaxes(t, 1, 2))
 
-  return [(name, operand, kern, ref) for name, operand, (kern, ref) in [
-      ("mx_codes_both e4m3 (MXFP8 input)", "x", mx(jnp.float8_e4m3fn)),
-      ("mx_codes_both e4m3 (MXFP8 weight)", "kernel", mx(jnp.float8_e4m3fn)),
-      ("mx_codes_both e5m2 (MXFP8 gradient)", "grad", mx(jnp.float8_e5m2)),
-      ("nvfp4_amaxes + nvfp4_codes_both (NVFP4 input: rotated wgrad copy)", "x", nv(16, False)),
+  return [(name, operand, kern, ref, family) for name, operand, (kern, ref), family in [
+      ("mx_codes_both e4m3 (MXFP8 input)", "x", mx(jnp.float8_e4m3fn), "mx"),
+      ("mx_codes_both e4m3 (MXFP8 weight)", "kernel", mx(jnp.float8_e4m3fn), "mx"),
+      ("mx_codes_both e5m2 (MXFP8 gradient)", "grad", mx(jnp.float8_e5m2), "mx"),
+      ("nvfp4_amaxes + nvfp4_codes_both (NVFP4 input: rotated wgrad copy)", "x", nv(16, False),
+       "nv"),
       ("nvfp4_amaxes + nvfp4_codes_both (NVFP4 gradient: rotated, stochastic rounding)",
-       "grad", nv(16, True)),
-      ("nvfp4_tile_codes_both (NVFP4 weight, 16 x 16 tiles)", "kernel", (nv_tiles, nv_tiles_ref)),
+       "grad", nv(16, True), "nv"),
+      ("nvfp4_tile_codes_both (NVFP4 weight, 16 x 16 tiles)", "kernel", (nv_tiles, nv_tiles_ref),
+       "nv_tiles"),
   ]]
 
 
@@ -128,20 +152,25 @@ def _bytes(tree) -> int:
   return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
-def run_case(name, operand, kern, ref, x, rounds, calls) -> dict:
-  """Compiles both paths, counts differing elements per output, times both."""
-  t0 = time.perf_counter()
-  fk, fr = jax.jit(kern), jax.jit(ref)
-  got, want = fk(x), fr(x)
+def _check(name, fk, x, want) -> dict:
+  """Runs the compiled kernel fn on ``x``: differing elements per output vs ``want``."""
+  got = fk(x)
   g_leaves, w_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
   if len(g_leaves) != len(w_leaves):
     raise ValueError(f"{name}: {len(g_leaves)} outputs vs the reference's {len(w_leaves)}")
   diffs = [int(_differing(g, w)) for g, w in zip(g_leaves, w_leaves)]
-  pallas = str(fk.lower(x).compile().as_text()).count("__gpu$xla.gpu.triton")
+  return {"outputs": [f"{a.dtype}{list(a.shape)}" for a in g_leaves],
+          "differing_elements": diffs, "bit_exact": not any(diffs),
+          "compiled_pallas_calls": fk.lower(x).compile().as_text().count("__gpu$xla.gpu.triton")}
+
+
+def run_case(name, operand, kern, ref, x, rounds, calls) -> dict:
+  """Compiles both paths, counts differing elements per output, times both."""
+  t0 = time.perf_counter()
+  fk, fr = jax.jit(kern), jax.jit(ref)
+  got = fk(x)
   row = {"operand": operand, "shape": list(x.shape), "dtype": str(x.dtype),
-         "outputs": [f"{a.dtype}{list(a.shape)}" for a in g_leaves],
-         "differing_elements": diffs, "bit_exact": not any(diffs),
-         "compiled_pallas_calls": pallas, "compile_and_check_s": time.perf_counter() - t0}
+         **_check(name, fk, x, fr(x)), "compile_and_check_s": time.perf_counter() - t0}
   if rounds:
     t = _time({"kernel": lambda: fk(x), "jnp": lambda: fr(x)}, rounds, calls)
     moved = x.size * x.dtype.itemsize + _bytes(got)
@@ -154,6 +183,38 @@ def run_case(name, operand, kern, ref, x, rounds, calls) -> dict:
   return row
 
 
+def sweep_case(name, operand, family, x, choices, rounds, calls) -> dict:
+  """Times the case's kernels under each launch choice (checked bit for bit); the fastest first."""
+  ref = next(c[3] for c in cases({operand: x}) if c[0] == name)
+  want = jax.jit(ref)(x)
+  rows = []
+  for choice in choices:
+    saved = {k: block_kernels._LAUNCH[k] for k in KERNELS[family]}  # pylint: disable=protected-access
+    block_kernels._LAUNCH.update({k: dict(choice) for k in KERNELS[family]})  # pylint: disable=protected-access
+    try:
+      # New closures per choice: jit's cache is keyed by the function, not the launch table.
+      fk = jax.jit(next(c[2] for c in cases({operand: x}) if c[0] == name))
+      row = {"launch": {"tile": list(choice["tile"]), "num_warps": choice["num_warps"]},
+             **_check(name, fk, x, want)}
+      if rounds:
+        row["kernel_ms"] = _time({"k": lambda: fk(x)}, rounds, calls)["k"]["median_ms"]
+    except Exception as e:  # pylint: disable=broad-except  # a launch Triton rejects is a result
+      row = {"launch": {"tile": list(choice["tile"]), "num_warps": choice["num_warps"]},
+             "error": f"{type(e).__name__}: {e}"[:500]}
+    finally:
+      block_kernels._LAUNCH.update(saved)  # pylint: disable=protected-access
+    rows.append(row)
+    print(f"  {name} {row['launch']}: "
+          + (row.get("error", "")[:120] or f"{'bit-exact' if row['bit_exact'] else 'DIFFERS'}"
+             + (f" {row['kernel_ms']:.3f} ms" if rounds else "")), flush=True)
+  ok = [r for r in rows if r.get("bit_exact") and "kernel_ms" in r]
+  ok.sort(key=lambda r: r["kernel_ms"])
+  current = block_kernels._LAUNCH[KERNELS[family][-1]]  # pylint: disable=protected-access
+  return {"operand": operand, "shape": list(x.shape), "kernels": list(KERNELS[family]),
+          "library_launch": {"tile": current["tile"], "num_warps": current["num_warps"]},
+          "fastest": ok[0]["launch"] if ok else None, "rows": rows}
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out-dir", default=None, help="folder for the JSON (default benchmarks/results)")
@@ -161,6 +222,8 @@ def main(argv=None) -> dict:
   p.add_argument("--calls", type=int, default=10, help="back-to-back calls per round")
   p.add_argument("--smoke", action="store_true",
                  help="tiny operands in Pallas' interpreter, not timed (any machine)")
+  p.add_argument("--sweep", action="store_true",
+                 help="time every launch choice of SWEEP per kernel instead of kernel vs jnp")
   args = p.parse_args(argv)
   env = common.environment()
   on_gpu = env["platform"] == "gpu"
@@ -179,9 +242,19 @@ def main(argv=None) -> dict:
              "mode": "Pallas interpreter (smoke)" if args.smoke else "compiled (Triton)",
              "timing": f"median of {rounds} rounds of {args.calls} back-to-back calls, "
                        "kernel and jnp interleaved", "cases": {}}
-  name = "kernels-gpu-smoke" if args.smoke else "kernels-gpu"
+  name = "kernels-" + ("sweep" if args.sweep else "gpu") + ("-smoke" if args.smoke else "")
+  if args.sweep:
+    choices = SMOKE_SWEEP if args.smoke else SWEEP
+    with fl.pallas_kernels(mode):
+      for case, operand, _, _, family in cases(ops):
+        payload["cases"][case] = sweep_case(case, operand, family, ops[operand],
+                                            choices[family], rounds, args.calls)
+        common.write_json(name, payload, args.out_dir)
+    path = common.write_json(name, payload, args.out_dir)
+    print(f"wrote {path}")
+    return payload
   with fl.pallas_kernels(mode):
-    for case, operand, kern, ref in cases(ops):
+    for case, operand, kern, ref, _ in cases(ops):
       try:
         row = run_case(case, operand, kern, ref, ops[operand], rounds, args.calls)
       except Exception as e:  # pylint: disable=broad-except  # one kernel must not end the run

@@ -4,6 +4,7 @@ The scripts under benchmarks/ are not a package; they are loaded from their
 files. Speed figures come from running the scripts, never from these tests.
 """
 
+import copy
 import importlib.util
 import json
 import math
@@ -385,6 +386,15 @@ def test_bench_kernels_gpu_smoke(tmp_path):
   for case, row in saved["cases"].items():
     assert "error" not in row, (case, row)
     assert row["bit_exact"] and not any(row["differing_elements"]), case
+  # The sweep's other tiles give the same bits, and the library's launch table is left as it was.
+  launch = copy.deepcopy(bk.block_kernels._LAUNCH)  # pylint: disable=protected-access
+  bk.main(["--smoke", "--sweep", "--out-dir", str(tmp_path)])
+  assert bk.block_kernels._LAUNCH == launch  # pylint: disable=protected-access
+  saved = json.loads((tmp_path / f"{bk.common.device_name()}-kernels-sweep-smoke.json").read_text())
+  assert len(saved["cases"]) == 6
+  for case, row in saved["cases"].items():
+    (r,) = row["rows"]
+    assert r["bit_exact"] and tuple(r["launch"]["tile"]) != launch[row["kernels"][0]]["tile"], case
 
 
 def test_bench_targets_measure_only_times_on_this_machine(tmp_path):

@@ -82,6 +82,21 @@ _MODE = settings.TraceSetting("pallas_kernels", default="auto")
 # memory traffic. Triton wants powers of two.
 _TILES = (128, 64, 32)
 
+# How Triton launches each kernel: the tile (rows, columns) it prefers where
+# the tensor is whole tiles of it (else the largest of _TILES that fits) and
+# its warps. A tile only changes how the work is cut, never a code or scale.
+# Chosen by `benchmarks/bench_kernels_gpu.py --sweep` on an H200 (TE's dense
+# layer's operands): short wide tiles with 4 warps were fastest, 26-28% faster
+# than 128 x 128 for MX and 19% than 32 x 32 for the NVFP4 weight tiles; the
+# rotated NVFP4 kernels were fastest at 32 x 32 (their 16 x 16 products per
+# group grow with the tile).
+_LAUNCH = {
+    "mx_codes_both": {"tile": (32, 128), "num_warps": 4},
+    "nvfp4_amaxes": {"tile": (32, 32), "num_warps": 4},
+    "nvfp4_codes_both": {"tile": (32, 32), "num_warps": 4},
+    "nvfp4_tile_codes_both": {"tile": (32, 64), "num_warps": 4},
+}
+
 
 @contextlib.contextmanager
 def pallas_kernels(mode: str):
@@ -192,7 +207,7 @@ def mx_codes_both(t: jnp.ndarray, dtype, block_size: int):
   if tiles is None:
     raise ValueError(f"mx_codes_both: a ({p}, {q}) tensor is not whole tiles of "
                      f"{_TILES} for blocks of {block_size}")
-  tp, tq = tiles
+  tp, tq = _preferred("mx_codes_both", p, q, tiles, block_size)
   bs = block_size
   out = _tiled_call(
       functools.partial(_mx_tile, bs=bs, dtype=dtype), t, (tp, tq),
@@ -311,7 +326,8 @@ def _tiled_call(kernel, t, tiles, outs, extra_inputs=(), name="", indices=False)
   params = {}
   if not interpret:
     from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel
-    params = {"compiler_params": pl_triton.CompilerParams(num_warps=4, num_stages=1)}
+    params = {"compiler_params": pl_triton.CompilerParams(
+        num_warps=_LAUNCH[name]["num_warps"], num_stages=1)}
   # Inside shard_map the results vary over the mesh axes ``t`` varies over.
   sds = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=getattr(jax.typeof(t), "mat", None))
   spec = lambda block, transposed: pl.BlockSpec(
@@ -337,11 +353,19 @@ def _tiled_call(kernel, t, tiles, outs, extra_inputs=(), name="", indices=False)
 _NV_TILE = 32
 
 
-def _nv_tiles(t):
+def _preferred(name: str, p: int, q: int, fallback: tuple[int, int], block: int = 16):
+  """``name``'s launch tile where a (P, Q) tensor is whole tiles of it (each edge
+  whole blocks), else ``fallback``."""
+  want = _LAUNCH[name]["tile"]
+  fits = want and all(n % e == 0 and e % block == 0 for n, e in zip((p, q), want))
+  return tuple(want) if fits else fallback
+
+
+def _nv_tiles(t, name: str):
   if t.shape[1] % _NV_TILE or t.shape[2] % _NV_TILE:
     raise ValueError(f"NVFP4 kernels: a {t.shape[1:]} tensor is not whole tiles of "
                      f"{_NV_TILE} x {_NV_TILE}")
-  return _NV_TILE, _NV_TILE
+  return _preferred(name, t.shape[1], t.shape[2], (_NV_TILE, _NV_TILE))
 
 
 def nvfp4_amaxes(t: jnp.ndarray, hadamard: int):
@@ -352,7 +376,7 @@ def nvfp4_amaxes(t: jnp.ndarray, hadamard: int):
   ``hadamard=0``: no rotation (both amaxes are ``max|t|``).
   """
   b, p, q = t.shape
-  tp, tq = _nv_tiles(t)
+  tp, tq = _nv_tiles(t, "nvfp4_amaxes")
   size = int(hadamard)
   part = (b, p // tp, q // tq)
   a, at = _tiled_call(
@@ -381,7 +405,7 @@ def nvfp4_codes_both(t: jnp.ndarray, factor, factor_t, *, hadamard: int, keys=No
     ``uniform_noise`` of the same keys), NaN read as Inf.
   """
   b, p, q = t.shape
-  tp, tq = _nv_tiles(t)
+  tp, tq = _nv_tiles(t, "nvfp4_codes_both")
   bs, size = 16, int(hadamard)
   factors = jnp.stack([jnp.reshape(factor, ()), jnp.reshape(factor_t, ())]).astype(jnp.float32)
   noise = keys is not None
@@ -431,7 +455,7 @@ def nvfp4_tile_codes_both(t: jnp.ndarray, factor):
     transpose, bit for bit (NaN read as Inf).
   """
   b, p, q = t.shape
-  tp, tq = _nv_tiles(t)
+  tp, tq = _nv_tiles(t, "nvfp4_tile_codes_both")
   bs = 16
   factors = jnp.reshape(jnp.asarray(factor, jnp.float32), (1,))
   codes, codes_t, scales, scales_t = _tiled_call(

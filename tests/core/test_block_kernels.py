@@ -8,6 +8,8 @@ new state must be the same bits. Where the kernel compiles (B200) is checked
 in tests/targets/test_passes.py.
 """
 
+from unittest import mock
+
 import chex
 import flax.linen as nn
 import jax
@@ -90,6 +92,11 @@ def test_tiles_and_errors():
   with pytest.raises(ValueError, match="mode='on' must be one of"):
     with fl.pallas_kernels("on"):
       pass
+  # A launch tile is taken only where the tensor is whole tiles of it, each edge whole blocks.
+  with mock.patch.dict(block_kernels._LAUNCH, {"mx_codes_both": {"tile": (64, 128), "num_warps": 4}}):
+    assert block_kernels._preferred("mx_codes_both", 256, 256, (128, 128), 32) == (64, 128)
+    assert block_kernels._preferred("mx_codes_both", 96, 256, (32, 128), 32) == (32, 128)
+    assert block_kernels._preferred("mx_codes_both", 256, 256, (128, 128), 128) == (128, 128)
 
 
 def test_where_the_kernel_runs():
