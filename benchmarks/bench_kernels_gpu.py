@@ -66,9 +66,9 @@ SWEEP = {
     "nv_tiles": [{"tile": t, "num_warps": w} for t in ((32, 32), (64, 64), (32, 64), (64, 32),
                                                        (128, 128)) for w in (4, 8)],
 }
-# Tiles other than the library's that the smoke operands are whole tiles of.
+# Tiles other than the library's that the smoke operands are whole tiles of
+# (the rotated NVFP4 kernels' sweep is the same loop; their interpreted runs are slow).
 SMOKE_SWEEP = {"mx": [{"tile": (32, 64), "num_warps": 4}],
-               "nv": [{"tile": (16, 32), "num_warps": 4}],
                "nv_tiles": [{"tile": (64, 32), "num_warps": 4}]}
 
 
@@ -247,6 +247,8 @@ def main(argv=None) -> dict:
     choices = SMOKE_SWEEP if args.smoke else SWEEP
     with fl.pallas_kernels(mode):
       for case, operand, _, _, family in cases(ops):
+        if family not in choices:
+          continue
         payload["cases"][case] = sweep_case(case, operand, family, ops[operand],
                                             choices[family], rounds, args.calls)
         common.write_json(name, payload, args.out_dir)

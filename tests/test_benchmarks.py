@@ -265,16 +265,16 @@ def test_bench_serving_quick(tmp_path):
 def test_bench_block_quality_quick(tmp_path):
   bq = _load("bench_block_quality")
   out = tmp_path / "cpu-block-quality.json"
-  bq.main(["--quick", "--arms", "bf16", "nvfp4", "nvfp4_tail_mxfp8", "--seeds", "0", "1",
+  bq.main(["--quick", "--arms", "bf16", "nvfp4", "nvfp4_tail_mxfp8", "--seeds", "0",
            "--lengths", "1", "--eval-batches", "2", "--val-points", "1", "--tail-fraction",
            "0.3", "--out", str(out)])
   saved = json.loads(out.read_text())
-  assert saved["seeds"] == [0, 1] and saved["lengths_steps"] == [10]
+  assert saved["seeds"] == [0] and saved["lengths_steps"] == [10]
   rows = saved["summary"]["10_steps"]
   assert set(rows) == {"bf16", "nvfp4", "nvfp4_tail_mxfp8"}
   assert rows["nvfp4"]["target_excess"] == 0.015 and "meets_target" in rows["nvfp4"]
-  assert len(rows["nvfp4"]["ratio_vs_bf16_per_seed"]) == 2
-  assert len(saved["runs"]) == 6 and all(r["finite"] for r in saved["runs"])
+  assert len(rows["nvfp4"]["ratio_vs_bf16_per_seed"]) == 1
+  assert len(saved["runs"]) == 3 and all(r["finite"] for r in saved["runs"])
   # The NVFP4 arm keeps the last block's MLP in bf16 by rule.
   nv = [r for r in saved["runs"] if r["arm"] == "nvfp4"][0]
   assert "block1/mlp" in nv["rules"] and "float4_e2m1fn" in nv["recipe"]
@@ -287,11 +287,12 @@ def test_bench_block_quality_quick(tmp_path):
   other = dict(saved, runs=[dict(r, seed=r["seed"] + 10) for r in saved["runs"]])
   (tmp_path / "more.json").write_text(json.dumps(other))
   merged = bq.merge([str(out), str(tmp_path / "more.json")])
-  assert merged["seeds"] == [0, 1, 10, 11]
-  assert merged["summary"]["10_steps"]["nvfp4"]["seeds"] == [0, 1, 10, 11]
+  assert merged["seeds"] == [0, 10]
+  assert merged["summary"]["10_steps"]["nvfp4"]["seeds"] == [0, 10]
+  assert len(merged["summary"]["10_steps"]["nvfp4"]["ratio_vs_bf16_per_seed"]) == 2
   table = bq.markdown(merged).splitlines()
   assert table[0].startswith("| arm | 10 steps: val loss (vs bf16) |")
-  assert table[5].startswith("| nvfp4 | ") and table[5].endswith("[4] | within 1.5% |")
+  assert table[5].startswith("| nvfp4 | ") and table[5].endswith("[2] | within 1.5% |")
 
 
 def test_bench_moe_quality_quick(tmp_path):
@@ -391,7 +392,7 @@ def test_bench_kernels_gpu_smoke(tmp_path):
   bk.main(["--smoke", "--sweep", "--out-dir", str(tmp_path)])
   assert bk.block_kernels._LAUNCH == launch  # pylint: disable=protected-access
   saved = json.loads((tmp_path / f"{bk.common.device_name()}-kernels-sweep-smoke.json").read_text())
-  assert len(saved["cases"]) == 6
+  assert len(saved["cases"]) == 4  # the MX and weight-tile kernels
   for case, row in saved["cases"].items():
     (r,) = row["rows"]
     assert r["bit_exact"] and tuple(r["launch"]["tile"]) != launch[row["kernels"][0]]["tile"], case

@@ -199,7 +199,7 @@ def test_nvfp4_weight_tiles_are_block_quantize_bits():
 
 
 def _step(model, x):
-  v = model.init(jax.random.key(1), x)
+  v = jax.jit(model.init)(jax.random.key(1), x)  # op by op, a block layer's init costs seconds
 
   def loss(v, x):
     y = model.apply(v, x).astype(jnp.float32)
@@ -214,7 +214,8 @@ def _pallas_calls(fn, *args):
 
 class KernelInLayerTest(chex.TestCase):
 
-  @chex.variants(with_jit=True, without_jit=True)
+  # Jitted only: the kernels' eager (op by op) runs are the kernel tests' above.
+  @chex.variants(with_jit=True)
   def test_mxfp8_step_is_the_same_bits_with_and_without_the_kernel(self):
     model = fl.QDense(128, dtype=jnp.bfloat16, recipe=fl.mx_block_scaling())
     x = jax.random.normal(jax.random.key(0), (4, 64, 256), jnp.bfloat16)
@@ -310,7 +311,7 @@ def test_kernels_under_remat_and_vmap(recipe):
   """
   model = fl.QDense(128, dtype=jnp.bfloat16, recipe=recipe)
   x = jax.random.normal(jax.random.key(7), (3, 64, 128), jnp.bfloat16)
-  v = model.init(jax.random.key(1), x[0])
+  v = jax.jit(model.init)(jax.random.key(1), x[0])
 
   def loss(v, x):
     y = model.apply(v, x)

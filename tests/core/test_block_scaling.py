@@ -118,11 +118,12 @@ def test_nvfp4_block_quantize_matches_numpy(tile, shape, four_over_six):
   g = _tensor_factor(t)
   rp = -(-shape[0] // 16) * 16 if tile else shape[0]
   tp = jnp.pad(jnp.asarray(t), ((0, rp - shape[0]), (0, (-shape[1]) % 16)))
-  q, s = block_numerics.block_quantize(tp, 16, jnp.float4_e2m1fn, tensor_scale=g, tile=tile,
-                                       four_over_six=four_over_six)
+  # Jitted (op by op, each operation and shape costs a compile), as a training step runs it.
+  q, s = jax.jit(lambda t: block_numerics.block_quantize(
+      t, 16, jnp.float4_e2m1fn, tensor_scale=g, tile=tile, four_over_six=four_over_six))(tp)
   assert q.dtype == jnp.float4_e2m1fn and s.dtype == jnp.float8_e4m3fn
-  got = (np.asarray(block_numerics.block_dequantize(q, s, 16, jnp.float32), np.float64)
-         * np.float64(g))
+  dequantize = jax.jit(lambda q, s: block_numerics.block_dequantize(q, s, 16, jnp.float32))
+  got = np.asarray(dequantize(q, s), np.float64) * np.float64(g)
   np.testing.assert_array_equal(got[:shape[0], :shape[1]],
                                 _nv_ref(t, g, tile, four_over_six=four_over_six))
   assert np.all(got[0, :16] == 0)

@@ -106,11 +106,13 @@ def _frozen(model):
 
 
 @pytest.mark.parametrize("layer,recipe", CASES)
-def test_served_forward_equals_frozen_qat_forward_bit_for_bit(layer, recipe):
+def test_served_forward_equals_frozen_qat_forward_bit_for_bit_from_codes(layer, recipe):
+  """One conversion per case: what the served params hold, then what they compute."""
   mk, shape = LAYERS[layer]
   model = mk(RECIPES[recipe])
   v, x = _trained(model, shape)
   served, sp = fl.convert(model, v, x)
+  _assert_codes_and_no_training_state(recipe, v, sp)
   serve, frozen = jax.jit(served.apply), _frozen(model)
   ref = frozen(v, x)
   out = serve(sp, x)
@@ -156,12 +158,7 @@ def test_bf16_fake_quantized_conv_is_served_bit_for_bit_in_the_qat_compute_dtype
   assert float_gemm_dtypes(served.apply, sp, x, values=False) == [(want, want)]
 
 
-@pytest.mark.parametrize("layer,recipe", CASES)
-def test_served_params_hold_codes_and_no_training_state(layer, recipe):
-  mk, shape = LAYERS[layer]
-  model = mk(RECIPES[recipe])
-  v, x = _trained(model, shape)
-  _, sp = fl.convert(model, v, x)
+def _assert_codes_and_no_training_state(recipe, v, sp):
   assert set(sp) == {"params"}  # the OWG collection (histories, ranges) is gone
   flat = _layer_params(sp["params"])
   kernels = {k: a for k, a in flat.items() if k.endswith("kernel")}

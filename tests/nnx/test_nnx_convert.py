@@ -90,8 +90,10 @@ def _converted(layer: str, recipe: str):
 
 
 @pytest.mark.parametrize("layer,recipe", CASES)
-def test_served_model_equals_the_frozen_qat_model_bit_for_bit(layer, recipe):
+def test_served_model_equals_the_frozen_qat_model_bit_for_bit_from_codes(layer, recipe):
+  """One conversion per case: what the served layer holds, then what it computes."""
   model, served, x, shape = _converted(layer, recipe)
+  _assert_codes_and_no_training_state(model, served, layer, recipe)
   model.eval()  # frozen quantizers
   batches = (x, 0.25 * jax.random.normal(jax.random.key(7), (2,) + shape[1:]),
              10.0 * jax.random.normal(jax.random.key(8), shape))  # beyond every range
@@ -101,9 +103,7 @@ def test_served_model_equals_the_frozen_qat_model_bit_for_bit(layer, recipe):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 
-@pytest.mark.parametrize("layer,recipe", CASES)
-def test_served_layer_holds_codes_and_no_training_state(layer, recipe):
-  model, served, _, _ = _converted(layer, recipe)
+def _assert_codes_and_no_training_state(model, served, layer, recipe):
   want = ("fp4" if recipe.startswith("nvfp4") else "fp8" if recipe.startswith("fp8") else
           "int4" if recipe.startswith("int4") else "int8")
   assert served.kernel[...].dtype == STORED[want]
