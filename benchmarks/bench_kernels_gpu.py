@@ -152,8 +152,8 @@ def _bytes(tree) -> int:
   return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
-def _check(name, fk, x, want) -> dict:
-  """Runs the compiled kernel fn on ``x``: differing elements per output vs ``want``."""
+def _check(name, fk, x, want) -> tuple[dict, object]:
+  """Runs the compiled kernel fn on ``x``: (differing elements per output vs ``want``, its outputs)."""
   got = fk(x)
   g_leaves, w_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
   if len(g_leaves) != len(w_leaves):
@@ -161,16 +161,17 @@ def _check(name, fk, x, want) -> dict:
   diffs = [int(_differing(g, w)) for g, w in zip(g_leaves, w_leaves)]
   return {"outputs": [f"{a.dtype}{list(a.shape)}" for a in g_leaves],
           "differing_elements": diffs, "bit_exact": not any(diffs),
-          "compiled_pallas_calls": fk.lower(x).compile().as_text().count("__gpu$xla.gpu.triton")}
+          "compiled_pallas_calls": fk.lower(x).compile().as_text().count("__gpu$xla.gpu.triton")
+          }, got
 
 
 def run_case(name, operand, kern, ref, x, rounds, calls) -> dict:
   """Compiles both paths, counts differing elements per output, times both."""
   t0 = time.perf_counter()
   fk, fr = jax.jit(kern), jax.jit(ref)
-  got = fk(x)
+  checked, got = _check(name, fk, x, fr(x))
   row = {"operand": operand, "shape": list(x.shape), "dtype": str(x.dtype),
-         **_check(name, fk, x, fr(x)), "compile_and_check_s": time.perf_counter() - t0}
+         **checked, "compile_and_check_s": time.perf_counter() - t0}
   if rounds:
     t = _time({"kernel": lambda: fk(x), "jnp": lambda: fr(x)}, rounds, calls)
     moved = x.size * x.dtype.itemsize + _bytes(got)
@@ -184,7 +185,7 @@ def run_case(name, operand, kern, ref, x, rounds, calls) -> dict:
 
 
 def sweep_case(name, operand, family, x, choices, rounds, calls) -> dict:
-  """Times the case's kernels under each launch choice (checked bit for bit); the fastest first."""
+  """Times the case's kernels under each launch choice, each checked bit for bit; names the fastest."""
   ref = next(c[3] for c in cases({operand: x}) if c[0] == name)
   want = jax.jit(ref)(x)
   rows = []
@@ -195,7 +196,7 @@ def sweep_case(name, operand, family, x, choices, rounds, calls) -> dict:
       # New closures per choice: jit's cache is keyed by the function, not the launch table.
       fk = jax.jit(next(c[2] for c in cases({operand: x}) if c[0] == name))
       row = {"launch": {"tile": list(choice["tile"]), "num_warps": choice["num_warps"]},
-             **_check(name, fk, x, want)}
+             **_check(name, fk, x, want)[0]}
       if rounds:
         row["kernel_ms"] = _time({"k": lambda: fk(x)}, rounds, calls)["k"]["median_ms"]
     except Exception as e:  # pylint: disable=broad-except  # a launch Triton rejects is a result
