@@ -44,7 +44,7 @@ import jax.ad_checkpoint
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import dims, lowering, mesh, owg
+from fp8_linen.core import dims, lowering, mesh, owg, uses
 
 __all__ = ["Fp8Spec", "DotSpec", "fp8_vjp", "backward_with_state"]
 
@@ -193,3 +193,4 @@ def _backward(spec, res, cts):
 
 
 fp8_vjp.defvjp(_fp8_vjp_fwd, _fp8_vjp_bwd)
+fp8_vjp = uses.compiled_when_eager(fp8_vjp, static_argnums=(0,))

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import dims, int_gemm, lowering, numerics
+from fp8_linen.core import dims, int_gemm, lowering, numerics, uses
 from fp8_linen.core.serve import ServedRecord, record
 from fp8_linen.recipes.fp8 import Fp8WeightOnly
 
@@ -77,6 +77,7 @@ def _fake_quant_bwd(contract, recipe, res, g):
 
 
 fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)
+fake_quant = uses.compiled_when_eager(fake_quant, static_argnums=(1, 2))
 
 
 def _compute(recipe: Fp8WeightOnly, lhs):

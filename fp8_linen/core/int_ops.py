@@ -21,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fp8_linen.core import int_numerics, lowering, owg
+from fp8_linen.core import int_numerics, lowering, owg, uses
 from fp8_linen.core.numerics import SCALE_FLOOR
 from fp8_linen.recipes.integer import IntQuantConfig
 
@@ -60,6 +60,7 @@ def _ste_bwd(qmin, qmax, res, g):
 
 
 _ste.defvjp(_ste_fwd, _ste_bwd)
+_ste = uses.compiled_when_eager(_ste, static_argnums=(0, 1))
 
 
 def fake_quant_ste(x, scale, zero_point, *, qmin: int, qmax: int):
@@ -137,6 +138,7 @@ def _lsq_bwd(qmin, qmax, grad_scale, with_offset, res, g):
 
 
 _lsq.defvjp(_lsq_fwd, _lsq_bwd)
+_lsq = uses.compiled_when_eager(_lsq, static_argnums=(0, 1, 2, 3))
 
 
 def _lsq_args(x, step, *, grad_scale):
@@ -254,6 +256,7 @@ def _observed_bwd(cfg, first, frozen, res, cts):
 
 
 _observed.defvjp(_observed_fwd, _observed_bwd)
+_observed = uses.compiled_when_eager(_observed, static_argnums=(0, 1, 2))
 
 
 def observed_fake_quant(x, observer_range, *, cfg: IntQuantConfig, chain=None):

@@ -58,7 +58,8 @@ from jax import lax
 # Bound at import, before quantize_model can intercept jax.lax.ragged_dot.
 from jax.lax import ragged_dot as lax_ragged_dot
 
-from fp8_linen.core import dims, int_numerics, int_ops, lowering, mesh, owg, randomness
+from fp8_linen.core import (dims, int_numerics, int_ops, lowering, mesh, owg, randomness,
+                            uses)
 from fp8_linen.core.int_codes import Codes, Operand, dequantize, quantize, rank_like
 from fp8_linen.core.int_gemm import (conv_fn, conv_supported, contracted, int_conv, int_gemm,
                                      resolve_compute_dtype, resolve_int_gemm)
@@ -432,6 +433,7 @@ def _int_product_bwd(spec, res, cts):
 
 
 _int_product.defvjp(_int_product_fwd, _int_product_bwd)
+_int_product = uses.compiled_when_eager(_int_product, static_argnums=(0,))
 
 
 def operand_params(role: str, x, contract_axes, cfg: IntQuantConfig, *, lsq_params,

@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp8_linen.core import numerics, owg
+from fp8_linen.core import numerics, owg, uses
 from fp8_linen.recipes.fp8 import ScalingConfig
 
 __all__ = ["quantize", "dequantize"]
@@ -60,6 +60,7 @@ def _quantize_bwd(cfg, x_dtype, first, frozen, res, cts):
 
 
 _quantize.defvjp(_quantize_fwd, _quantize_bwd)
+_quantize = uses.compiled_when_eager(_quantize, static_argnums=(0, 1, 2, 3))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
@@ -83,6 +84,7 @@ def _dequantize_bwd(grad_cfg, out_dtype, first, frozen, exact, grad_state, cts):
 
 
 _dequantize.defvjp(_dequantize_fwd, _dequantize_bwd)
+_dequantize = uses.compiled_when_eager(_dequantize, static_argnums=(0, 1, 2, 3, 4))
 
 
 def quantize(x, scale, amax_history, *, cfg: ScalingConfig | None = None, chain=None):

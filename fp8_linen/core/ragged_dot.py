@@ -44,7 +44,7 @@ from jax import lax
 # Bound at import, before quantize_model can intercept jax.lax.ragged_dot.
 from jax.lax import ragged_dot as lax_ragged_dot
 
-from fp8_linen.core import lowering, numerics, owg
+from fp8_linen.core import lowering, numerics, owg, uses
 from fp8_linen.core.fp8_vjp import Fp8Spec, backward_with_state
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
@@ -136,6 +136,7 @@ def _bwd(spec, grouped, res, cts):
 
 
 _ragged_vjp.defvjp(_fwd, _bwd)
+_ragged_vjp = uses.compiled_when_eager(_ragged_vjp, static_argnums=(0, 1))
 
 
 def fp8_ragged_dot(lhs, rhs, group_sizes, *, input_state: owg.RoleState,

@@ -42,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Callable, Hashable
 
@@ -54,7 +55,7 @@ from jax.extend.core import find_top_trace
 __all__ = ["LOOPS", "StateUseError", "transforms_between", "constant", "in_kernel",
            "differentiated",
            "under_vmap",
-           "fold_vmapped", "check_use", "Chains"]
+           "fold_vmapped", "check_use", "Chains", "compiled_when_eager"]
 
 # What JAX's tracers call the transforms that run one traced body several times
 # per step (their ``traced_for``): their iterations' cotangents are summed.
@@ -322,3 +323,54 @@ def _encloses(outer, inner) -> bool:
       return True
     t = _parent(t)
   return False
+
+
+# Traces a compiled op may run under as one program: evaluation and
+# differentiation of evaluated values. ``vmap``, loops and ``shard_map`` are
+# left to trace the op themselves (their rules read the trace stack).
+_COMPILABLE = ("EvalTrace",) + _DIFFERENTIATING
+
+
+def _eager() -> bool:
+  """Whether the code running now is evaluated op by op (no staging transform is active)."""
+  t = find_top_trace(())
+  while t is not None:
+    if type(t).__name__ not in _COMPILABLE:
+      return False
+    t = _parent(t)
+  return True
+
+
+def compiled_when_eager(fn: Callable, static_argnums: tuple[int, ...] = ()) -> Callable:
+  """``fn`` (an op's custom_vjp) run as one compiled program when called eagerly.
+
+  Outside ``jit``, JAX runs an op primitive by primitive and compiles a
+  program for each new shape: a quantized layer's unjitted ``init`` or
+  ``apply`` compiled hundreds of them (seconds per layer, each call with new
+  shapes). Called eagerly (or under an eager ``jax.grad``), ``fn`` runs under
+  a cached ``jax.jit`` instead, its ``static_argnums`` (the custom_vjp's
+  non-differentiable arguments) part of the key; inside any other transform
+  it is traced as it is. The two give the same values: the jitted program is
+  the one a jitted step inlines.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from fp8_linen.core import uses
+    >>> f = uses.compiled_when_eager(lambda k, x: x * k, static_argnums=(0,))
+    >>> float(f(2.0, jnp.ones(())))
+    2.0
+  """
+  jitted = jax.jit(fn, static_argnums=static_argnums)
+
+  @functools.wraps(fn)
+  def call(*args):
+    if _eager():
+      try:
+        for i in static_argnums:
+          hash(args[i])
+      except TypeError:
+        return fn(*args)
+      return jitted(*args)
+    return fn(*args)
+
+  return call
