@@ -29,8 +29,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -182,6 +184,8 @@ def _blocks(x, block_size: int, rows: int):
   return x.reshape(*lead, r // rows, rows, c // block_size, block_size)
 
 
+# Jitted: traced once per shape and format, not once per call (see numerics.encode_fp8).
+@functools.partial(jax.jit, static_argnames=("block_size", "dtype", "tile", "four_over_six"))
 def block_quantize(x: jnp.ndarray, block_size: int, dtype, *, tensor_scale=None,
                    tile: bool = False, noise=None, four_over_six: bool = False):
   """Quantizes ``x`` (..., R, C) in blocks of ``block_size`` along its last axis.
@@ -341,6 +345,8 @@ def e2m1_codes(y: jnp.ndarray) -> jnp.ndarray:
   return (code.astype(jnp.int32) | sign).astype(jnp.uint8)
 
 
+# Jitted: traced once per shape, not once per call (see numerics.encode_fp8).
+@jax.jit
 def code_values(q: jnp.ndarray) -> jnp.ndarray:
   """The float32 values of block codes or scales (fp8, ``float4_e2m1fn``, ``float8_e8m0fnu``).
 
@@ -362,6 +368,7 @@ def code_values(q: jnp.ndarray) -> jnp.ndarray:
   return decode_fp8(q)
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))
 def block_dequantize(q: jnp.ndarray, scales: jnp.ndarray, block_size: int, dtype=jnp.float32,
                      tensor_scale=None) -> jnp.ndarray:
   """Inverse of :func:`block_quantize`: ``q * scale`` per block (times ``tensor_scale``).

@@ -34,6 +34,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 from jax import lax
@@ -232,6 +235,10 @@ _ENCODERS = {np.dtype(ml_dtypes.float8_e4m3fn): (3, 7, 0x7F, None),
              np.dtype(ml_dtypes.float8_e5m2): (2, 15, 0x7E, 0x7C)}
 
 
+# Jitted (here and on the helpers below): a step traces it once per shape and
+# config instead of once per call, and lowers it once per program (XLA
+# inlines it, so the compiled program is unchanged).
+@functools.partial(jax.jit, static_argnums=(1,))
 def encode_fp8(y: jnp.ndarray, dtype) -> jnp.ndarray:
   """Rounds float32 ``y`` (finite values within the format's range) to fp8, nearest-even.
 
@@ -334,6 +341,7 @@ def roll_history(history: jnp.ndarray, new_amax: jnp.ndarray) -> jnp.ndarray:
   return jnp.roll(history, 1, axis=0).at[0].set(new_amax)
 
 
+@functools.partial(jax.jit, static_argnums=(2,))
 def scale_from_amax(a: jnp.ndarray, prev_scale: jnp.ndarray, cfg: ScalingConfig) -> jnp.ndarray:
   """The scale that maps amax ``a`` to the fp8 maximum (with margin).
 
@@ -365,6 +373,7 @@ def scale_from_amax(a: jnp.ndarray, prev_scale: jnp.ndarray, cfg: ScalingConfig)
   return jnp.where(ok, s, prev)
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
 def select_scale(cfg: ScalingConfig, prev_scale: jnp.ndarray, history: jnp.ndarray,
                  current_amax: jnp.ndarray) -> jnp.ndarray:
   """The scale to quantize with at this step.

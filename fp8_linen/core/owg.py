@@ -188,6 +188,8 @@ def chain_init(n: int) -> jnp.ndarray:
   return jnp.zeros((n,), jnp.float32)
 
 
+# Jitted: traced once per config and shape, not once per use (see numerics.encode_fp8).
+@functools.partial(jax.jit, static_argnums=(0,))
 def new_state(cfg: ScalingConfig, state: RoleState, observed_amax) -> RoleState:
   """The state after a step that observed ``observed_amax`` (non-finite -> 0)."""
   a = numerics.finite_or_zero(observed_amax)
