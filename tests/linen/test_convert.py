@@ -113,19 +113,33 @@ def test_served_forward_equals_frozen_qat_forward_bit_for_bit_from_codes(layer, 
   v, x = _trained(model, shape)
   served, sp = fl.convert(model, v, x)
   _assert_codes_and_no_training_state(recipe, v, sp)
-  serve, frozen = jax.jit(served.apply), _frozen(model)
-  ref = frozen(v, x)
-  out = serve(sp, x)
-  assert out.dtype == ref.dtype and out.shape == ref.shape
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
-  # A batch of another size, and one 5x larger than anything the observers saw.
-  for x2 in (0.25 * jax.random.normal(jax.random.key(7), (2,) + shape[1:]),
-             10.0 * jax.random.normal(jax.random.key(8), shape)):
-    np.testing.assert_array_equal(np.asarray(serve(sp, x2)), np.asarray(frozen(v, x2)))
+  # The batch, one of another size, and one 5x larger than anything the observers saw.
+  batches = (x, 0.25 * jax.random.normal(jax.random.key(7), (2,) + shape[1:]),
+             10.0 * jax.random.normal(jax.random.key(8), shape))
+  pairs, training_mode = _evaluations(model, served, v, sp, batches)
+  for out, ref in pairs:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
   if recipe != "int8_ste_moving_average":
     # Inside the recorded range a 'minmax' observer's batch changes nothing:
     # the training-mode evaluation is the served model too.
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(model.apply)(v, x)))
+    np.testing.assert_array_equal(np.asarray(pairs[0][0]), np.asarray(training_mode))
+
+
+def _evaluations(model, served, v, sp, batches):
+  """``([(served, frozen QAT) per batch], training-mode QAT of the first batch)``.
+
+  One jitted program (each of these alone would be a compile of its own);
+  the frozen-quantizer flag is read while each call is traced.
+  """
+  def run(v, sp, batches):
+    pairs = []
+    for b in batches:
+      with fl.frozen_quantizers():
+        ref = model.apply(v, b)
+      pairs.append((served.apply(sp, b), ref))
+    return pairs, model.apply(v, batches[0])
+  return jax.jit(run)(v, sp, batches)
 
 
 def test_frozen_evaluation_is_what_is_served_where_training_mode_is_not():

@@ -97,8 +97,9 @@ def test_served_model_equals_the_frozen_qat_model_bit_for_bit_from_codes(layer, 
   model.eval()  # frozen quantizers
   batches = (x, 0.25 * jax.random.normal(jax.random.key(7), (2,) + shape[1:]),
              10.0 * jax.random.normal(jax.random.key(8), shape))  # beyond every range
-  for batch in batches:
-    out, ref = _apply(served, batch), _apply(model, batch)
+  # Every output in one jitted program (one compile, not one per model and batch).
+  outs = nnx.jit(lambda s, m, bs: [(s(b), m(b)) for b in bs])(served, model, batches)
+  for out, ref in outs:
     assert out.dtype == ref.dtype and out.shape == ref.shape
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
