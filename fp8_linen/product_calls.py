@@ -24,7 +24,7 @@ import warnings
 import jax.numpy as jnp
 
 from fp8_linen import interception
-from fp8_linen.core import uses
+from fp8_linen.core import int_product, uses
 from fp8_linen.core.conv import conv_kwargs_from
 from fp8_linen.core.dims import einsum_plan
 from fp8_linen.families import dispatch
@@ -149,9 +149,11 @@ def ragged_problem(recipe) -> str | None:
   if family_for(recipe, "quantize_model").ragged_dot is None:
     return (f"{type(recipe).__name__} has no quantized grouped GEMM yet (use an fp8 per-tensor "
             "recipe for the experts)")
-  if getattr(recipe, "grad_bits", None) is not None:
-    return (f"grad_bits={recipe.grad_bits} has no integer-gradient grouped GEMM yet (use "
-            "grad_bits=None for the experts)")
+  if getattr(recipe, "grad_bits", None) is not None and \
+      int_product.ragged_supported(recipe) is not None:
+    return (f"grad_bits={recipe.grad_bits} needs the integer grouped GEMM, which "
+            f"{int_product.ragged_supported(recipe)} does not have (use a symmetric STE recipe "
+            "or grad_bits=None for the experts)")
   if getattr(recipe, "granularity", "tensor") != "tensor":
     return (f"granularity={recipe.granularity!r} has no grouped GEMM yet (use an fp8 "
             "per-tensor recipe for the experts)")

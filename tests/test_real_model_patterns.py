@@ -5,6 +5,8 @@ or the layers on Google's model code (the libraries themselves run in
 ``tests/third_party`` where they are installed).
 """
 
+import dataclasses
+
 import chex
 import flax.linen as nn
 import jax
@@ -397,9 +399,36 @@ def test_moe_experts_with_an_integer_recipe_are_fake_quantized_per_expert_channe
   np.testing.assert_allclose(rng, [-ROUTED.min(), ROUTED.max()], rtol=1e-6)
 
 
-def test_moe_experts_with_integer_gradients_say_they_run_in_float():
-  qm = fl.quantize_model(RaggedMoe(), fl.IntRecipe(grad_bits=8))
-  with pytest.warns(UserWarning, match="ragged_dot .* runs unquantized: grad_bits=8"):
+def test_moe_experts_train_with_integer_gradients():
+  recipe = fl.IntRecipe(grad_bits=8, gemm="int8",
+                        kernel=fl.IntQuantConfig(granularity="channel"))
+  qm = fl.quantize_model(RaggedMoe(), recipe)
+  v = jax.jit(qm.init)(jax.random.key(0), ROUTED, GROUPS)
+  assert qm.product_report(v, ROUTED, GROUPS).counts == {"quantized": 2}
+  loss = lambda p: jnp.mean((qm.apply(p, ROUTED, GROUPS) - ROUTED) ** 2)
+  # Each expert layer: forward, dgrad and wgrad all int8 x int8 grouped GEMMs.
+  eqns, todo = [], [jax.make_jaxpr(jax.grad(loss))(v).jaxpr]
+  while todo:
+    j = todo.pop()
+    eqns += j.eqns
+    todo += [getattr(p, "jaxpr", p) for e in j.eqns for p in e.params.values()
+             if hasattr(getattr(p, "jaxpr", p), "eqns")]
+  ragged = [e for e in eqns if e.primitive.name.startswith("ragged_dot")]
+  assert len(ragged) == 6 and all(str(x.aval.dtype) == "int8" for e in ragged
+                                  for x in e.invars[:2]), [e.invars[:2] for e in ragged]
+  state = fl.TrainState.create(apply_fn=qm.apply, params=v, tx=optax.adam(1e-2))
+  step = jax.jit(lambda st: st.apply_gradients(grads=jax.grad(loss)(st.params)))
+  before = float(loss(state.params))
+  for _ in range(3):
+    state = step(state)
+  assert float(loss(state.params)) < before
+
+
+def test_moe_experts_with_integer_gradients_they_cannot_take_say_they_run_in_float():
+  # LSQ experts are fake-quantized (float gradients): grad_bits cannot be honoured.
+  qm = fl.quantize_model(RaggedMoe(), dataclasses.replace(fl.int8_lsq(), grad_bits=8))
+  with pytest.warns(UserWarning, match="ragged_dot .* runs unquantized: grad_bits=8 needs the "
+                                       "integer grouped GEMM"):
     v = qm.init(jax.random.key(0), ROUTED, GROUPS)
     report = qm.product_report(v, ROUTED, GROUPS)
   assert report.counts == {"skipped": 2}

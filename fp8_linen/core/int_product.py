@@ -290,6 +290,45 @@ class _RaggedSpec(_Spec):
     del g, xc, wc
     return None  # the gradients multiply the dequantized operands (grads)
 
+  def int_grads(self, g, xc: Codes, wc: Codes, group_sizes):
+    """Both gradient grouped GEMMs on integer codes (``IntRecipe.grad_bits``).
+
+    As :meth:`_DotSpec.int_grads`, with each scale constant along the axis
+    its GEMM contracts. dgrad ``(m, n) x (g, n, k)``: ``g`` times its row's
+    expert's weight scales, quantized per row (over ``n``). wgrad, whose
+    contraction runs over each expert's rows: ``g`` quantized per expert and
+    column (the amax over that expert's rows), so an expert with small
+    gradients keeps its own resolution. Both are int8 x int8 -> int32
+    grouped GEMMs; their outputs are multiplied by the gradient's scales
+    (and the activation's scalar scale). Rows past the groups' total belong
+    to no expert: they neither widen a scale nor reach a gradient.
+    """
+    g32 = g.astype(jnp.float32)
+    m, groups = g32.shape[0], group_sizes.shape[0]
+    qmax = 2 ** (self.grad_bits - 1) - 1
+    noise = lambda salt: None
+    if self.grad_sr:
+      seed = randomness.bits_seed(xc.scale, wc.scale)
+      noise = lambda salt: randomness.uniform_noise(g32.shape, seed, salt)
+    # Each row's expert (``groups`` for rows past the total).
+    row_group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right")
+    s_w = rank_like(wc.scale, wc.codes)  # (g or 1, 1, n or 1)
+    s_w = s_w[jnp.minimum(row_group, s_w.shape[0] - 1)] if s_w.shape[0] > 1 else s_w
+    q1, s1 = _int_rows(g32 * jnp.reshape(s_w, (-1, s_w.shape[-1])), (1,), qmax, noise(1))
+    d_x = lax_ragged_dot(q1, jnp.swapaxes(wc.codes, 1, 2), group_sizes,
+                         preferred_element_type=jnp.int32)
+    d_x = d_x.astype(jnp.float32) * s1
+    amax = jax.ops.segment_max(jnp.abs(g32), row_group, num_segments=groups + 1)[:groups]
+    s2 = jnp.maximum(amax, 0.0) / qmax
+    s2 = jnp.where(s2 > 0, s2, jnp.ones_like(s2))  # (g, n); an expert without rows: 1
+    v = g32 / jnp.concatenate([s2, jnp.ones_like(s2[:1])])[row_group]
+    v = jnp.round(v) if not self.grad_sr else jnp.floor(v + noise(2))
+    q2 = jnp.clip(v, -qmax, qmax).astype(jnp.int8)
+    d_w = lax.ragged_dot_general(xc.codes, q2, group_sizes, _RAGGED_CONTRACTING,
+                                 preferred_element_type=jnp.int32)
+    d_w = d_w.astype(jnp.float32) * s2[:, None, :] * jnp.reshape(xc.scale, ())
+    return d_x, d_w
+
 
 def ragged_code_gemm(xc: Codes, wc: Codes, group_sizes, how: str):
   """The grouped GEMM of symmetric int8 codes (float32 out), each row scaled by its group's.
@@ -325,8 +364,6 @@ def ragged_supported(recipe: IntRecipe) -> str | None:
     return "an asymmetric grid (its zero point would need a correction per group)"
   if recipe.kernel.granularity == "group" or recipe.input.granularity != "tensor":
     return "a 'group' weight or a per-channel activation"
-  if recipe.grad_bits is not None:
-    return "integer gradients (grad_bits)"
   if recipe.input.learned or recipe.kernel.learned:
     return "learned steps (LSQ)"
   return None
@@ -411,7 +448,7 @@ def _int_product_bwd(spec, res, cts):
   xc, xh, x, x_in = _restore(spec.x, spec.lhs_shape, res_x, lparams, spec.grad_dtype)
   wc, wh, w, w_in = _restore(spec.w, spec.rhs_shape, res_w, rparams, spec.grad_dtype)
   if spec.grad_bits:
-    g_xh, g_wh = spec.int_grads(g, xc, wc)
+    g_xh, g_wh = spec.int_grads(g, xc, wc, *extra)
   else:
     # The products read the codes (dequantized where they are multiplied);
     # group views and grouped convolutions the dequantized operands.
@@ -610,9 +647,11 @@ def int_ragged_dot(lhs, rhs, group_sizes, *, recipe: IntRecipe, input_params=(),
   in one grouped GEMM with int32 accumulation (``recipe.gemm``; bfloat16 on
   the CPU where exact), each output row scaled by its expert's scales.
   Backward: the STE gradients, both gradient products of the dequantized
-  operands in ``recipe.compute_dtype``. The observer's new range is returned
-  as the cotangent of ``input_params[0]``, chained like
-  :func:`int_dot_general`'s. Symmetric grids, STE, no ``grad_bits``
+  operands in ``recipe.compute_dtype``, or with ``recipe.grad_bits`` both on
+  integer codes (int8 x int8 grouped GEMMs: the gradient per row for dgrad,
+  per expert and column for wgrad; see ``_RaggedSpec.int_grads``). The
+  observer's new range is returned as the cotangent of ``input_params[0]``,
+  chained like :func:`int_dot_general`'s. Symmetric grids and STE
   (:func:`ragged_supported` says why not otherwise).
 
   Args:

@@ -236,9 +236,11 @@ def ragged_dot(access, lhs, rhs, group_sizes, recipe: IntRecipe, out_dtype=None,
   whose contracting axis is ``k``: ``granularity='channel'`` gives each
   expert's output channels their own scale, ``'tensor'`` one scale for all
   experts. Symmetric STE recipes multiply int8 codes in one grouped GEMM
-  (:func:`~fp8_linen.core.int_product.int_ragged_dot`); others (asymmetric
-  grids, LSQ) multiply the fake-quantized values in the compute dtype. The
-  gradients are float, through the estimators.
+  (:func:`~fp8_linen.core.int_product.int_ragged_dot`), and with
+  ``grad_bits`` their two gradient grouped GEMMs on integer codes too; others
+  (asymmetric grids, LSQ) multiply the fake-quantized values in the compute
+  dtype, with float gradients through the estimators (``grad_bits`` is
+  refused for them).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -253,12 +255,15 @@ def ragged_dot(access, lhs, rhs, group_sizes, recipe: IntRecipe, out_dtype=None,
     >>> v[fl.OWG]['ragged_dot_0']['input_range'].shape
     (2,)
   """
-  if recipe.grad_bits is not None:
-    raise ValueError(f"{access.path}: IntRecipe(grad_bits={recipe.grad_bits}) has no "
-                     "integer-gradient grouped GEMM; use grad_bits=None for the experts")
+  why = int_product.ragged_supported(recipe)
+  if recipe.grad_bits is not None and why is not None:
+    # Fake-quantized experts have float gradients: grad_bits would be ignored.
+    raise ValueError(f"{access.path}: IntRecipe(grad_bits={recipe.grad_bits}) needs the integer "
+                     f"grouped GEMM, which {why} does not have; use a symmetric STE recipe for "
+                     "the experts, or grad_bits=None")
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
-  if int_product.ragged_supported(recipe) is None:
+  if why is None:
     return _int_product(access, lhs, rhs, (1,), (1,), recipe, key,
                         lambda **kw: int_product.int_ragged_dot(
                             lhs, rhs, group_sizes, recipe=recipe, out_dtype=out_dtype,

@@ -1,6 +1,8 @@
 """The integer grouped GEMM (``int_ragged_dot``): int8 codes per expert, STE gradients,
 the observer's state, and what the accelerators multiply (compile only)."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -85,6 +87,73 @@ class IntRaggedTest(chex.TestCase):
     assert err(channel, rows) < 0.05
 
 
+def _fq_rows64(t, scale_rows, qmax=127):
+  """Symmetric fake quantization of ``t`` with the scales ``scale_rows`` (broadcast), float64."""
+  return np.clip(np.round(t / scale_rows), -qmax, qmax) * scale_rows
+
+
+def test_integer_gradients_are_per_row_and_per_expert_int8_products():
+  # Rows 9..11 (expert 3) get gradients 1000x smaller, and two rows past the
+  # groups' total belong to no expert.
+  x, w, ct = _data(3)
+  x = jnp.concatenate([x, jnp.ones((2, K))])
+  ct = jnp.concatenate([ct.at[9:].multiply(1e-3), 5.0 * jnp.ones((2, N))])
+  recipe = dataclasses.replace(CHANNEL, grad_bits=8)
+  loss = lambda x, w: jnp.sum(_apply(x, w, jnp.zeros((2,)), recipe) * ct)
+  d_x, d_w = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+  # float64: dgrad quantizes ct * (the row's expert's weight scales) per row;
+  # wgrad quantizes ct per expert and column; each multiplies the other
+  # operand's fake-quantized values.
+  x64, ct64 = np.asarray(x, np.float64)[:M], np.asarray(ct, np.float64)[:M]
+  wh = _fq64(w, 1)
+  s_w = np.abs(np.asarray(w, np.float64)).max(axis=1, keepdims=True) / 127.0  # (g, 1, n)
+  rows = np.repeat(np.arange(G), GS)
+  g1 = ct64 * s_w[rows, 0]
+  q1 = _fq_rows64(g1, np.abs(g1).max(axis=1, keepdims=True) / 127.0)
+  dx_ref = _ragged64(q1, wh.transpose(0, 2, 1) / s_w.transpose(0, 2, 1))
+  s2 = np.ones((G, N))
+  for i in range(G):
+    if GS[i]:
+      s2[i] = np.abs(ct64[rows == i]).max(axis=0) / 127.0
+  dw_ref = _wgrad64(_fq64(x64, None), _fq_rows64(ct64, s2[rows]))
+  np.testing.assert_allclose(np.asarray(d_x)[:M], dx_ref, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(d_w), dw_ref, rtol=1e-4, atol=1e-9)
+  # The small expert keeps its resolution (its own scales), the empty one gets
+  # nothing, and rows of no expert get no input gradient.
+  float_dw = _wgrad64(_fq64(x64, None), ct64)
+  assert np.abs(np.asarray(d_w[3]) - float_dw[3]).max() < 0.02 * np.abs(float_dw[3]).max()
+  assert not np.any(np.asarray(d_w[1])) and not np.any(np.asarray(d_x[M:]))
+  # Three int8 x int8 grouped GEMMs: forward (int8 lowering; the CPU's default
+  # multiplies the codes in bfloat16), dgrad, wgrad.
+  int8 = dataclasses.replace(recipe, gemm="int8")
+  jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(_apply(x, w, jnp.zeros((2,)), int8) * ct),
+                                  argnums=(0, 1)))(x, w)
+  ragged = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name.startswith("ragged_dot")]
+  assert sorted(str(v.aval.dtype) for e in ragged for v in e.invars[:2]) == ["int8"] * 6
+
+
+def _eqns(jaxpr):
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _eqns(inner)
+
+
+def test_stochastically_rounded_integer_gradients_are_unbiased():
+  x, w, ct = _data(4)
+  recipe = dataclasses.replace(CHANNEL, grad_bits=4, grad_stochastic_rounding=True)
+  exact = jax.grad(lambda w: jnp.sum(_apply(x, w, jnp.zeros((2,)), CHANNEL) * ct))(w)
+  # The noise is seeded by the operands' scales: other weights, other draws.
+  grads = [jax.jit(jax.grad(lambda w: jnp.sum(_apply(x, w, jnp.zeros((2,)), recipe) * ct)))(
+      w * (1.0 + 1e-3 * i))[0] for i in range(24)]
+  mean_err = np.abs(np.mean(grads, axis=0) - np.asarray(exact[0])).mean()
+  one_err = np.abs(np.asarray(grads[0]) - np.asarray(exact[0])).mean()
+  assert mean_err < 0.4 * one_err  # errors average out: no bias
+
+
 def test_int8_and_bf16_lowerings_agree_bit_for_bit():
   x, w, _ = _data(2)
   ys = [_apply(x, w, jnp.zeros((2,)), fl.IntRecipe(gemm=g,
@@ -98,6 +167,7 @@ def test_unsupported_recipes_are_named_and_fake_quantized_by_the_layers():
   asym = fl.IntRecipe(input=fl.IntQuantConfig(symmetric=False))
   assert "asymmetric" in int_product.ragged_supported(asym)
   assert "LSQ" in int_product.ragged_supported(fl.int8_lsq())
+  assert int_product.ragged_supported(dataclasses.replace(CHANNEL, grad_bits=8)) is None
   x, w, _ = _data()
   with pytest.raises(ValueError, match="asymmetric"):
     _apply(x, w, jnp.zeros((2,)), asym)
@@ -110,8 +180,9 @@ _TARGETS = [("tpu-v5e", "mosaic-grouped-gemm"), ("tpu-v6e", "mosaic-grouped-gemm
             ("h100", "cublas")]
 
 
+@pytest.mark.parametrize("grad_bits", [None, 8])
 @pytest.mark.parametrize("target,kind", _TARGETS, ids=[t for t, _ in _TARGETS])
-def test_the_forward_is_an_int8_grouped_gemm(require_target, target, kind):
+def test_the_forward_is_an_int8_grouped_gemm(require_target, target, kind, grad_bits):
   t = require_target(target)
   from fp8_linen.testing.compile import compile_for  # pylint: disable=import-outside-toplevel
 
@@ -121,11 +192,17 @@ def test_the_forward_is_an_int8_grouped_gemm(require_target, target, kind):
 
   def step(x, w, rng):
     loss = lambda x, w, r: jnp.sum(int_product.int_ragged_dot(
-        x, w, gs, recipe=fl.IntRecipe(gemm="int8"), input_params=(r,))[0])
+        x, w, gs, recipe=fl.IntRecipe(gemm="int8", grad_bits=grad_bits),
+        input_params=(r,))[0])
     return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w, rng)
 
   report = compile_for(t, step, x, w, jnp.zeros((2,)))
   ints = [p for p in report.product_list if p.operand_class == "int8"]
-  assert len(ints) == 1 and ints[0].kind == kind, report.product_list
-  # The two gradient products stay in the activations' dtype (bf16).
-  assert report.classes.get("bf16") == 2, report.classes
+  assert kind in [p.kind for p in ints] and all(p.out == "s32" for p in ints), \
+      report.product_list
+  if grad_bits is None:
+    # The two gradient products stay in the activations' dtype (bf16).
+    assert len(ints) == 1 and report.classes.get("bf16") == 2, report.classes
+  else:
+    # grad_bits: dgrad and wgrad multiply int8 codes as well.
+    assert len(ints) == 3 and report.classes == {"int8": 3}, report.classes

@@ -1,5 +1,6 @@
 """fl.nnx.quantize_model(example=...): products inside a model's own NNX modules."""
 
+import dataclasses
 import warnings
 
 import chex
@@ -331,9 +332,14 @@ def test_moe_experts_as_ragged_dot():
   model = fl.nnx.quantize_model(Moe(), fl.IntRecipe(), example=(x, gs))
   assert model.ragged_dot_0.input_range[...].shape == (2,)
   assert not np.array_equal(model(x, gs), ref)
-  # Integer gradients have no grouped GEMM: said at quantize time, float at run time.
-  with pytest.warns(UserWarning, match="integer-gradient grouped GEMM"):
-    model = fl.nnx.quantize_model(Moe(), fl.IntRecipe(grad_bits=8), example=(x, gs))
+  # Integer gradients: the integer grouped GEMM's, the same forward.
+  model8 = fl.nnx.quantize_model(Moe(), fl.IntRecipe(grad_bits=8), example=(x, gs))
+  np.testing.assert_array_equal(model8(x, gs), model(x, gs))
+  # Learned (LSQ) experts are fake-quantized, with float gradients: grad_bits is
+  # refused at quantize time, and they run in float.
+  with pytest.warns(UserWarning, match="needs the integer grouped GEMM"):
+    model = fl.nnx.quantize_model(Moe(), dataclasses.replace(fl.int8_lsq(), grad_bits=8),
+                                  example=(x, gs))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     np.testing.assert_array_equal(model(x, gs), ref)
