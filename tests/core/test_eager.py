@@ -57,8 +57,9 @@ def test_eager_init_compiles_the_op_once_not_per_primitive(recipe):
   variables, names = _count_compiles(lambda: layer.init(jax.random.key(0), x))
   op_programs = [n for n in names if n.startswith(("fp8_vjp", "_int_product"))]
   assert len(op_programs) == 1, names
-  # The rest is flax's parameter init and the state's constants.
-  assert len(names) <= 25, names
+  # The rest is flax's parameter init, LSQ's initial steps and the state's
+  # constants: at most 29 in a fresh process (op by op: 70 to 200).
+  assert len(names) <= 40, names
   # LSQ's initial step (a mean over the kernel, outside the op) may differ in
   # its last bit between op-by-op and fused evaluation.
   chex.assert_trees_all_close(variables, jax.jit(layer.init)(jax.random.key(0), x),
