@@ -87,6 +87,17 @@ class _Spec:
   grad_sr: bool = False  # IntRecipe.grad_stochastic_rounding
   frozen: bool = False  # owg.frozen_quantizers() when the product was called
 
+  def grad_noise(self, shape, xc: Codes, wc: Codes):
+    """``noise(salt)``: the uniform [0, 1) values that round the gradient's codes.
+
+    ``None`` (round to nearest) without ``grad_stochastic_rounding``; the
+    draws are seeded by the operands' scales.
+    """
+    if not self.grad_sr:
+      return lambda salt: None
+    seed = randomness.bits_seed(xc.scale, wc.scale)
+    return lambda salt: randomness.uniform_noise(shape, seed, salt)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _DotSpec(_Spec):
@@ -148,10 +159,7 @@ class _DotSpec(_Spec):
     nd = (len(self.lhs_shape), len(self.rhs_shape))
     g32 = g.astype(jnp.float32)
     qmax = 2 ** (self.grad_bits - 1) - 1
-    noise = lambda salt: None
-    if self.grad_sr:
-      seed = randomness.bits_seed(xc.scale, wc.scale)
-      noise = lambda salt: randomness.uniform_noise(g32.shape, seed, salt)
+    noise = self.grad_noise(g32.shape, xc, wc)
     g1 = g32 * relayout(rank_like(wc.scale, wc.codes), lay.rhs_to_out, g32.ndim)
     q1, s1 = _int_rows(g1, lay.rhs_free_out, qmax, noise(1))
     d_x = grad_gemm(q1, wc.codes, self.dn, *nd, "lhs", "fp8", jnp.int32, one)
@@ -194,9 +202,14 @@ def _int_rows(t, axes, qmax: int, noise=None):
   s = jnp.max(jnp.abs(t), axis=tuple(axes), keepdims=True) / qmax if axes else \
       jnp.abs(t) / qmax
   s = jnp.where(s > 0, s, jnp.ones_like(s))
+  return _int_codes(t, s, qmax, noise), s
+
+
+def _int_codes(t, s, qmax: int, noise=None):
+  """``t / s`` as int8 codes in [-qmax, qmax], rounded as :func:`_int_rows` rounds."""
   v = t / s
   v = jnp.round(v) if noise is None else jnp.floor(v + noise)
-  return jnp.clip(v, -qmax, qmax).astype(jnp.int8), s
+  return jnp.clip(v, -qmax, qmax).astype(jnp.int8)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -306,10 +319,7 @@ class _RaggedSpec(_Spec):
     g32 = g.astype(jnp.float32)
     m, groups = g32.shape[0], group_sizes.shape[0]
     qmax = 2 ** (self.grad_bits - 1) - 1
-    noise = lambda salt: None
-    if self.grad_sr:
-      seed = randomness.bits_seed(xc.scale, wc.scale)
-      noise = lambda salt: randomness.uniform_noise(g32.shape, seed, salt)
+    noise = self.grad_noise(g32.shape, xc, wc)
     # Each row's expert (``groups`` for rows past the total).
     row_group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right")
     s_w = rank_like(wc.scale, wc.codes)  # (g or 1, 1, n or 1)
@@ -321,9 +331,8 @@ class _RaggedSpec(_Spec):
     amax = jax.ops.segment_max(jnp.abs(g32), row_group, num_segments=groups + 1)[:groups]
     s2 = jnp.maximum(amax, 0.0) / qmax
     s2 = jnp.where(s2 > 0, s2, jnp.ones_like(s2))  # (g, n); an expert without rows: 1
-    v = g32 / jnp.concatenate([s2, jnp.ones_like(s2[:1])])[row_group]
-    v = jnp.round(v) if not self.grad_sr else jnp.floor(v + noise(2))
-    q2 = jnp.clip(v, -qmax, qmax).astype(jnp.int8)
+    q2 = _int_codes(g32, jnp.concatenate([s2, jnp.ones_like(s2[:1])])[row_group], qmax,
+                    noise(2))
     d_w = lax.ragged_dot_general(xc.codes, q2, group_sizes, _RAGGED_CONTRACTING,
                                  preferred_element_type=jnp.int32)
     d_w = d_w.astype(jnp.float32) * s2[:, None, :] * jnp.reshape(xc.scale, ())

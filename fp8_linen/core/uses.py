@@ -364,13 +364,16 @@ def compiled_when_eager(fn: Callable, static_argnums: tuple[int, ...] = ()) -> C
 
   @functools.wraps(fn)
   def call(*args):
-    if _eager():
-      try:
-        for i in static_argnums:
-          hash(args[i])
-      except TypeError:
-        return fn(*args)
+    if _eager() and all(_hashable(args[i]) for i in static_argnums):
       return jitted(*args)
     return fn(*args)
 
   return call
+
+
+def _hashable(value) -> bool:
+  try:
+    hash(value)
+  except TypeError:
+    return False
+  return True
