@@ -129,15 +129,6 @@ def _float_gemm_dtypes(fn, *args, values=True):
         return v.aval.dtype
       v = e.invars[0]
 
-  def subjaxprs(p):
-    if hasattr(p, "eqns"):
-      return [p]
-    if hasattr(p, "jaxpr") and hasattr(p.jaxpr, "eqns"):
-      return [p.jaxpr]
-    if isinstance(p, (tuple, list)):
-      return [j for q in p for j in subjaxprs(q)]
-    return []
-
   out = []
 
   def walk(jaxpr):
@@ -148,11 +139,38 @@ def _float_gemm_dtypes(fn, *args, values=True):
         if all(jnp.issubdtype(d, jnp.floating) for d in dts):
           out.append(tuple(jnp.dtype(d).name for d in dts))
       for p in e.params.values():
-        for j in subjaxprs(p):
+        for j in _subjaxprs(p):
           walk(j)
 
   walk(jax.make_jaxpr(fn)(*args).jaxpr)
   return out
+
+
+def _subjaxprs(p):
+  """The jaxprs an equation's parameter holds (jit, scan, cond, custom_vjp bodies)."""
+  if hasattr(p, "eqns"):
+    return [p]
+  if hasattr(p, "jaxpr") and hasattr(p.jaxpr, "eqns"):
+    return [p.jaxpr]
+  if isinstance(p, (tuple, list)):
+    return [j for q in p for j in _subjaxprs(q)]
+  return []
+
+
+def _all_eqns(jaxpr):
+  """Every equation of ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``), nested bodies included."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      for j in _subjaxprs(p):
+        yield from _all_eqns(j)
+
+
+@pytest.fixture
+def jaxpr_eqns():
+  """:func:`_all_eqns`: every equation of a traced program, inside its sub-programs too."""
+  return lambda jaxpr: list(_all_eqns(jaxpr))
 
 
 @pytest.fixture

@@ -399,7 +399,7 @@ def test_moe_experts_with_an_integer_recipe_are_fake_quantized_per_expert_channe
   np.testing.assert_allclose(rng, [-ROUTED.min(), ROUTED.max()], rtol=1e-6)
 
 
-def test_moe_experts_train_with_integer_gradients():
+def test_moe_experts_train_with_integer_gradients(jaxpr_eqns):
   recipe = fl.IntRecipe(grad_bits=8, gemm="int8",
                         kernel=fl.IntQuantConfig(granularity="channel"))
   qm = fl.quantize_model(RaggedMoe(), recipe)
@@ -407,12 +407,7 @@ def test_moe_experts_train_with_integer_gradients():
   assert qm.product_report(v, ROUTED, GROUPS).counts == {"quantized": 2}
   loss = lambda p: jnp.mean((qm.apply(p, ROUTED, GROUPS) - ROUTED) ** 2)
   # Each expert layer: forward, dgrad and wgrad all int8 x int8 grouped GEMMs.
-  eqns, todo = [], [jax.make_jaxpr(jax.grad(loss))(v).jaxpr]
-  while todo:
-    j = todo.pop()
-    eqns += j.eqns
-    todo += [getattr(p, "jaxpr", p) for e in j.eqns for p in e.params.values()
-             if hasattr(getattr(p, "jaxpr", p), "eqns")]
+  eqns = jaxpr_eqns(jax.make_jaxpr(jax.grad(loss))(v))
   ragged = [e for e in eqns if e.primitive.name.startswith("ragged_dot")]
   assert len(ragged) == 6 and all(str(x.aval.dtype) == "int8" for e in ragged
                                   for x in e.invars[:2]), [e.invars[:2] for e in ragged]

@@ -92,7 +92,7 @@ def _fq_rows64(t, scale_rows, qmax=127):
   return np.clip(np.round(t / scale_rows), -qmax, qmax) * scale_rows
 
 
-def test_integer_gradients_are_per_row_and_per_expert_int8_products():
+def test_integer_gradients_are_per_row_and_per_expert_int8_products(jaxpr_eqns):
   # Rows 9..11 (expert 3) get gradients 1000x smaller, and two rows past the
   # groups' total belong to no expert.
   x, w, ct = _data(3)
@@ -128,18 +128,8 @@ def test_integer_gradients_are_per_row_and_per_expert_int8_products():
   int8 = dataclasses.replace(recipe, gemm="int8")
   jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(_apply(x, w, jnp.zeros((2,)), int8) * ct),
                                   argnums=(0, 1)))(x, w)
-  ragged = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name.startswith("ragged_dot")]
+  ragged = [e for e in jaxpr_eqns(jaxpr) if e.primitive.name.startswith("ragged_dot")]
   assert sorted(str(v.aval.dtype) for e in ragged for v in e.invars[:2]) == ["int8"] * 6
-
-
-def _eqns(jaxpr):
-  for e in jaxpr.eqns:
-    yield e
-    for p in e.params.values():
-      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          yield from _eqns(inner)
 
 
 def test_stochastically_rounded_integer_gradients_are_unbiased():

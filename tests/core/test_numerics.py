@@ -212,25 +212,16 @@ def test_decode_fp8_is_the_cast_on_every_code(name):
   np.testing.assert_array_equal(np.signbit(got[ok]), np.signbit(want[ok]))  # -0.0 kept
 
 
-def test_helpers_are_traced_once_for_layers_of_one_shape():
+def test_helpers_are_traced_once_for_layers_of_one_shape(jaxpr_eqns):
   """Same-shaped layers share each helper's trace (one jaxpr), not one trace per layer."""
   layers = nn.Sequential([fl.QDense(16), fl.QDense(16), fl.QDense(16)])
   x = jnp.ones((4, 16))
   v = jax.jit(layers.init)(jax.random.key(0), x)
   jaxpr = jax.make_jaxpr(jax.grad(lambda v: layers.apply(v, x).sum()))(v)
   calls = {}
-
-  def walk(j):
-    for e in j.eqns:
-      if e.primitive.name in ("pjit", "jit"):
-        calls.setdefault(e.params["name"], []).append(e.params["jaxpr"])
-      for p in e.params.values():
-        for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-          inner = getattr(sub, "jaxpr", sub)
-          if hasattr(inner, "eqns"):
-            walk(inner)
-
-  walk(jaxpr.jaxpr)
+  for e in jaxpr_eqns(jaxpr):
+    if e.primitive.name in ("pjit", "jit"):
+      calls.setdefault(e.params["name"], []).append(e.params["jaxpr"])
   for name in ("encode_fp8", "scale_from_amax", "new_state"):
     # Every layer quantizes / updates its state through the helper ...
     assert len(calls.get(name, ())) >= 3, sorted(calls)
