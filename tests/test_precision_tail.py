@@ -8,6 +8,8 @@ new one; what cannot follow (another parameter tree, LSQ's learned steps) is
 refused by name.
 """
 
+import logging
+
 import chex
 import flax.linen as nn
 import jax
@@ -71,6 +73,29 @@ def test_linen_bf16_tail_is_the_float_models_step_with_the_same_optimizer_state(
   # And it trained in float: the NVFP4 model's loss on the same parameters differs.
   assert float(_loss(after.params, tail.apply)) != float(
       _loss({**state.params, "params": after.params["params"]}, state.apply_fn))
+
+
+def test_linen_switch_places_the_new_state_with_the_trained_one_so_a_step_compiles_once(
+    caplog):
+  device = jax.devices()[0]
+  state = jax.device_put(_nvfp4_state(), device)  # as a job's state: committed to its device
+  fp8 = fl.quantize_model(MLP(), fl.delayed_scaling())
+  fresh = jax.jit(fp8.init)(jax.random.key(9), X)
+  assert not any(a.committed for a in jax.tree.leaves(fresh))
+  switched = fl.switch_precision(state, apply_fn=fp8.apply, variables=fresh)
+  for a in jax.tree.leaves(switched.params):
+    assert a.committed and a.sharding.device_set == {device}
+  step = jax.jit(_step)
+  with jax.log_compiles(), caplog.at_level(logging.WARNING):
+    for _ in range(2):
+      switched = step(switched)
+  # Fed a mix of committed and uncommitted arrays, jit compiles the step a second
+  # time for the all-committed state its first call returns.
+  compiles = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(_step)")]
+  assert len(compiles) == 1, [r.getMessage()[:80] for r in compiles]
+  # A state that is not on one device is left where the caller put it.
+  loose = fl.switch_precision(_nvfp4_state(), apply_fn=fp8.apply, variables=fresh)
+  assert not any(a.committed for a in jax.tree.leaves(loose.params[fl.OWG]))
 
 
 def test_linen_mxfp8_tail_gets_fresh_state_of_its_own_recipe():
