@@ -47,8 +47,9 @@ Limits: recipes that learn quantizer parameters (LSQ, LSQ+) need the flax
 layers' fast path (their steps start from the weight's values, which an
 abstract run does not have); products of modules inside a transform whose
 copies hold other parameters run in float with a warning; calibration (PTQ)
-and ``switch_precision`` of a model with op-level sites are refused, naming
-the site. A model
+of a model with op-level sites is refused, naming the site
+(``switch_precision`` drops the sites with :func:`detach` and, for a new
+recipe, attaches new ones from an example run). A model
 with op-level sites cannot be pickled (its classes are made at run time;
 checkpoints save its state, which is what they should).
 
@@ -86,7 +87,7 @@ from fp8_linen.nnx.state import QuantState
 from fp8_linen.product_report import MARKERS, product_report
 from fp8_linen.recipes.rules import first_match, operand_kinds
 
-__all__ = ["ProductSite", "attach", "has_sites", "model_report"]
+__all__ = ["ProductSite", "attach", "detach", "has_sites", "model_report"]
 
 # The static attributes a module with products carries: its path, and its
 # products that run unquantized, ``(name, status, reason)``.
@@ -375,6 +376,29 @@ def _run_class(cls, excluded_layer: bool = False):
 def has_sites(model) -> bool:
   """Whether ``model`` has products quantized by :func:`attach` (op-level sites)."""
   return any(isinstance(m, ProductSite) for _, m in nnx.iter_graph(model))
+
+
+def detach(model):
+  """A copy of ``model`` without its op-level sites, holding the same variables.
+
+  Every module of the copy is of its own class again (the running subclass
+  :func:`attach` gave it is gone), and the :class:`ProductSite` attributes
+  with their state, the path and the unquantized-call marks are dropped; the
+  parameters are ``model``'s very ``nnx.Variable`` s. ``model`` is left as it is.
+  """
+  out = nnx.recursive_map(lambda path, node: node, model)
+  nodes = [node for _, node in nnx.iter_graph(out) if isinstance(node, nnx.Module)]
+  for node in nodes:
+    original = getattr(type(node), "_fl_original", None)
+    if original is None:
+      continue
+    for name in [k for k, v in vars(node).items() if isinstance(v, ProductSite)]:
+      delattr(node, name)
+    for attr in (PATH_ATTR, UNQUANTIZED_ATTR):
+      if attr in vars(node):
+        delattr(node, attr)
+    node.__class__ = original
+  return out
 
 
 def attach(model, rules, recipe, example, *, library, float_layers, on_unquantized: str):

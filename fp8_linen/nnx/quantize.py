@@ -271,7 +271,7 @@ def _float_layer(path, node):
 
 def switch_precision(model: nnx.Module, optimizer: nnx.Optimizer, recipe: Any = None,
                      rules: Sequence[QuantizationRule] | None = None, *,
-                     on_unmatched: str = "warn"):
+                     example: Any = None, on_unmatched: str = "warn"):
   """Goes on training ``model`` in another precision: a schedule, not a restart.
 
   The NNX form of :func:`fp8_linen.switch_precision` (a precision tail:
@@ -283,12 +283,20 @@ def switch_precision(model: nnx.Module, optimizer: nnx.Optimizer, recipe: Any = 
   nothing to it). The optimizer comes back with the same step and optimizer
   state, attached to the new model.
 
+  Products quantized inside the model's own code (:func:`quantize_model`'s
+  ``example``) switch the same way: their modules run in float again, their
+  :class:`~fp8_linen.nnx.ProductSite` s and state dropped, and with a
+  ``recipe`` the model is quantized again, which finds those products by
+  running ``example`` once more (required then).
+
   Args:
     model: the NNX model so far.
     optimizer: its ``nnx.Optimizer`` (or :class:`~fp8_linen.nnx.Optimizer`).
     recipe: the new recipe, or ``None``: float from now on.
     rules: :func:`quantize_model`'s rules for the new recipe (``None``: every
       layer); only with a ``recipe``.
+    example: :func:`quantize_model`'s ``example`` for the new recipe; needed
+      when ``model`` has products quantized inside its own modules' code.
     on_unmatched: :func:`quantize_model`'s handling of unmatched rules.
 
   Returns:
@@ -297,8 +305,9 @@ def switch_precision(model: nnx.Module, optimizer: nnx.Optimizer, recipe: Any = 
     whatever the new precision.
 
   Raises:
-    ValueError: ``rules`` without a ``recipe``; a layer learns quantizer
-      parameters (LSQ), or is an ``fl.nnx.Fp8Einsum``, naming it.
+    ValueError: ``rules`` without a ``recipe``; a ``recipe`` for a model with
+      products quantized in its own code but no ``example``; a layer learns
+      quantizer parameters (LSQ), or is an ``fl.nnx.Fp8Einsum``, naming it.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -316,14 +325,17 @@ def switch_precision(model: nnx.Module, optimizer: nnx.Optimizer, recipe: Any = 
   if not isinstance(optimizer, nnx.Optimizer):
     raise TypeError("switch_precision: optimizer must be the model's nnx.Optimizer, got "
                     f"{type(optimizer).__name__}")
+  new = model
   if ops.has_sites(model):
-    raise ValueError("switch_precision: the model has products quantized inside its own "
-                     "modules' code (fl.nnx.quantize_model's example=); their sites keep the "
-                     "old recipe. Quantize the float model again with the new recipe and "
-                     "build the optimizer for it, or use flax layers, which switch in place")
-  new = nnx.recursive_map(_float_layer, model)
+    if recipe is not None and example is None:
+      raise ValueError("switch_precision: the model has products quantized inside its own "
+                       "modules' code (fl.nnx.quantize_model's example=), which the new "
+                       "recipe finds by running the model once: pass example= (the "
+                       "arguments of one forward call, as to quantize_model)")
+    new = ops.detach(model)
+  new = nnx.recursive_map(_float_layer, new)
   if recipe is not None:
-    new = quantize_model(new, recipe, rules, on_unmatched=on_unmatched)
+    new = quantize_model(new, recipe, rules, example=example, on_unmatched=on_unmatched)
   before = nnx.to_flat_state(nnx.state(model, optimizer.wrt))
   after = nnx.to_flat_state(nnx.state(new, optimizer.wrt))
   if [k for k, _ in before] != [k for k, _ in after]:

@@ -345,12 +345,51 @@ def test_moe_experts_as_ragged_dot():
     np.testing.assert_array_equal(model(x, gs), ref)
 
 
-def test_switch_precision_refuses_own_products():
-  x = jnp.ones((2, 16))
-  model = fl.nnx.quantize_model(Single(), example=(x,))
-  opt = fl.nnx.Optimizer(model, optax.sgd(0.1))
-  with pytest.raises(ValueError, match="inside its own modules' code"):
-    fl.nnx.switch_precision(model, opt)
+@nnx.jit
+def _lm_step(model, opt):
+  loss, grads = fl.nnx.value_and_grad(lambda m: jnp.mean(jnp.square(m(IDS) - 0.5)))(model)
+  opt.update(model, grads)
+  return loss
+
+
+def test_switch_precision_of_own_products_keeps_variables_and_optimizer_state():
+  model = fl.nnx.quantize_model(Lm(), rules=fl.projection_rules(), example=(IDS,))
+  opt = fl.nnx.Optimizer(model, optax.adam(1e-2))
+  for _ in range(2):
+    _lm_step(model, opt)
+  q_w, quantized = model.attn.q.w, fl.nnx.product_report(model, IDS).counts["quantized"]
+  assert quantized == 4  # q, k, the raw matmul and the flax layer o
+  # The bf16 tail: the modules run their own code in float, on the same variables.
+  new, new_opt = fl.nnx.switch_precision(model, opt)
+  assert type(new.attn.q) is Proj and type(new.attn) is Attn and type(new.attn.o) is nnx.Linear
+  assert new.attn.q.w is q_w and not hasattr(new.attn.q, "dot_general_0")
+  assert not jax.tree.leaves(nnx.state(new, fl.nnx.QuantState))
+  assert "quantized" not in fl.nnx.product_report(new, IDS).counts
+  assert fl.nnx.product_report(model, IDS).counts["quantized"] == quantized  # left as it was
+  assert int(new_opt.step[...]) == 2
+  # The reference: the float model's step, flax's optimizer, copies of the same state.
+  ref = nnx.clone(new)
+  ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+  nnx.update(ref_opt, nnx.clone(nnx.state(opt, nnx.OptState)))
+  _lm_step(new, new_opt)
+
+  @nnx.jit
+  def ref_step(m, o):
+    o.update(m, nnx.grad(lambda m: jnp.mean(jnp.square(m(IDS) - 0.5)))(m))
+  ref_step(ref, ref_opt)
+  chex.assert_trees_all_close(nnx.as_pure(nnx.state(new, nnx.Param)),
+                              nnx.as_pure(nnx.state(ref, nnx.Param)), rtol=1e-6, atol=1e-7)
+  # Another recipe: found again by the example run, with fresh state of its own.
+  cur = fl.current_scaling()
+  with pytest.raises(ValueError, match="pass example="):
+    fl.nnx.switch_precision(model, opt, cur, rules=fl.projection_rules())
+  new, new_opt = fl.nnx.switch_precision(model, opt, cur, rules=fl.projection_rules(),
+                                         example=(IDS,))
+  assert new.attn.q.dot_general_0.recipe == cur and new.attn.q.w is q_w
+  assert _state_paths(new) == _state_paths(model)
+  # The optimizer's step is the very variable the float tail stepped too.
+  assert float(_lm_step(new, new_opt)) > 0 and int(new_opt.step[...]) == 4
+  assert fl.nnx.product_report(new, IDS).counts["quantized"] == quantized
 
 
 class ProjThenMoe(nnx.Module):
