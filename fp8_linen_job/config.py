@@ -196,6 +196,12 @@ class JobConfig:
       ``fp8_linen.IntRecipe()``, min/max observers with the straight-through
       estimator).
     progress: Show a tqdm progress bar per arm.
+    compilation_cache: Directory of JAX's persistent compilation cache for
+      the command-line job (``~`` expanded; empty: off). A later run of the
+      same programs loads them instead of compiling them again: on a GPU
+      the first compile of a quantized step takes minutes (XLA's GEMM
+      autotuning). A cache the environment names (``JAX_COMPILATION_CACHE_DIR``)
+      is left as it is.
     api: ``linen`` (default) or ``nnx``: build every task's model in Flax
       NNX (``fp8_linen.nnx.Linear``/``Conv`` in the quantized arms,
       ``nnx.Linear``/``Conv`` in ``bf16``; same architecture, variable tree,
@@ -221,6 +227,7 @@ class JobConfig:
   int8_recipe: str | dict[str, Any] = dataclasses.field(
       default='int8_lsq', metadata=_recipe_of('int'))
   progress: bool = True
+  compilation_cache: str = '~/.cache/fp8_linen/jax'
   api: str = dataclasses.field(default='linen', metadata=_choices(*APIS))
   lm: LmConfig = dataclasses.field(default_factory=LmConfig)
   digits: DigitsConfig = dataclasses.field(default_factory=DigitsConfig)

@@ -312,9 +312,24 @@ def test_stop_after_says_how_to_resume(tmp_path, capsys):
           f'--tasks digits --arms bf16 --out {out} --resume') in stdout
 
 
+def test_compilation_cache_is_left_to_the_environment_or_off():
+  assert main_lib.use_compilation_cache('') is None
+  # The test run names its own cache (tests/conftest.py): the job leaves it alone.
+  assert os.environ.get('JAX_COMPILATION_CACHE_DIR')
+  assert main_lib.use_compilation_cache('~/elsewhere') is None
+
+
 def test_sigint_in_a_real_run(tmp_path):
-  """The whole command: Ctrl-C arrives while jax computes, no traceback."""
+  """The whole command: Ctrl-C arrives while jax computes, no traceback.
+
+  Run without a cache in the environment, it keeps its compiled programs in
+  the config's ``compilation_cache``.
+  """
   out = tmp_path / 'run'
+  cache = tmp_path / 'cache'
+  config = tmp_path / 'tiny.yaml'
+  with open(os.path.join(config_lib.CONFIG_DIR, 'tiny.yaml'), encoding='utf-8') as f:
+    config.write_text(f.read() + f'\ncompilation_cache: {cache}\n')
   # `python -m fp8_linen ...`, except that a shell starts background jobs
   # (such as this test run, maybe) with SIGINT ignored, which Python keeps:
   # restore Python's own handler first.
@@ -322,9 +337,12 @@ def test_sigint_in_a_real_run(tmp_path):
          'import runpy, signal; '
          'signal.signal(signal.SIGINT, signal.default_int_handler); '
          'runpy.run_module("fp8_linen", run_name="__main__", alter_sys=True)',
-         '--config', 'tiny', '--tasks', 'digits', '--arms', 'bf16', '--steps',
+         '--config', str(config), '--tasks', 'digits', '--arms', 'bf16', '--steps',
          '100000', '--out', str(out)]
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env = {k: v for k, v in os.environ.items() if k != 'JAX_COMPILATION_CACHE_DIR'}
+  # Every program cached, however quickly it compiles (JAX's default keeps those
+  # over a second): the test is that the job points the cache at its directory.
+  env.update(JAX_PLATFORMS='cpu', JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, env=env)
   ckpt = out / 'checkpoints' / 'digits' / 'bf16'
@@ -345,3 +363,4 @@ def test_sigint_in_a_real_run(tmp_path):
                 r'(\d+); rerun with --resume', stderr)
   assert m and m.group(1) == m.group(2), stderr
   assert 'Traceback' not in stderr
+  assert any(cache.iterdir()), 'nothing in the compilation cache'
