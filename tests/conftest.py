@@ -40,6 +40,10 @@ _OWN_CACHE_DIR = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _OWN_CACHE_DIR = tempfile.mkdtemp(prefix="fp8_linen-tests-jax-cache-")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE_DIR
+# Every program, however quickly it compiles (JAX keeps only those over a second):
+# the job's tests train the same small steps again and again (straight, stopped,
+# resumed), each a program of under a second that a new closure compiles anew.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # Tests compile thousands of small CPU programs and run each a few times: LLVM's
 # expensive passes cost more than they save here. XLA's HLO passes (fusion,
