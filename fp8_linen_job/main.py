@@ -250,14 +250,18 @@ def _stopped_lines(results: Sequence[Any], stop_after: int) -> list[str]:
 def use_compilation_cache(path: str) -> str | None:
   """Points JAX's persistent compilation cache at ``path``; the directory used, or None.
 
-  Nothing changes when ``path`` is empty or the environment already names a
-  cache (``JAX_COMPILATION_CACHE_DIR``: a test run's, a cluster's).
+  Nothing changes when ``path`` is empty, the environment already names a
+  cache (``JAX_COMPILATION_CACHE_DIR``: a test run's, a cluster's), or the
+  directory cannot be made (a read-only home): the run compiles as without one.
   """
   if not path or os.environ.get('JAX_COMPILATION_CACHE_DIR'):
     return None
   import jax  # pylint: disable=g-import-not-at-top
   path = os.path.expanduser(path)
-  os.makedirs(path, exist_ok=True)
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError:
+    return None
   jax.config.update('jax_compilation_cache_dir', path)
   return path
 

@@ -319,6 +319,12 @@ def test_compilation_cache_is_left_to_the_environment_or_off():
   assert main_lib.use_compilation_cache('~/elsewhere') is None
 
 
+def test_compilation_cache_that_cannot_be_made_is_skipped(tmp_path, monkeypatch):
+  monkeypatch.delenv('JAX_COMPILATION_CACHE_DIR')
+  (tmp_path / 'file').write_text('')  # a directory cannot be made below a file
+  assert main_lib.use_compilation_cache(str(tmp_path / 'file' / 'cache')) is None
+
+
 def test_sigint_in_a_real_run(tmp_path):
   """The whole command: Ctrl-C arrives while jax computes, no traceback.
 
