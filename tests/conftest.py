@@ -181,3 +181,36 @@ def jaxpr_eqns():
 def float_gemm_dtypes():
   """:func:`_float_gemm_dtypes`: what a traced program's float products are fed."""
   return _float_gemm_dtypes
+
+
+def _same_step_as_flax(model, opt, trained_opt, loss, tx):
+  """One step of ``opt`` on ``model`` equals flax's own optimizer's on copies of both.
+
+  ``trained_opt`` holds the optimizer state the switched ``opt`` goes on from;
+  the reference is plain ``nnx.grad`` and ``nnx.Optimizer(tx)`` around clones.
+  """
+  import chex  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import fp8_linen as fl  # pylint: disable=import-outside-toplevel
+  ref = nnx.clone(model)
+  ref_opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
+  nnx.update(ref_opt, nnx.clone(nnx.state(trained_opt, nnx.OptState)))
+
+  @nnx.jit
+  def ours(m, o):
+    o.update(m, fl.nnx.grad(loss)(m))
+
+  @nnx.jit
+  def theirs(m, o):
+    o.update(m, nnx.grad(loss)(m))
+
+  ours(model, opt)
+  theirs(ref, ref_opt)
+  chex.assert_trees_all_close(nnx.as_pure(nnx.state(model, nnx.Param)),
+                              nnx.as_pure(nnx.state(ref, nnx.Param)), rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture
+def same_step_as_flax():
+  """:func:`_same_step_as_flax`: a switched NNX model's step against flax's float step."""
+  return _same_step_as_flax

@@ -352,7 +352,8 @@ def _lm_step(model, opt):
   return loss
 
 
-def test_switch_precision_of_own_products_keeps_variables_and_optimizer_state():
+def test_switch_precision_of_own_products_keeps_variables_and_optimizer_state(
+    same_step_as_flax):
   model = fl.nnx.quantize_model(Lm(), rules=fl.projection_rules(), example=(IDS,))
   opt = fl.nnx.Optimizer(model, optax.adam(1e-2))
   for _ in range(2):
@@ -368,17 +369,8 @@ def test_switch_precision_of_own_products_keeps_variables_and_optimizer_state():
   assert fl.nnx.product_report(model, IDS).counts["quantized"] == quantized  # left as it was
   assert int(new_opt.step[...]) == 2
   # The reference: the float model's step, flax's optimizer, copies of the same state.
-  ref = nnx.clone(new)
-  ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
-  nnx.update(ref_opt, nnx.clone(nnx.state(opt, nnx.OptState)))
-  _lm_step(new, new_opt)
-
-  @nnx.jit
-  def ref_step(m, o):
-    o.update(m, nnx.grad(lambda m: jnp.mean(jnp.square(m(IDS) - 0.5)))(m))
-  ref_step(ref, ref_opt)
-  chex.assert_trees_all_close(nnx.as_pure(nnx.state(new, nnx.Param)),
-                              nnx.as_pure(nnx.state(ref, nnx.Param)), rtol=1e-6, atol=1e-7)
+  same_step_as_flax(new, new_opt, opt, lambda m: jnp.mean(jnp.square(m(IDS) - 0.5)),
+                    optax.adam(1e-2))
   # Another recipe: found again by the example run, with fresh state of its own.
   cur = fl.current_scaling()
   with pytest.raises(ValueError, match="pass example="):
