@@ -50,6 +50,7 @@ import optax
 from flax import struct
 from flax.training import train_state as flax_train_state
 
+from fp8_linen.core import mesh
 from fp8_linen.core.lowering import varying_axes
 from fp8_linen.core.owg import OWG
 
@@ -358,19 +359,6 @@ def _field(tree, name):
   return getattr(tree, name, None)
 
 
-def _the_device_of(tree) -> jax.Device | None:
-  """The one device every array of ``tree`` is committed to, else None (tracers,
-  uncommitted or sharded arrays: their placement is the caller's)."""
-  devices = set()
-  for a in jax.tree.leaves(tree):
-    if isinstance(a, jax.core.Tracer) or not isinstance(a, jax.Array):
-      return None
-    if not a.committed or len(a.sharding.device_set) != 1:
-      return None
-    devices |= a.sharding.device_set
-  return devices.pop() if len(devices) == 1 else None
-
-
 def _by_path(tree, drop: str | None = None) -> dict:
   """Leaves of ``tree`` by path string (dicts, attributes and indices alike)."""
   out = {}
@@ -536,13 +524,8 @@ def switch_precision(state: "TrainState", *, apply_fn, variables) -> "TrainState
                      "trains; build it from the same model")
   out = {k: (state.params[k] if k in state.params and k != OWG else v)
          for k, v in variables.items()}
-  device = _the_device_of(state.params["params"])
-  if device is not None:
-    # Fresh init variables are not committed to a device, the trained ones are: a
-    # step fed both compiles once for that mix and again for the all-committed state
-    # it returns. On one device, the new state goes where the old one lives.
-    out = jax.tree.map(lambda a: a if isinstance(a, jax.core.Tracer)
-                       else jax.device_put(a, device), out)
+  # On one device, the new recipe's state goes where the trained one lives.
+  out = mesh.placed_on(out, mesh.one_device_of(state.params["params"]))
   out["params"] = state.params["params"]
   accum = None
   if isinstance(state.opt_state, optax.MultiStepsState) and OWG in out:

@@ -170,6 +170,22 @@ def test_nnx_bf16_tail_keeps_the_variables_and_the_optimizer_state(same_step_as_
   assert int(new_opt.step[...]) == 3
 
 
+def test_nnx_switch_places_the_new_state_with_the_trained_one_so_a_step_compiles_once(caplog):
+  device = jax.devices()[0]
+  model, opt = _nnx_nvfp4()
+  nnx.update(model, jax.device_put(nnx.state(model), device))
+  nnx.update(opt, jax.device_put(nnx.state(opt), device))
+  new, new_opt = fl.nnx.switch_precision(model, opt, fl.current_scaling())
+  for a in jax.tree.leaves(nnx.state(new)):
+    assert a.committed and a.sharding.device_set == {device}
+  with jax.log_compiles(), caplog.at_level(logging.WARNING):
+    for _ in range(2):
+      _nnx_step(new, new_opt)
+  compiles = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(")
+              and "_nnx_step" in r.getMessage()[:40]]
+  assert len(compiles) == 1, [r.getMessage()[:80] for r in compiles]
+
+
 def test_nnx_mxfp8_tail_and_refusals():
   model, opt = _nnx_nvfp4()
   mx = fl.mx_block_scaling()

@@ -53,7 +53,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 __all__ = ["Roles", "dot_roles", "conv_roles", "plan", "multiply_codes", "sharded_zeros",
-           "as_bytes", "from_bytes", "sharing_bytes"]
+           "as_bytes", "from_bytes", "sharing_bytes", "one_device_of", "placed_on"]
 
 
 class Roles(NamedTuple):
@@ -459,3 +459,30 @@ def _partitioned(lhs, rhs, roles, local, lhs_params, rhs_params):
   op.def_partition(partition=partition,
                    sharding_rule=_factors(roles, lhs, rhs, lhs_params, rhs_params))
   return op(as_bytes(lhs), as_bytes(rhs), *lhs_params, *rhs_params)
+
+
+def one_device_of(tree) -> jax.Device | None:
+  """The one device every array of ``tree`` is committed to, else None (tracers,
+  uncommitted or sharded arrays: their placement is the caller's)."""
+  devices = set()
+  for a in jax.tree.leaves(tree):
+    if isinstance(a, jax.core.Tracer) or not isinstance(a, jax.Array):
+      return None
+    if not a.committed or len(a.sharding.device_set) != 1:
+      return None
+    devices |= a.sharding.device_set
+  return devices.pop() if len(devices) == 1 else None
+
+
+def placed_on(tree, device):
+  """``tree``'s concrete arrays committed to ``device`` (``None``: ``tree`` as it is).
+
+  A precision switch's fresh quantization state is not committed to a device
+  while the trained parameters are; a jitted step fed that mix compiles once
+  for it and again for the all-committed state it returns.
+  """
+  if device is None:
+    return tree
+  return jax.tree.map(
+      lambda a: a if isinstance(a, jax.core.Tracer) else jax.device_put(a, device), tree)
+

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from fp8_linen.core import mesh
 from fp8_linen.nnx import activation, layers, ops
 from fp8_linen.nnx.training import Optimizer
 from fp8_linen.recipes.fp8 import Fp8Recipe
@@ -347,6 +348,8 @@ def switch_precision(model: nnx.Module, optimizer: nnx.Optimizer, recipe: Any = 
         f"{['/'.join(map(str, k)) for k in added][:4]}: a recipe that learns quantizer "
         "parameters, LSQ, adds some), so the optimizer state cannot follow; switch to a "
         "recipe without learned parameters (STE)")
+  # On one device, the new recipe's state goes where the trained variables live.
+  nnx.update(new, mesh.placed_on(nnx.state(new), mesh.one_device_of(nnx.state(model, optimizer.wrt))))
   opt = Optimizer(new, optimizer.tx, wrt=optimizer.wrt)
   opt.step = optimizer.step
   opt.opt_state = optimizer.opt_state
