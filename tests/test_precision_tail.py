@@ -75,6 +75,21 @@ def test_linen_bf16_tail_is_the_float_models_step_with_the_same_optimizer_state(
       _loss({**state.params, "params": after.params["params"]}, state.apply_fn))
 
 
+def _assert_two_steps_compile_once(caplog, name, step, state):
+  """Two steps from ``state`` (``state = step(state)``; ``name``: the jitted
+  function's) compile it once.
+
+  Fed a mix of committed and uncommitted arrays, jit compiles a step a second
+  time for the all-committed state its first call returns.
+  """
+  with jax.log_compiles(), caplog.at_level(logging.WARNING):
+    for _ in range(2):
+      state = step(state)
+  compiles = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(")
+              and f"{name})" in r.getMessage()[:40]]
+  assert len(compiles) == 1, [r.getMessage()[:80] for r in compiles]
+
+
 def test_linen_switch_places_the_new_state_with_the_trained_one_so_a_step_compiles_once(
     caplog):
   device = jax.devices()[0]
@@ -86,13 +101,7 @@ def test_linen_switch_places_the_new_state_with_the_trained_one_so_a_step_compil
   for a in jax.tree.leaves(switched.params):
     assert a.committed and a.sharding.device_set == {device}
   step = jax.jit(_step)
-  with jax.log_compiles(), caplog.at_level(logging.WARNING):
-    for _ in range(2):
-      switched = step(switched)
-  # Fed a mix of committed and uncommitted arrays, jit compiles the step a second
-  # time for the all-committed state its first call returns.
-  compiles = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(_step)")]
-  assert len(compiles) == 1, [r.getMessage()[:80] for r in compiles]
+  _assert_two_steps_compile_once(caplog, "_step", step, switched)
   # A state that is not on one device is left where the caller put it.
   loose = fl.switch_precision(_nvfp4_state(), apply_fn=fp8.apply, variables=fresh)
   assert not any(a.committed for a in jax.tree.leaves(loose.params[fl.OWG]))
@@ -178,12 +187,8 @@ def test_nnx_switch_places_the_new_state_with_the_trained_one_so_a_step_compiles
   new, new_opt = fl.nnx.switch_precision(model, opt, fl.current_scaling())
   for a in jax.tree.leaves(nnx.state(new)):
     assert a.committed and a.sharding.device_set == {device}
-  with jax.log_compiles(), caplog.at_level(logging.WARNING):
-    for _ in range(2):
-      _nnx_step(new, new_opt)
-  compiles = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(")
-              and "_nnx_step" in r.getMessage()[:40]]
-  assert len(compiles) == 1, [r.getMessage()[:80] for r in compiles]
+  _assert_two_steps_compile_once(  # the NNX step updates the model in place
+      caplog, "_nnx_step", lambda m: (_nnx_step(m, new_opt), m)[1], new)
 
 
 def test_nnx_mxfp8_tail_and_refusals():
