@@ -18,7 +18,10 @@ every arm; only ``fl.quantize_model`` changes:
 * ``fp8_h16``: the same with a 16-step amax history (``fl.delayed_scaling(16)``);
 * ``int8``: the same rules with ``fl.IntRecipe`` (STE; the experts' weights
   per expert and output channel, the routed tokens under one min/max
-  observer): the integer QAT numerics, fake-quantized.
+  observer): the integer QAT numerics, fake-quantized;
+* ``int8_g8``: ``int8`` with ``grad_bits=8``: the experts' gradient GEMMs
+  (dgrad and the ragged-contracting wgrad) multiply int8 codes too, the
+  output gradient stochastically rounded (the recipe meant for TPU v5e/v6e).
 
 The rules (``fl.projection_rules()`` with the router kept in float32) leave
 attention math, the embeddings and the head in bf16, as in the job.
@@ -27,7 +30,7 @@ Writes ``benchmarks/results/<device>-moe-quality.json``: per run the final
 validation loss, per arm the mean and the mean of per-seed ratios to bf16.
 
 Usage:
-  python benchmarks/bench_moe_quality.py                 # 3 seeds x 1200 steps x 3 arms
+  python benchmarks/bench_moe_quality.py                 # 3 seeds x 1200 steps x 5 arms
   python benchmarks/bench_moe_quality.py --quick         # smoke run
 """
 
@@ -56,9 +59,9 @@ from fp8_linen_job import models  # noqa: E402
 from fp8_linen_job import tasks as tasks_lib  # noqa: E402
 from fp8_linen_job import train as train_lib  # noqa: E402
 
-ARMS = ("bf16", "fp8", "fp8_h16", "int8")
+ARMS = ("bf16", "fp8", "fp8_h16", "int8", "int8_g8")
 NUM_EXPERTS = 4
-TARGETS = {"fp8": 0.005, "fp8_h16": 0.005, "int8": 0.01}
+TARGETS = {"fp8": 0.005, "fp8_h16": 0.005, "int8": 0.01, "int8_g8": 0.01}
 """Largest allowed relative excess of the validation loss over bf16's (the dense
 model's targets plus the experts' own quantization: fp8 0.5%, int8 1%)."""
 
@@ -133,6 +136,8 @@ def recipe_of(arm: str):
     return fl.delayed_scaling(16)
   if arm == "int8":
     return fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel"))
+  if arm == "int8_g8":
+    return fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel"), grad_bits=8)
   return None
 
 
