@@ -57,11 +57,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8_linen.core import serve
-from fp8_linen.core.owg import OWG
+from fp8_linen.core.owg import OWG, frozen_quantizers
 from fp8_linen.families import modes
-from fp8_linen.families.conversion import TRAINING_ONLY, trace_once
+from fp8_linen.families.conversion import TRAINING_ONLY, trace_once, traced
 from fp8_linen.linen import access
 from fp8_linen.linen.access import SERVED
+from fp8_linen.product_report import input_regions, only_product
 
 __all__ = ["convert", "ServedModule", "ServedModel", "weight_bytes"]
 
@@ -82,16 +83,17 @@ def _as_layer_sees(variables, kernel_dtypes):
     raise TypeError("the served model's apply: variables must be fl.convert's served params "
                     "({'params': ...})")
   params = flax.core.unfreeze(variables["params"])
-  for path, dtype in kernel_dtypes:
+  for path, dtype, *name in kernel_dtypes:
+    name = name[0] if name else "kernel"
     node = params
     for p in path:
       node = node[p]
-    k = jnp.asarray(node["kernel"])
+    k = jnp.asarray(node[name])
     if not _low_precision(k.dtype):
-      raise ValueError(f"{'/'.join(path)}: kernel is {k.dtype}, not the low-precision codes "
+      raise ValueError(f"{'/'.join(path)}: {name} is {k.dtype}, not the low-precision codes "
                        "fl.convert stored; apply the served model to the params fl.convert "
                        "returned")
-    node["kernel"] = k.astype(dtype)
+    node[name] = k.astype(dtype)
   return {**variables, "params": params}
 
 
@@ -104,8 +106,9 @@ class ServedModule(nn.Module):
 
   Attributes:
     model: the QAT model.
-    kernel_dtypes: ``(path, dtype)`` of every stored kernel: the float dtype
-      the layer saw in QAT (see ``apply``).
+    kernel_dtypes: ``(path, dtype, name)`` of every weight stored as codes
+      (``name``: ``'kernel'``, or the module's own parameter a product in its
+      code multiplies): the float dtype the layer saw in QAT (see ``apply``).
   """
 
   model: nn.Module
@@ -147,6 +150,22 @@ class ServedModel:
     variables = _as_layer_sees(variables, self.kernel_dtypes)
     with modes.mode("serve"):
       return self.model.apply(variables, *args, **kwargs)
+
+
+def _weight_uses(model, variables, args, kwargs) -> dict:
+  """``variable path -> the quantized products it reaches`` (``None``: it is used otherwise).
+
+  Read from the frozen QAT forward (a conversion run also compares each
+  product's operand with every weight of its module).
+  """
+  def run(v, *a, **k):
+    with frozen_quantizers():
+      return model.apply(v, *a, **k)
+
+  fn, examples = traced(run, args, kwargs)
+  leaves = jax.tree_util.tree_flatten_with_path(variables)[0]
+  regions = input_regions(fn, variables, examples)[:len(leaves)]
+  return {tuple(getattr(k, "key", k) for k in kp): r for (kp, _), r in zip(leaves, regions)}
 
 
 def _node(tree: dict, path) -> dict:
@@ -216,19 +235,29 @@ def convert(model, variables, *args, **kwargs):
     raise serve.no_product_error(
         "fl.convert", "fl.QDense/QDenseGeneral/QEinsum/QConv or wrap it with fl.quantize_model")
   params = flax.core.unfreeze(variables["params"])
+  uses = None
   kernel_dtypes = []
   for path, rec in records:
+    name, i = "kernel", serve.weight_index(rec)
+    if i is not None:
+      # A product in a module's own code: the module weight it matched, if
+      # that weight reaches this product only.
+      uses = _weight_uses(model, variables, args, kwargs) if uses is None else uses
+      name = access.weights(_node(params, path[:-1]))[i][0]
+      if not only_product(uses.get(("params", *path[:-1], name)), "/".join(path)):
+        rec = dataclasses.replace(rec, kernel_at=jnp.asarray(-1))
     kernel, arrays = serve.served_from_record("/".join(path) or "<root>", rec)
     node = _node(params, path)
-    for name in TRAINING_ONLY:
-      node.pop(name, None)
+    for key in TRAINING_ONLY:
+      node.pop(key, None)
     if kernel is not None:
-      # Fp8DotGeneral multiplies its parent's kernel (kernel_at 1).
+      # Fp8DotGeneral multiplies its parent's kernel (kernel_at 1), a
+      # product in a module's own code one of the module's weights.
       dest_path = path if int(rec.kernel_at) == 0 else path[:-1]
       dest = _node(params, dest_path)
-      old = jnp.asarray(dest["kernel"])
-      dest["kernel"] = jnp.reshape(kernel, old.shape)
-      kernel_dtypes.append((tuple(dest_path), str(old.dtype)))
+      old = jnp.asarray(dest[name])
+      dest[name] = jnp.reshape(kernel, old.shape)
+      kernel_dtypes.append((tuple(dest_path), str(old.dtype), name))
     node.update(arrays)
   served = {c: v for c, v in variables.items() if c not in (OWG, SERVED, "params")}
   served["params"] = params

@@ -174,7 +174,7 @@ def merge_lora(served, params, *args: Any, **kwargs: Any) -> dict:
   merged = _records(served, params, lora.LoraMerge, lora.merging(), args, kwargs)
   if not merged:
     raise serve.no_product_error(who, "a served model of fl.convert / fl.ptq")
-  dtypes = dict(served.kernel_dtypes)
+  dtypes = {(tuple(p), *(n or ("kernel",))): d for p, d, *n in served.kernel_dtypes}
   new = flax.core.unfreeze(params["params"])
   drop = set(serve.SERVED_NAMES) | set(core_lora.NAMES)
   for path, rec in merged:
@@ -182,9 +182,12 @@ def merge_lora(served, params, *args: Any, **kwargs: Any) -> dict:
     if at >= 0:  # else a live right operand: nothing stored to merge
       dest_path = tuple(path if at == 0 else path[:-1])
       dest = _node(new, dest_path)
-      old = jnp.asarray(dest["kernel"])
-      dest["kernel"] = jnp.reshape(rec.kernel, old.shape).astype(
-          dtypes.get(dest_path, "float32"))
+      # A product in a module's own code: the module weight it multiplies.
+      name = ("kernel" if at < serve.WEIGHT_AT else
+              access.weights(dest)[at - serve.WEIGHT_AT][0])
+      old = jnp.asarray(dest[name])
+      dest[name] = jnp.reshape(rec.kernel, old.shape).astype(
+          dtypes.get((dest_path, name), "float32"))
     node = _node(new, path)
     for name in [n for n in node if n in drop and n != "kernel"]:
       node.pop(name)

@@ -59,7 +59,7 @@ import jax.extend as jex
 import numpy as np
 
 __all__ = ["MARKERS", "PRODUCT_PRIMITIVES", "STATUSES", "Product", "ProductReport",
-           "product_report"]
+           "input_regions", "only_product", "product_report"]
 
 # status -> the JAX name scope the interception runs such products under.
 MARKERS = {
@@ -214,3 +214,100 @@ def product_report(fn: Callable, *args, **kwargs) -> ProductReport:
   out: list = []
   _walk(closed.jaxpr, None, "", out)
   return ProductReport(tuple(out))
+
+
+# Primitives that only view their one operand (its values, in another dtype or shape).
+_VIEWS = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims", "copy",
+                    "copy_p"})
+# Higher-order primitives whose sub-program runs other values than the operands.
+_LOOPS = frozenset({"scan", "while", "cond", "shard_map", "xla_pmap"})
+_OTHER = None
+
+
+def _region(name_stack: str) -> str | None:
+  """The quantized product a name stack is inside: the stack through its marker, or ``None``."""
+  marker = MARKERS["quantized"]
+  at = name_stack.find(marker)
+  return None if at < 0 else name_stack[:at + len(marker)]
+
+
+def _follow(jaxpr, tracked: dict, prefix: str, regions: list) -> dict:
+  """Follows the tracked variables (``var -> input index``) through ``jaxpr``'s equations.
+
+  Adds to ``regions[i]`` the quantized product each use of input ``i`` is
+  inside, or ``_OTHER`` for a use that is no view and no quantized product.
+  Returns the outputs that are views of an input (``outvar -> index``).
+  """
+  for eqn in jaxpr.eqns:
+    used = [(k, tracked[v]) for k, v in enumerate(eqn.invars)
+            if not isinstance(v, jex.core.Literal) and v in tracked]
+    if not used:
+      continue
+    name_stack = "/".join(p for p in (prefix, str(eqn.source_info.name_stack)) if p)
+    region = _region(name_stack)
+    name = eqn.primitive.name
+    subs = list(jex.core.jaxprs_in_params(eqn.params))
+    if region is not None:
+      for _, i in used:
+        regions[i].add(region)
+    elif name in _VIEWS and len(eqn.invars) == 1 and eqn.params.get("dimensions") is None:
+      tracked[eqn.outvars[0]] = used[0][1]
+    elif (name not in _LOOPS and len(subs) == 1 and len(subs[0].invars) == len(eqn.invars)
+          and len(subs[0].outvars) == len(eqn.outvars)):
+      # A call (jit, remat, a custom derivative): its sub-program runs the operands.
+      out = _follow(subs[0], {subs[0].invars[k]: i for k, i in used}, name_stack, regions)
+      for k, v in enumerate(subs[0].outvars):
+        if not isinstance(v, jex.core.Literal) and v in out:
+          tracked[eqn.outvars[k]] = out[v]
+    else:
+      for _, i in used:
+        regions[i].add(_OTHER)
+  return {v: tracked[v] for v in jaxpr.outvars
+          if not isinstance(v, jex.core.Literal) and v in tracked}
+
+
+def input_regions(fn: Callable, *args) -> list:
+  """Which quantized products each array argument of ``fn`` reaches, and only them.
+
+  Traces ``fn(*args)`` (nothing runs; arguments are pytrees of arrays or
+  ``jax.ShapeDtypeStruct`` s) and follows every leaf through the views of its
+  values (casts, reshapes, and calls such as ``jit`` or ``remat`` that pass it
+  on) to the quantized products that read it (the name stack through
+  :data:`MARKERS` ``['quantized']``: ``'<module path>/fp8_linen_quantized'``).
+  A weight whose every use is one product may be stored as that product's
+  codes (:func:`fp8_linen.convert`).
+
+  Returns:
+    One entry per leaf of ``args`` (``jax.tree.leaves`` order): the
+    frozenset of product scopes it reaches, or ``None`` when it is also used
+    otherwise (any other operation, a loop body, an output of ``fn``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from fp8_linen.product_report import input_regions
+    >>> def f(w, x):
+    ...   w = w.astype(jnp.bfloat16).reshape(3, 2)
+    ...   with jax.named_scope('proj'), jax.named_scope('fp8_linen_quantized'):
+    ...     y = x @ w
+    ...   return y, x + 1
+    >>> input_regions(f, jnp.ones((6,)), jnp.ones((2, 3), jnp.bfloat16))
+    [frozenset({'proj/fp8_linen_quantized'}), None]
+  """
+  closed = jax.make_jaxpr(fn)(*args)
+  regions: list = [set() for _ in closed.jaxpr.invars]
+  out = _follow(closed.jaxpr, {v: i for i, v in enumerate(closed.jaxpr.invars)}, "", regions)
+  for i in out.values():
+    regions[i].add(_OTHER)
+  return [None if _OTHER in r else frozenset(r) for r in regions]
+
+
+def only_product(regions: frozenset | None, scope: str) -> bool:
+  """Whether an :func:`input_regions` entry is exactly the quantized product at ``scope``.
+
+  ``scope`` is the product's path as its name stack ends (``'proj/dot_general_0'``).
+  """
+  if not regions or len(regions) != 1:
+    return False
+  (region,) = regions
+  suffix = f"{scope}/{MARKERS['quantized']}" if scope else MARKERS["quantized"]
+  return region == suffix or region.endswith("/" + suffix)

@@ -34,7 +34,7 @@ ALLOWED = {
                            "product_report", "product_calls"},
     "training": {"core"},
     "monitor": {"core"},
-    "conversion": {"core", "families", "linen"},
+    "conversion": {"core", "families", "linen", "product_report"},
     "ptq": {"recipes", "core", "families", "linen", "model_quantization", "conversion"},
     "lora": {"core", "families", "linen", "conversion"},
     "sensitivity": {"recipes", "core", "families", "model_quantization", "product_report"},

@@ -556,3 +556,27 @@ def test_core_and_linen_never_call_an_intercepted_function_by_name():
       if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
         bad.append(f"{path.name}:{node.lineno} uses @ (reviewers cannot tell which matmul)")
   assert not bad, bad
+
+
+def test_input_regions_follow_views_and_calls_but_not_loops_or_other_uses():
+  from fp8_linen.product_report import (  # pylint: disable=import-outside-toplevel
+      MARKERS, input_regions, only_product)
+
+  def quantized(name, x, w):
+    with jax.named_scope(name), jax.named_scope(MARKERS["quantized"]):
+      return x @ w
+
+  def fn(a, b, c, d, e, x):
+    y = quantized("p", x, jax.jit(lambda w: w.astype(jnp.bfloat16).reshape(4, 4))(a))
+    y = y + quantized("q", x, jax.checkpoint(lambda w: w[0])(b[None]))   # a slice: no view
+    y = y + quantized("r", x, c) + quantized("s", x, c)                  # two products
+    y = y + jax.lax.scan(lambda h, _: (quantized("t", h, d), None), x, None, length=2)[0]
+    return y + quantized("u", x, e.astype(jnp.bfloat16)), e              # e is also returned
+
+  w = jnp.ones((4, 4), jnp.bfloat16)
+  got = input_regions(fn, jnp.ones(16), w, w, w, w, jnp.ones((2, 4), jnp.bfloat16))
+  assert got[0] == {"p/fp8_linen_quantized"} and only_product(got[0], "p")
+  assert got[1] is None and got[3] is None and got[4] is None
+  assert got[2] == {"r/fp8_linen_quantized", "s/fp8_linen_quantized"}
+  assert not only_product(got[2], "r") and not only_product(got[0], "q")
+  assert got[5] is None  # x: the scan's carry too

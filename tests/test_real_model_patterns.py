@@ -438,11 +438,13 @@ def test_trained_fp8_experts_serve_as_their_frozen_qat_forward():
   for _ in range(2):
     state = step(state)
   served, params = fl.convert(qm, state.params, ROUTED, GROUPS)
-  # The experts' weights stay float; what serving reads is the frozen input scale and
-  # each expert's trained weight scale.
+  # The experts' weights are stored as e4m3 codes, each expert with its trained scale; the
+  # module's own code reads them as the float32 it saw in training.
   site = params["params"]["ragged_dot_0"]
-  assert set(site) == {"input_scale", "kernel_live_scale"} and fl.OWG not in params
-  assert site["kernel_live_scale"].shape == (4, 1)
+  assert set(site) == {"input_scale", "kernel_scale"} and fl.OWG not in params
+  assert site["kernel_scale"].shape == (4, 1)
+  assert params["params"]["w_in"].dtype == jnp.float8_e4m3fn
+  assert fl.weight_bytes(params) < fl.weight_bytes(state.params["params"]) / 3
 
   @jax.jit
   def frozen(p, x, g):
@@ -463,7 +465,10 @@ def test_trained_int8_experts_serve_as_their_frozen_qat_forward():
   loss = lambda p: jnp.mean((state.apply_fn(p, ROUTED, GROUPS) - ROUTED) ** 2)
   state = jax.jit(lambda st: st.apply_gradients(grads=jax.grad(loss)(st.params)))(state)
   served, params = fl.convert(qm, state.params, ROUTED, GROUPS)
-  assert set(params["params"]["ragged_dot_0"]) == {"input_scale"}
+  # int8 codes per expert and output channel, folded once.
+  assert set(params["params"]["ragged_dot_0"]) == {"input_scale", "kernel_scale"}
+  assert params["params"]["ragged_dot_0"]["kernel_scale"].shape == (4, 1, 16)
+  assert params["params"]["w_in"].dtype == jnp.int8
 
   @jax.jit
   def frozen(p, x, g):
@@ -494,3 +499,56 @@ def test_served_experts_multiply_low_precision_codes(require_target, target, rec
   served, params = fl.convert(qm, v, ROUTED, GROUPS)
   report = compile_for(t, served.apply, params, ROUTED.astype(jnp.bfloat16), GROUPS)
   assert report.classes == expected, report.classes
+
+
+class OwnWeights(nn.Module):
+  """Weights of a module's own code that a served product may, or may not, store as codes."""
+
+  @nn.compact
+  def __call__(self, x):
+    dn = (((1,), (0,)), ((), ()))
+    w = {n: self.param(n, nn.initializers.normal(0.2), (8, 8))
+         for n in ("shared", "wq", "wk", "wt")}
+    w3 = self.param("w3", nn.initializers.normal(0.2), (2, 4, 8))
+    h = jax.lax.dot_general(x, w["shared"], dn)                           # read twice
+    h = h + jax.lax.dot_general(h, w["shared"].astype(jnp.bfloat16), dn).astype(h.dtype)
+    h = h + jax.lax.dot_general(h, w["wq"].astype(jnp.bfloat16), dn).astype(h.dtype)
+    h = h + jax.lax.dot_general(h, w["wk"].astype(jnp.bfloat16).astype(jnp.float32), dn)
+    h = h + jax.lax.dot_general(h, w["wt"].T, dn)                         # transposed
+    return h + jnp.einsum("bk,kn->bn", h, w3.reshape(8, 8))               # reshaped
+
+
+@pytest.mark.parametrize("recipe", [fl.IntRecipe(), fl.Fp8Recipe()], ids=["int8", "fp8"])
+def test_convert_stores_a_weight_one_product_reads_through_casts_and_reshapes_as_codes(recipe):
+  qm = fl.quantize_model(OwnWeights(), recipe)
+  x = jax.random.normal(jax.random.key(1), (16, 8))
+  v = qm.init(jax.random.key(0), x)
+  v = fl.merge_owg(v, jax.grad(lambda p: qm.apply(p, x).sum())(v))  # trained state
+  # Each call site's state and name scope are its own: the report names them.
+  sites = [p.scope.split("/")[-2] for p in qm.product_report(v, x).products]
+  assert sites == [f"dot_general_{i}" for i in range(5)] + ["einsum_0"], sites
+  served, params = fl.convert(qm, v, x)
+  codes = jnp.int8 if isinstance(recipe, fl.IntRecipe) else jnp.float8_e4m3fn
+  stored = {k: a.dtype for k, a in params["params"].items() if not isinstance(a, dict)}
+  # A weight read by two products, one the module rounds first (bf16 then f32: no longer
+  # the weight) and a transposed one stay float, quantized at each call.
+  assert stored == {"shared": jnp.float32, "wq": codes, "wk": jnp.float32,
+                    "wt": jnp.float32, "w3": codes}, stored
+  assert set(params["params"]["dot_general_2"]) == {"input_scale", "kernel_scale"}
+
+  @jax.jit
+  def frozen(p, x):
+    with fl.frozen_quantizers():
+      return qm.apply(p, x)
+
+  y_served = jax.jit(served.apply)(params, x)
+  chex.assert_trees_all_equal(y_served, frozen(v, x))
+  # QLoRA: adapters beside the weights stored as codes; the merge writes each one back as
+  # float in its own place (zero adapters: the dequantized codes, which the QAT model
+  # computes exactly as served).
+  adapters, rest = fl.split_lora(fl.add_lora(served, params, x, rank=2))
+  assert sorted(adapters["params"]) == ["dot_general_2", "einsum_0"]
+  merged = fl.merge_lora(served, fl.join_lora(adapters, rest), x)["params"]
+  assert {merged[k].dtype for k in stored} == {jnp.dtype(jnp.float32)}
+  chex.assert_trees_all_equal(frozen({**v, "params": {**v["params"], **{
+      k: merged[k] for k in stored}}}, x), y_served)

@@ -293,45 +293,53 @@ def _kernel_scales(cfg, state, grouped: bool):
   return jax.vmap(one)(state.scale, state.amax_history) if grouped else one(*state)
 
 
-def ragged_record(recipe: Fp8Recipe, input_state, kernel_state) -> ServedRecord:
+def _expert_codes(recipe: Fp8Recipe, rhs, live):
+  """``(codes, scales)`` of the experts' weights: one scale per expert (``(g, 1)``) or one."""
+  if live is None or jnp.ndim(live) == 2:
+    scales = None if live is None else jnp.asarray(live)
+    return jax.vmap(lambda w, s: tensor_quantize(recipe.kernel, w, s),
+                    in_axes=(0, None if scales is None else 0))(rhs, scales)
+  return tensor_quantize(recipe.kernel, rhs, live)
+
+
+def ragged_record(recipe: Fp8Recipe, input_state, kernel_state, rhs) -> ServedRecord:
   """What serving a trained fp8 grouped GEMM needs (see :func:`served_ragged_dot`).
 
-  The experts' weights stay the module's own parameters and are quantized at
-  each call: with their delayed scale(s) as training left them
-  (``kernel_live_scale``, ``(g, 1)`` per expert) or, with current scaling,
-  their own amax. The input's delayed scale is frozen (``input_scale``).
-  Nothing is folded: the record says no weight is stored as codes.
+  The experts' weights (``rhs``) are folded to fp8 codes with their delayed
+  scale(s) as training left them (``(g, 1)`` per expert) or, with current
+  scaling, their own amax (``kernel``, ``kernel_scale``), used where the
+  weight reaches the product unchanged; otherwise they are quantized at each
+  call with those scales (``kernel_live_scale``). The input's delayed scale
+  is frozen (``input_scale``).
   """
   grouped = jnp.ndim(kernel_state[0]) == 2
   live = ({"kernel_live_scale": _kernel_scales(recipe.kernel, owg.as_state(*kernel_state),
                                                  grouped)}
           if recipe.kernel.scaling == "delayed" else {})
+  codes, scales = _expert_codes(recipe, jnp.asarray(rhs), live.get("kernel_live_scale"))
   frozen = freeze_fp8_input(recipe, input_state)
   ok = jnp.any(input_state.amax_history > 0) if frozen else True
-  rec = record({}, live, frozen, ok)
-  return dataclasses.replace(rec, kernel_at=jnp.asarray(-1), kernel_equal=jnp.asarray(False))
+  return record({"kernel": codes, "kernel_scale": scales}, live, frozen, ok)
 
 
 def served_ragged_dot(lhs, rhs, group_sizes, *, recipe: Fp8Recipe, arrays: dict, out_dtype=None):
   """The served fp8 grouped GEMM: the frozen QAT forward of :func:`~fp8_linen.core.ragged_dot.fp8_ragged_dot`.
 
   The routed tokens are quantized with the frozen ``input_scale`` (delayed;
-  current scaling measures the batch), each expert's weight with its
-  ``kernel_live_scale`` (or its own amax), and the codes multiplied as in
-  training: the same output, bit for bit, as the QAT forward under
+  current scaling measures the batch), each expert's weight read from its
+  stored codes (``kernel_scale``) or quantized with its ``kernel_live_scale``
+  (or its own amax), and the codes multiplied as in training: the same
+  output, bit for bit, as the QAT forward under
   :func:`~fp8_linen.frozen_quantizers`.
   """
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
   q_l, s_l = tensor_quantize(recipe.input, lhs, arrays.get("input_scale"))
-  live = arrays.get("kernel_live_scale")
-  grouped = live is None or jnp.ndim(live) == 2
-  if grouped:
-    scales = None if live is None else jnp.asarray(live)
-    q_r, s_r = jax.vmap(lambda w, s: tensor_quantize(recipe.kernel, w, s),
-                        in_axes=(0, None if scales is None else 0))(rhs, scales)
+  if "kernel_scale" in arrays:
+    q_r, s_r = rhs.astype(recipe.kernel.jnp_dtype), jnp.asarray(arrays["kernel_scale"])
   else:
-    q_r, s_r = tensor_quantize(recipe.kernel, rhs, live)
+    q_r, s_r = _expert_codes(recipe, rhs, arrays.get("kernel_live_scale"))
+  grouped = jnp.ndim(s_r) == 2
   y = ragged_dot.ragged_gemm(q_l, q_r, group_sizes, lowering.resolve_gemm(recipe))
   if grouped:
     return ragged_dot.rows_scaled(y, numerics.scale_product(s_l, ragged_dot.group_row_scales(s_r, group_sizes,

@@ -351,17 +351,19 @@ def int_served_conv(lhs, rhs, conv_kwargs: dict, *, recipe: IntRecipe, arrays: d
   return int_conv(lhs, rhs, conv_kwargs, recipe=recipe, arrays=arrays, out_dtype=out_dtype)
 
 
-def int_ragged_record(recipe: IntRecipe, read) -> ServedRecord:
+def int_ragged_record(recipe: IntRecipe, rhs, read) -> ServedRecord:
   """What serving a trained integer grouped GEMM needs: the frozen input parameters.
 
-  The experts' weights stay the module's float parameters and are quantized
-  at each call, as in training (min/max per tensor or per expert and output
-  channel). Only recipes with an integer grouped GEMM
-  (:func:`~fp8_linen.core.int_product.ragged_supported`) are recorded.
+  The experts' weights (``rhs``, ``(experts, k, n)``) are folded to int8
+  codes with their scales as training quantized them (min/max per tensor or
+  per expert and output channel), used where the weight reaches the product
+  unchanged; otherwise they are quantized at each call. Only recipes with an
+  integer grouped GEMM (:func:`~fp8_linen.core.int_product.ragged_supported`)
+  are recorded.
   """
   lp, ok = int_quantizer_params("input", recipe.input, read)
-  rec = record({}, {}, freeze_int_input(recipe.input, lp), ok)
-  return dataclasses.replace(rec, kernel_at=jnp.asarray(-1), kernel_equal=jnp.asarray(False))
+  return record(fold_int_kernel(recipe.kernel, jnp.asarray(rhs), (1,), ()), {},
+                freeze_int_input(recipe.input, lp), ok)
 
 
 def int_served_ragged_dot(lhs, rhs, group_sizes, *, recipe: IntRecipe, arrays: dict,
@@ -369,13 +371,14 @@ def int_served_ragged_dot(lhs, rhs, group_sizes, *, recipe: IntRecipe, arrays: d
   """The served integer grouped GEMM: the frozen QAT forward of ``int_ragged_dot``.
 
   The routed tokens' codes come from the frozen ``input_scale``, each
-  expert's weight is quantized as training quantized it, and the codes are
-  multiplied by the same grouped GEMM.
+  expert's weight is read from its stored codes (or quantized as training
+  quantized it), and the codes are multiplied by the same grouped GEMM.
   """
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
   xc = _input_codes(recipe.input, lhs, arrays)
-  wc = _live_codes(recipe.kernel, rhs, arrays, (1,))
+  wc = (_kernel_codes(recipe.kernel, rhs, arrays, (1,)) if "kernel_scale" in arrays
+        else _live_codes(recipe.kernel, rhs, arrays, (1,)))
   how = resolve_int_gemm(recipe.gemm, contracted(recipe.kernel, rhs.shape, (1,)),
                          _operand(recipe.input, "input", ()), _operand(recipe.kernel, "kernel",
                                                                        (1,)))

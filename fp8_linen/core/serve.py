@@ -48,7 +48,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-__all__ = ["SERVED_NAMES", "ServedRecord", "record", "unservable_error", "with_kernel_check", "folds_kernel",
+__all__ = ["SERVED_NAMES", "WEIGHT_AT", "ServedRecord", "record", "unservable_error",
+           "with_kernel_check", "match_weight", "weight_index", "folds_kernel",
            "untrained_error", "no_product_error", "served_from_record", "require_arrays"]
 
 # Every array a served layer may hold next to its kernel (the table above, and what a right
@@ -117,6 +118,38 @@ def with_kernel_check(record: ServedRecord, at, kernel, rhs) -> ServedRecord:
            jnp.array_equal(jnp.asarray(kernel).astype(rhs.dtype).reshape(rhs.shape), rhs))
   return dataclasses.replace(record, kernel_at=jnp.asarray(-1 if at is None else at),
                              kernel_equal=equal)
+
+
+# ``kernel_at`` of a product inside a module's own code whose right operand is
+# one of that module's weights: WEIGHT_AT + the weight's index among them.
+WEIGHT_AT = 2
+
+
+def match_weight(weights: list, rhs) -> tuple:
+  """``(at, kernel)`` of a product in a module's own code: which of its ``weights`` ``rhs`` is.
+
+  ``weights`` are the module's parameters in a fixed order (conversion lists
+  them again the same way). The one whose values, cast to ``rhs``'s dtype
+  and reshaped, equal ``rhs`` is the right operand: ``at`` is
+  ``WEIGHT_AT + its index``, traced. None or several equal ones (a weight
+  the product changes first, tied copies): ``at`` is ``-1`` and the operand
+  is quantized live in serving. ``(None, None)`` when no weight has its size.
+  """
+  rhs = jnp.asarray(rhs)
+  fits = [i for i, w in enumerate(weights) if jnp.size(w) == rhs.size]
+  if not fits:
+    return None, None
+  equal = jnp.stack([
+      jnp.array_equal(jnp.asarray(weights[i]).astype(rhs.dtype).reshape(rhs.shape), rhs)
+      for i in fits])
+  at = jnp.where(equal.sum() == 1, WEIGHT_AT + jnp.asarray(fits)[jnp.argmax(equal)], -1)
+  return at, rhs
+
+
+def weight_index(record: ServedRecord) -> int | None:
+  """The index :func:`match_weight` found the folded weight at, or ``None`` (a layer's kernel)."""
+  at = int(record.kernel_at)
+  return at - WEIGHT_AT if at >= WEIGHT_AT else None
 
 
 def folds_kernel(record: ServedRecord) -> bool:

@@ -23,16 +23,48 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["TRAINING_ONLY", "is_example_array", "trace_once"]
+from fp8_linen.families import lora, modes
+
+__all__ = ["TRAINING_ONLY", "is_example_array", "finds_weights", "traced", "trace_once"]
 
 # Learned quantizer values of QAT: replaced by the served arrays.
 TRAINING_ONLY = ("input_step", "input_offset", "kernel_step", "kernel_offset")
+
+
+def finds_weights() -> bool:
+  """Whether a product in a module's own code looks for its weight among the module's.
+
+  A conversion does (it then checks the weight's other uses before storing
+  it as codes), and so does a LoRA merge, which writes the merged weight
+  back in its place; every other run leaves the operand as it is.
+  """
+  return modes.current_mode() == "convert" or lora.phase() == "merge"
 
 
 def is_example_array(x) -> bool:
   """Whether an example input is an array (traced) rather than a static argument."""
   return (isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or
           hasattr(x, "__array__"))
+
+
+def traced(fn: Callable, args: tuple, kwargs: dict) -> tuple:
+  """``(run, examples)``: ``run(state, examples)`` is ``fn(state, *args, **kwargs)``.
+
+  Every example array of ``args`` / ``kwargs`` becomes an argument of ``run``
+  (``examples`` holds zeros of its shape and dtype; it may be a
+  ``jax.ShapeDtypeStruct``); other arguments are passed as they are.
+  """
+  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_example_array)
+  at = [i for i, leaf in enumerate(leaves) if is_example_array(leaf)]
+
+  def run(state, arrays):
+    full = list(leaves)
+    for i, a in zip(at, arrays):
+      full[i] = a
+    a, k = jax.tree.unflatten(treedef, full)
+    return fn(state, *a, **k)
+
+  return run, [jnp.zeros(jnp.shape(leaves[i]), leaves[i].dtype) for i in at]
 
 
 def trace_once(fn: Callable, state: Any, args: tuple, kwargs: dict):
@@ -42,15 +74,5 @@ def trace_once(fn: Callable, state: Any, args: tuple, kwargs: dict):
   ``jax.ShapeDtypeStruct`` s); other arguments are passed as they are.
   ``state`` (the model's variables) is a jit argument.
   """
-  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_example_array)
-  traced = [i for i, leaf in enumerate(leaves) if is_example_array(leaf)]
-
-  def run(state, arrays):
-    full = list(leaves)
-    for i, a in zip(traced, arrays):
-      full[i] = a
-    a, k = jax.tree.unflatten(treedef, full)
-    return fn(state, *a, **k)
-
-  examples = [jnp.zeros(jnp.shape(leaves[i]), leaves[i].dtype) for i in traced]
+  run, examples = traced(fn, args, kwargs)
   return jax.jit(run)(state, examples)

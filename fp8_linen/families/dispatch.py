@@ -192,9 +192,9 @@ def ragged_dot(access: VariableAccess, lhs, rhs, group_sizes, recipe, out_dtype=
 
   Raises:
     ValueError: the recipe's family has no grouped GEMM, or none that can be
-      converted or served (fp8 can: the experts' weights stay float and are
-      quantized at each call with their trained scales), or the model is
-      being calibrated.
+      converted or served (fp8 and symmetric STE integer recipes can: the
+      experts' weights are stored as codes with their trained scales), or
+      the model is being calibrated.
   """
   family = family_for(recipe, access.owner)
   if family.ragged_dot is None:
@@ -210,11 +210,16 @@ def ragged_dot(access: VariableAccess, lhs, rhs, group_sizes, recipe, out_dtype=
                      f"{type(recipe).__name__} cannot be {what} yet; train the experts with an "
                      "fp8 recipe, or convert a model whose rules leave them unquantized")
   if in_mode == "serve":
+    if lora.phase() == "merge" and "kernel_scale" in access.served_arrays():
+      raise ValueError(f"{access.path}: experts stored as codes (a grouped GEMM, "
+                       "jax.lax.ragged_dot) have no LoRA merge yet; merge a model whose rules "
+                       "leave the experts unquantized")
     return family.served_ragged(lhs, rhs, group_sizes, recipe=recipe,
                                 arrays=access.served_arrays(), out_dtype=out_dtype)
   y = family.ragged_dot(access, lhs, rhs, group_sizes, recipe, out_dtype, key)
   if in_mode == "convert":
-    access.record(family.ragged_record(access, recipe, rhs))
+    rec = family.ragged_record(access, recipe, rhs)
+    access.record(serve.with_kernel_check(rec, *access.kernel_for(rhs), rhs))
   return y
 
 

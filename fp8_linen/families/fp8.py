@@ -137,9 +137,8 @@ def record(access, recipe: Fp8Recipe, rhs, contract, *, batch=(), conv: bool = F
 
 def ragged_record(access, recipe: Fp8Recipe, rhs):
   """A grouped GEMM's conversion record (:func:`~fp8_linen.core.fp8_serve.ragged_record`)."""
-  del rhs
   return fp8_serve.ragged_record(recipe, _stored_role(access, "input", recipe.input),
-                                 _stored_role(access, "kernel", recipe.kernel))
+                                 _stored_role(access, "kernel", recipe.kernel), rhs)
 
 
 def declare_activation(access, recipe: ActivationRecipe) -> None:

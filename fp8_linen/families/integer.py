@@ -281,12 +281,11 @@ def ragged_record(access, recipe: IntRecipe, rhs):
     ValueError: naming the product, for a recipe whose experts are
       fake-quantized (no integer grouped GEMM to serve them with).
   """
-  del rhs
   why = int_product.ragged_supported(recipe)
   if why is not None:
     raise ValueError(f"{access.path}: integer experts under {recipe!r} cannot be converted: "
                      f"{why} has no integer grouped GEMM (use a symmetric STE recipe)")
-  return int_serve.int_ragged_record(recipe, access.stored)
+  return int_serve.int_ragged_record(recipe, rhs, access.stored)
 
 
 def conv(access, lhs, rhs, conv_kwargs: dict, recipe: IntRecipe, out_dtype=None,

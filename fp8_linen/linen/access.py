@@ -32,13 +32,14 @@ from typing import Mapping
 import flax.linen as nn
 import jax.numpy as jnp
 
-from fp8_linen.core import lowering, uses
+from fp8_linen.core import lowering, serve, uses
 from fp8_linen.core.owg import OWG
 from fp8_linen.core.serve import ServedRecord
 from fp8_linen.families import dispatch
 from fp8_linen.families.access import VariableAccess
+from fp8_linen.families.conversion import finds_weights
 
-__all__ = ["SERVED", "RECORD", "records", "LinenAccess", "quantized_dot_general_on",
+__all__ = ["SERVED", "RECORD", "records", "LinenAccess", "weights", "quantized_dot_general_on",
            "quantized_ragged_dot_on", "quantized_einsum_on", "quantized_conv_on"]
 
 SERVED = "fp8_linen_served"  # the collection 'convert' mode writes
@@ -62,10 +63,15 @@ class LinenAccess(VariableAccess):
 
   Args:
     module: the bound Linen module that owns the variables.
+    weights_of: for a product inside a module's own code (``quantize_model``'s
+      per-call-site state), the scope of the module whose method runs it: a
+      conversion looks for its right operand among that scope's own
+      ``params`` (:func:`weights`).
   """
 
-  def __init__(self, module: nn.Module):
+  def __init__(self, module: nn.Module, weights_of=None):
     self.module = module
+    self.weights_of = weights_of
 
   @property
   def path(self) -> str:
@@ -166,8 +172,15 @@ class LinenAccess(VariableAccess):
     """The ``kernel`` parameter of the module (0) or its parent (1) of ``rhs``'s size.
 
     :class:`~fp8_linen.Fp8DotGeneral` runs the product of its parent's
-    ``kernel``; layers run their own.
+    ``kernel``; layers run their own. A product in a module's own code is
+    matched, in a conversion, against that module's weights
+    (:func:`~fp8_linen.core.serve.match_weight`).
     """
+    if self.weights_of is not None:
+      if not finds_weights():
+        return None, None
+      return serve.match_weight(
+          [v for _, v in weights(self.weights_of.variables().get("params", {}))], rhs)
     size = jnp.size(rhs)
     for at, owner in ((0, self.module), (1, getattr(self.module, "parent", None))):
       if isinstance(owner, nn.Module) and owner.scope is not None and \
@@ -176,6 +189,12 @@ class LinenAccess(VariableAccess):
         if getattr(p, "size", None) == size:
           return at, p
     return None, None
+
+
+def weights(params: Mapping) -> list:
+  """``(name, array)`` of a scope's own parameters (its children's left out), by name."""
+  return sorted(((k, v) for k, v in params.items() if not isinstance(v, Mapping)),
+                key=lambda kv: kv[0])
 
 
 def quantized_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe,

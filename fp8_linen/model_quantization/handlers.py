@@ -91,17 +91,21 @@ class _LinenBackend(product_calls.Backend):
   def run(self, target, op, product):
     """Runs ``product`` on the module's own state or on a per-call-site child."""
     frame, recipe = target
-    fn = lambda m: product(LinenAccess(m), recipe)
-    with jax.named_scope(MARKERS["quantized"]):
-      module = frame.module
-      below = frame.shared + frame.live()
-      if isinstance(module, _OWN_STATE_LAYERS) and not frame.own_used and not below:
-        frame.own_used = True
+    module = frame.module
+    below = frame.shared + frame.live()
+    if isinstance(module, _OWN_STATE_LAYERS) and not frame.own_used and not below:
+      frame.own_used = True
+      fn = lambda m: product(LinenAccess(m), recipe)
+      with jax.named_scope(MARKERS["quantized"]):
         return fn(module) if frame.kind == "own" else _Holder(parent=frame.home())(fn)
-      i = frame.counts.get((below, op), 0)
-      frame.counts[(below, op)] = i + 1
-      child = frame.home().push(f"{op}_{i}", reuse=True)
-      return _Holder(parent=child)(fn)
+    i = frame.counts.get((below, op), 0)
+    frame.counts[(below, op)] = i + 1
+    home = frame.home()
+    # The call site's name before the marker: a weight's only product is told
+    # from the module's other products by it (fl.convert stores it as codes).
+    with jax.named_scope(f"{op}_{i}"), jax.named_scope(MARKERS["quantized"]):
+      child = home.push(f"{op}_{i}", reuse=True)
+      return _Holder(parent=child)(lambda m: product(LinenAccess(m, weights_of=home), recipe))
 
 
 class _Holder(nn.Module):

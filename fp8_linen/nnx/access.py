@@ -40,13 +40,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fp8_linen.core import lowering, settings, uses
+from fp8_linen.core import lowering, serve, settings, uses
 from fp8_linen.core.serve import ServedRecord
 from fp8_linen.families import dispatch, modes
 from fp8_linen.families.access import VariableAccess
+from fp8_linen.families.conversion import finds_weights
 from fp8_linen.nnx.state import QuantState
 
-__all__ = ["NnxAccess", "Serving", "declare", "recording", "converting", "calibrate"]
+__all__ = ["NnxAccess", "Serving", "declare", "recording", "converting", "calibrate", "weights"]
 
 # module -> its chains. Held outside the module (weakly, so it goes with the
 # module: NNX transforms run on fresh copies of the module, which disappear
@@ -91,11 +92,15 @@ class NnxAccess(VariableAccess):
     declaring: the layer's constructor is declaring its variables (missing
       ones are created); otherwise they are read and a missing one is an
       error.
+    weights_of: for a product inside a module's own code (an op-level
+      site), the module whose method runs it: a conversion looks for its
+      right operand among that module's :func:`weights`.
   """
 
-  def __init__(self, module: nnx.Module, *, declaring: bool = False):
+  def __init__(self, module: nnx.Module, *, declaring: bool = False, weights_of=None):
     self.module = module
     self.declaring = declaring
+    self.weights_of = weights_of
 
   @property
   def path(self) -> str:
@@ -161,10 +166,20 @@ class NnxAccess(VariableAccess):
     return {} if serving is None else serving.arrays_of(self.module)
 
   def kernel_for(self, rhs):
+    if self.weights_of is not None:
+      if not finds_weights():
+        return None, None
+      return serve.match_weight([v[...] for _, v in weights(self.weights_of)], rhs)
     var = getattr(self.module, "kernel", None)
     if isinstance(var, nnx.Param) and var[...].size == jnp.size(rhs):
       return 0, var[...]
     return None, None
+
+
+def weights(module: nnx.Module) -> list:
+  """``(name, nnx.Param)`` of ``module``'s own parameter attributes, by name."""
+  return sorted(((k, v) for k, v in vars(module).items() if isinstance(v, nnx.Param)),
+                key=lambda kv: kv[0])
 
 
 def declare(module: nnx.Module, recipe, kernel=None, kernel_contract=None) -> None:

@@ -46,14 +46,16 @@ import contextlib
 import dataclasses
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from fp8_linen.core import serve
 from fp8_linen.core.owg import frozen_quantizers
-from fp8_linen.families.conversion import TRAINING_ONLY, trace_once
-from fp8_linen.nnx.access import Serving, recording
+from fp8_linen.families.conversion import TRAINING_ONLY, trace_once, traced
+from fp8_linen.nnx.access import Serving, recording, weights
 from fp8_linen.nnx.state import QuantState
+from fp8_linen.product_report import input_regions, only_product
 
 __all__ = ["convert", "traced_records"]
 
@@ -77,12 +79,22 @@ class _CodesAsFloat:
                         **kwargs)
 
 
-def traced_records(model: nnx.Module, args, kwargs, *, mode: str, context=None) -> dict:
-  """``path -> record`` of every product ``model(*args, **kwargs)`` runs in ``mode``, in one trace.
+@dataclasses.dataclass(frozen=True)
+class _ReadAs:
+  """An ``on_get_value`` hook: a weight stored as codes, read as the float dtype QAT's module saw.
 
-  ``context`` (a context manager, entered inside the trace) sets anything
-  else the run needs.
+  The module's own code then runs as in QAT (its casts and reshapes see the
+  dtype they saw), and the served product casts the codes back exactly.
   """
+
+  dtype: str
+
+  def __call__(self, variable, value):
+    del variable
+    return value.astype(self.dtype) if hasattr(value, "astype") else value
+
+
+def _recording_run(model: nnx.Module, mode: str, context) -> tuple:
   graphdef, state = nnx.split(model)
 
   def run(state, *a, **k):
@@ -91,16 +103,78 @@ def traced_records(model: nnx.Module, args, kwargs, *, mode: str, context=None) 
       m(*a, **k)
     return records
 
+  return run, state
+
+
+def traced_records(model: nnx.Module, args, kwargs, *, mode: str, context=None) -> dict:
+  """``path -> record`` of every product ``model(*args, **kwargs)`` runs in ``mode``, in one trace.
+
+  ``context`` (a context manager, entered inside the trace) sets anything
+  else the run needs.
+  """
+  run, state = _recording_run(model, mode, context)
   return trace_once(run, state, args, kwargs)
 
 
-def _serve_layer(layer: nnx.Module, path: str, record) -> None:
-  """Turns one converted layer into a served one, in place (see the module doc)."""
+def _weights_used_once(model: nnx.Module, args, kwargs) -> dict:
+  """``parameter path -> the quantized products it reaches``, ``None`` where it is used otherwise.
+
+  Read from the frozen QAT forward (a conversion run also compares each
+  product's operand with every weight of its module).
+  """
+  graphdef, state = nnx.split(model)
+
+  def run(state, *a, **k):
+    with frozen_quantizers():
+      return nnx.merge(graphdef, state)(*a, **k)
+
+  fn, examples = traced(run, args, kwargs)
+  flat = nnx.to_flat_state(state)
+  regions = input_regions(fn, state, examples)[:len(flat)]
+  return {"/".join(str(p) for p in path): r for (path, _), r in zip(flat, regions)}
+
+
+def _site_weights(records: dict, layers: dict, model, args, kwargs) -> dict:
+  """``site path -> (module, name)`` of the weight each op-level product folds to codes.
+
+  A product in a module's own code folds the module weight its conversion
+  run matched (:func:`~fp8_linen.core.serve.match_weight`) when that weight
+  reaches only this product, through casts and reshapes; otherwise (another
+  use, a loop, a stacked layer) the product quantizes it live.
+  """
+  wanted = {p: serve.weight_index(r) for p, r in records.items()}
+  wanted = {p: i for p, i in wanted.items() if i is not None}
+  if not wanted:
+    return {}
+  uses = _weights_used_once(model, args, kwargs)
+  out = {}
+  for path, i in wanted.items():
+    owner_path = path.rpartition("/")[0]
+    name, _ = weights(layers[owner_path])[i]
+    if only_product(uses.get(f"{owner_path}/{name}" if owner_path else name), path):
+      out[path] = (layers[owner_path], name)
+  return out
+
+
+def _serve_layer(layer: nnx.Module, path: str, record, weight=None) -> None:
+  """Turns one converted layer into a served one, in place (see the module doc).
+
+  ``weight`` is ``(module, name)`` of an op-level product's folded weight.
+  """
+  if weight is None and serve.weight_index(record) is not None:
+    record = dataclasses.replace(record, kernel_at=jnp.asarray(-1))
   kernel, arrays = serve.served_from_record(path or "<root>", record)
   for name, value in list(vars(layer).items()):
     if isinstance(value, QuantState) or name in TRAINING_ONLY:
       delattr(layer, name)
-  if kernel is not None:
+  if kernel is not None and weight is not None:
+    var = getattr(*weight)
+    old = var[...]
+    hooks = var.get_metadata().get("on_get_value", ())
+    var.set_value(jnp.reshape(kernel, old.shape))
+    var.set_metadata(on_get_value=(_ReadAs(str(old.dtype)),
+                                   *(hooks if isinstance(hooks, tuple) else (hooks,))))
+  elif kernel is not None:
     old = layer.kernel[...]
     layer.kernel.set_value(jnp.reshape(kernel, old.shape))
     layer.promote_dtype = _CodesAsFloat(str(old.dtype), layer.promote_dtype)
@@ -160,6 +234,7 @@ def convert(model: nnx.Module, *args: Any, **kwargs: Any) -> nnx.Module:
         "fl.nnx.quantize_model")
   served = nnx.clone(model)
   layers = {"/".join(str(p) for p in path): m for path, m in nnx.iter_modules(served)}
+  folded = _site_weights(records, layers, model, args, kwargs)
   for path, record in records.items():
-    _serve_layer(layers[path], path, record)
+    _serve_layer(layers[path], path, record, folded.get(path))
   return served

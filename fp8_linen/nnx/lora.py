@@ -39,6 +39,7 @@ from flax import nnx
 from fp8_linen.core import lora as core_lora
 from fp8_linen.core import serve
 from fp8_linen.families import lora
+from fp8_linen.nnx.access import weights
 from fp8_linen.nnx.conversion import traced_records
 
 __all__ = ["LoraParam", "add_lora", "merge_lora"]
@@ -132,10 +133,15 @@ def merge_lora(served: nnx.Module, float_model: nnx.Module, *args: Any,
   for path, rec in merged.items():
     if int(rec.kernel_at) < 0:
       continue  # a live right operand: nothing stored to merge
-    where = path or "<root>"
-    kernel = getattr(layers.get(where), "kernel", None)
+    where, name = path or "<root>", "kernel"
+    if int(rec.kernel_at) >= serve.WEIGHT_AT:  # a product in a module's own code
+      where = path.rpartition("/")[0] or "<root>"
+      own = weights(layers[where]) if where in layers else []
+      i = int(rec.kernel_at) - serve.WEIGHT_AT
+      name = own[i][0] if i < len(own) else "?"
+    kernel = getattr(layers.get(where), name, None)
     if not isinstance(kernel, nnx.Param) or kernel[...].size != rec.kernel.size:
-      raise ValueError(f"{who}: float_model has no layer {where!r} with a kernel of "
+      raise ValueError(f"{who}: float_model has no layer {where!r} with a {name} of "
                        f"{rec.kernel.size} elements; pass the float model the served model was "
                        "made from")
     old = kernel[...]

@@ -37,11 +37,13 @@ parameters (give the transform the module's whole state on that axis, e.g.
 need too).
 
 Serving: :func:`fl.nnx.convert <fp8_linen.nnx.convert>` turns each site into
-a served one (its training state gone, the frozen input parameters and live
+a served one (its training state gone, the frozen input parameters and
 weight scales it reads as ``nnx.Param`` s): it computes the frozen QAT
-forward bit for bit. The weights stay the module's float parameters (the
-site does not know which of the module's parameters its right operand is),
-quantized at each call.
+forward bit for bit. A module weight that is the site's right operand
+(equal to it after the module's casts and reshapes) and that no other
+operation reads is stored as the site's codes; the module reads it as the
+float dtype it saw in training. Other weights stay float, quantized at each
+call.
 
 Limits: recipes that learn quantizer parameters (LSQ, LSQ+) need the flax
 layers' fast path (their steps start from the weight's values, which an
@@ -294,7 +296,7 @@ class _NnxBackend(product_calls.Backend):
       # A served site (fl.nnx.convert) runs its product from the arrays it holds.
       if getattr(site, "serving", None) is not None:
         stack.enter_context(modes.mode("serve"))
-      return product(NnxAccess(site), recipe)
+      return product(NnxAccess(site, weights_of=_STACK.get()[-1].module), recipe)
 
 
 HANDLERS = product_calls.handlers(_NnxBackend())

@@ -407,10 +407,17 @@ def test_own_products_serve_as_their_frozen_qat_forward(recipe):
   for _ in range(2):
     step(model, opt)
   served = fl.nnx.convert(model, x, gs)
-  # The sites keep what serving reads; the training state is gone; weights stay float.
+  # The sites keep what serving reads; the training state is gone; each weight its one
+  # product reads (the projection's, the experts') is stored as that product's codes and
+  # read by the module's own code as the float32 it saw in training.
   assert not jax.tree.leaves(nnx.state(served, fl.nnx.QuantState))
-  assert "input_scale" in vars(served.p.dot_general_0)
-  assert served.moe.w[...].dtype == jnp.float32
+  assert {"input_scale", "kernel_scale"} <= set(vars(served.p.dot_general_0))
+  codes = jnp.float8_e4m3fn if isinstance(recipe, fl.Fp8Recipe) else jnp.int8
+  for w in (served.p.w, served.moe.w):
+    assert w.get_raw_value().dtype == codes and w[...].dtype == jnp.float32
+  if isinstance(recipe, fl.Fp8Recipe):
+    assert served.moe.ragged_dot_0.kernel_scale.shape == (4, 1)  # one scale per expert
+  assert fl.weight_bytes(nnx.state(served)) < fl.weight_bytes(nnx.state(model, nnx.Param)) / 3
 
   @nnx.jit
   def frozen(m, x, g):
@@ -419,3 +426,68 @@ def test_own_products_serve_as_their_frozen_qat_forward(recipe):
 
   chex.assert_trees_all_equal(nnx.jit(lambda m, x, g: m(x, g))(served, x, gs),
                               frozen(model, x, gs))
+
+
+class SharedAndTied(nnx.Module):
+  """Weights a served product must not store as codes: one read twice, one also looked up."""
+
+  def __init__(self):
+    self.shared = nnx.Param(jax.random.normal(jax.random.key(20), (8, 8)) * 0.2)
+    self.table = nnx.Param(jax.random.normal(jax.random.key(21), (8, 8)) * 0.2)
+    self.wq = nnx.Param(jax.random.normal(jax.random.key(22), (8, 8)) * 0.2)
+    self.wt = nnx.Param(jax.random.normal(jax.random.key(23), (8, 8)) * 0.2)
+    self.w3 = nnx.Param(jax.random.normal(jax.random.key(24), (2, 4, 8)) * 0.2)
+
+  def __call__(self, x, ids):
+    h = jax.lax.dot_general(x, self.shared[...], _DN(x))
+    h = h + jax.lax.dot_general(h, self.shared[...].astype(jnp.bfloat16), _DN(h)).astype(h.dtype)
+    h = h + self.table[...][ids] + jax.lax.dot_general(h, self.table[...], _DN(h))
+    h = h + jax.lax.dot_general(h, self.wq[...].astype(jnp.bfloat16), _DN(h)).astype(h.dtype)
+    h = h + jax.lax.dot_general(h, self.wt[...].T, _DN(h))  # a transposed view
+    return h + jnp.einsum("bk,kn->bn", h, self.w3[...].reshape(8, 8))
+
+
+@pytest.mark.parametrize("recipe", [fl.Fp8Recipe(), fl.IntRecipe()], ids=["fp8", "int8"])
+def test_only_a_weight_one_product_reads_through_casts_and_reshapes_is_stored_as_codes(recipe):
+  x = jax.random.normal(jax.random.key(25), (4, 8))
+  ids = jnp.array([1, 2, 3, 0])
+  model = fl.nnx.quantize_model(SharedAndTied(), recipe, example=(x, ids))
+  assert fl.nnx.product_report(model, x, ids).counts == {"quantized": 6}
+  _, g = nnx.jit(lambda m: fl.nnx.value_and_grad(lambda m: m(x, ids).sum())(m))(model)
+  fl.nnx.Optimizer(model, optax.sgd(0.0)).update(model, g)  # trained quantization state
+  served = fl.nnx.convert(model, x, ids)
+  codes = jnp.float8_e4m3fn if isinstance(recipe, fl.Fp8Recipe) else jnp.int8
+  stored = {k: getattr(served, k).get_raw_value().dtype
+            for k in ("shared", "table", "wq", "wt", "w3")}
+  assert stored == {"shared": jnp.float32, "table": jnp.float32, "wq": codes,
+                    "wt": jnp.float32, "w3": codes}, stored
+
+  @nnx.jit
+  def frozen(m):
+    with fl.frozen_quantizers():
+      return m(x, ids)
+
+  chex.assert_trees_all_equal(nnx.jit(lambda m: m(x, ids))(served), frozen(model))
+  # QLoRA's merge writes the stored weights back as float, in their own places.
+  fl.nnx.add_lora(served, x, ids, rank=2)
+  merged = fl.nnx.merge_lora(served, SharedAndTied(), x, ids)
+  for k in ("wq", "w3"):
+    w, trained = getattr(merged, k)[...], getattr(model, k)[...]
+    assert w.dtype == jnp.float32 and not np.array_equal(w, trained)  # dequantized codes
+    np.testing.assert_allclose(w, trained, atol=0.02)
+
+
+def test_served_own_products_multiply_their_stored_codes_on_h100(require_target):
+  t = require_target("h100")
+  from fp8_linen.testing.compile import compile_for  # pylint: disable=import-outside-toplevel
+  x = jax.random.normal(jax.random.key(12), (6, 8))
+  gs = jnp.array([2, 0, 3, 1], jnp.int32)
+  model = fl.nnx.quantize_model(ProjThenMoe(), fl.delayed_scaling(history_length=4),
+                                example=(x, gs))
+  _, g = nnx.jit(lambda m: fl.nnx.value_and_grad(lambda m: m(x, gs).sum())(m))(model)
+  fl.nnx.Optimizer(model, optax.sgd(0.0)).update(model, g)  # trained quantization state
+  graphdef, state = nnx.split(fl.nnx.convert(model, x, gs))
+  report = compile_for(t, lambda s, x, g: nnx.merge(graphdef, s)(x, g), state,
+                       x.astype(jnp.bfloat16), gs)
+  # The projection's GEMM and the experts' grouped GEMM, both from the e4m3 codes stored.
+  assert report.classes == {"fp8": 2}, report.classes
