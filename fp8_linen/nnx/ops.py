@@ -48,10 +48,11 @@ call.
 Limits: recipes that learn quantizer parameters (LSQ, LSQ+) need the flax
 layers' fast path (their steps start from the weight's values, which an
 abstract run does not have); products of modules inside a transform whose
-copies hold other parameters run in float with a warning; calibration (PTQ)
-of a model with op-level sites is refused, naming the site
+copies hold other parameters run in float with a warning
 (``switch_precision`` drops the sites with :func:`detach` and, for a new
-recipe, attaches new ones from an example run). A model
+recipe, attaches new ones from an example run). :func:`fl.nnx.ptq
+<fp8_linen.nnx.ptq>` calibrates the sites as it calibrates the flax layers
+(grouped GEMMs excepted, as in Linen). A model
 with op-level sites cannot be pickled (its classes are made at run time;
 checkpoints save its state, which is what they should).
 
@@ -286,10 +287,6 @@ class _NnxBackend(product_calls.Backend):
 
   def run(self, target, op, product):
     site, recipe = target
-    if modes.current_mode() == "calibrate":
-      raise ValueError(f"{site.site_path}: a product quantized inside a module's own code "
-                       "(fl.nnx.quantize_model's example) cannot be calibrated yet; train it "
-                       "(QAT) and convert it, or calibrate a model built from flax layers")
     with contextlib.ExitStack() as stack:
       stack.enter_context(jax.named_scope(site.site_path))
       stack.enter_context(jax.named_scope(MARKERS["quantized"]))

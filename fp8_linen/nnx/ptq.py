@@ -57,8 +57,9 @@ def ptq(model: nnx.Module, batches: Sequence, *, recipe=None,
 
   Args:
     model: a float NNX model (give ``recipe``; ``rules`` as for
-      :func:`~fp8_linen.nnx.quantize_model`) or a model of ``fl.nnx``
-      layers (no ``recipe``). It is not modified.
+      :func:`~fp8_linen.nnx.quantize_model`, which quantizes its flax layers
+      and, found by running the first batch, the products of its own code)
+      or a model of ``fl.nnx`` layers (no ``recipe``). It is not modified.
     batches: calibration batches: each an input array or a tuple of the
       forward's positional arguments.
     recipe: the recipe for a float model (see :func:`fp8_linen.ptq`).
@@ -100,7 +101,10 @@ def ptq(model: nnx.Module, batches: Sequence, *, recipe=None,
     calibration.check_recipe(f"{who}: recipe", recipe, config)
   qmodel = nnx.clone(model)
   if recipe is not None:
-    qmodel = quantize_model(qmodel, recipe, rules)
+    # The first batch finds the products of the model's own code too (as
+    # fl.ptq's interception does), so none of them silently stays float.
+    qmodel = quantize_model(qmodel, recipe, rules,
+                            example=lambda m: m(*args[0], **kwargs))
   elif rules is not None:
     raise TypeError(f"{who}: rules= needs a recipe (rules choose where a recipe applies)")
   graphdef, state = nnx.split(qmodel)

@@ -104,3 +104,52 @@ def test_nnx_layers_and_errors():
                )
   with pytest.raises(TypeError, match="for a Linen model use fl.ptq"):
     fl.nnx.ptq(nn.Dense(4), x, recipe=fl.weight_only(8))
+
+
+_DN = (((1,), (0,)), ((), ()))
+
+
+class LinenOwn(nn.Module):
+  """Projections of a model's own code (MaxText's, EasyDeL's layers), in Linen..."""
+
+  @nn.compact
+  def __call__(self, x):
+    w1 = self.param("w1", nn.initializers.zeros, (32, 64))
+    w2 = self.param("w2", nn.initializers.zeros, (64, 8))
+    return jnp.einsum("bk,kn->bn", nn.relu(jax.lax.dot_general(x, w1, _DN)), w2)
+
+
+class NnxOwn(nnx.Module):
+  """... and in NNX."""
+
+  def __init__(self):
+    self.w1 = nnx.Param(jax.random.normal(jax.random.key(5), (32, 64)) * 0.2)
+    self.w2 = nnx.Param(jax.random.normal(jax.random.key(6), (64, 8)) * 0.2)
+
+  def __call__(self, x):
+    return jnp.einsum("bk,kn->bn", nnx.relu(jax.lax.dot_general(x, self.w1[...], _DN)),
+                      self.w2[...])
+
+
+@pytest.mark.parametrize("name", ["w8a8 int8 STE percentile", "fp8 delayed mse"])
+def test_products_of_own_modules_are_calibrated_and_served_as_linens(name):
+  recipe, config = RECIPES[name]
+  batches = [jax.random.normal(k, (64, 32)) for k in jax.random.split(jax.random.key(0), 2)]
+  nnx_model = NnxOwn()
+  params = {"params": {"w1": nnx_model.w1[...], "w2": nnx_model.w2[...]}}
+  lin = fl.ptq(LinenOwn(), params, batches, recipe=recipe, config=config)
+  served, qmodel = fl.nnx.ptq(nnx_model, batches, recipe=recipe, config=config)
+  assert fl.nnx.product_report(qmodel, batches[0]).counts == {"quantized": 2}
+  linen = lin.served_params["params"]
+  # The weights are stored as the same codes, the calibrated arrays are the same.
+  for w in ("w1", "w2"):
+    assert linen[w].dtype in (jnp.int8, jnp.float8_e4m3fn)
+    chex.assert_trees_all_equal(served_w := getattr(served, w).get_raw_value(), linen[w])
+    chex.assert_trees_all_equal_dtypes(served_w, linen[w])
+  for site in ("dot_general_0", "einsum_0"):
+    chex.assert_trees_all_equal(
+        {k: getattr(getattr(served, site), k)[...] for k in linen[site]}, linen[site])
+  y = nnx.jit(lambda m, x: m(x))(served, batches[1])
+  chex.assert_trees_all_equal(y, jax.jit(lin.served.apply)(lin.served_params, batches[1]))
+  with fl.frozen_quantizers():
+    chex.assert_trees_all_equal(y, nnx.jit(lambda m, x: m(x))(qmodel, batches[1]))
