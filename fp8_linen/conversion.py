@@ -62,7 +62,7 @@ from fp8_linen.families import modes
 from fp8_linen.families.conversion import TRAINING_ONLY, trace_once, traced
 from fp8_linen.linen import access
 from fp8_linen.linen.access import SERVED
-from fp8_linen.product_report import input_regions, only_product
+from fp8_linen.product_report import only_product, regions_by_path
 
 __all__ = ["convert", "ServedModule", "ServedModel", "weight_bytes"]
 
@@ -163,9 +163,29 @@ def _weight_uses(model, variables, args, kwargs) -> dict:
       return model.apply(v, *a, **k)
 
   fn, examples = traced(run, args, kwargs)
-  leaves = jax.tree_util.tree_flatten_with_path(variables)[0]
-  regions = input_regions(fn, variables, examples)[:len(leaves)]
-  return {tuple(getattr(k, "key", k) for k in kp): r for (kp, _), r in zip(leaves, regions)}
+  return regions_by_path(fn, variables, examples)
+
+
+def own_weights(model, variables, params: dict, args, kwargs, records) -> dict:
+  """``product path -> name`` of the weight each product in a module's own code may rewrite.
+
+  ``records`` are ``(path, record)`` pairs whose ``kernel_at`` says which of
+  its module's weights (``params``, unfrozen) a product matched
+  (:func:`~fp8_linen.core.serve.match_weight`); a weight qualifies when it
+  reaches that product alone, through casts and reshapes (else another use,
+  a loop or a stacked layer would see the change).
+  """
+  wanted = {tuple(p): serve.weight_index(r) for p, r in records}
+  wanted = {p: i for p, i in wanted.items() if i is not None}
+  if not wanted:
+    return {}
+  uses = _weight_uses(model, variables, args, kwargs)
+  out = {}
+  for path, i in wanted.items():
+    name = access.weights(_node(params, path[:-1]))[i][0]
+    if only_product(uses.get(("params", *path[:-1], name)), "/".join(path)):
+      out[path] = name
+  return out
 
 
 def _node(tree: dict, path) -> dict:
@@ -235,17 +255,14 @@ def convert(model, variables, *args, **kwargs):
     raise serve.no_product_error(
         "fl.convert", "fl.QDense/QDenseGeneral/QEinsum/QConv or wrap it with fl.quantize_model")
   params = flax.core.unfreeze(variables["params"])
-  uses = None
+  own = own_weights(model, variables, params, args, kwargs, records)
   kernel_dtypes = []
   for path, rec in records:
-    name, i = "kernel", serve.weight_index(rec)
-    if i is not None:
-      # A product in a module's own code: the module weight it matched, if
-      # that weight reaches this product only.
-      uses = _weight_uses(model, variables, args, kwargs) if uses is None else uses
-      name = access.weights(_node(params, path[:-1]))[i][0]
-      if not only_product(uses.get(("params", *path[:-1], name)), "/".join(path)):
-        rec = dataclasses.replace(rec, kernel_at=jnp.asarray(-1))
+    # A product in a module's own code stores the module weight it matched, if
+    # that weight reaches this product alone; else it quantizes it live.
+    name = own.get(tuple(path), "kernel")
+    if serve.weight_index(rec) is not None and tuple(path) not in own:
+      rec = dataclasses.replace(rec, kernel_at=jnp.asarray(-1))
     kernel, arrays = serve.served_from_record("/".join(path) or "<root>", rec)
     node = _node(params, path)
     for key in TRAINING_ONLY:

@@ -59,7 +59,7 @@ import jax.extend as jex
 import numpy as np
 
 __all__ = ["MARKERS", "PRODUCT_PRIMITIVES", "STATUSES", "Product", "ProductReport",
-           "input_regions", "only_product", "product_report"]
+           "input_regions", "regions_by_path", "only_product", "product_report"]
 
 # status -> the JAX name scope the interception runs such products under.
 MARKERS = {
@@ -299,6 +299,20 @@ def input_regions(fn: Callable, *args) -> list:
   for i in out.values():
     regions[i].add(_OTHER)
   return [None if _OTHER in r else frozenset(r) for r in regions]
+
+
+def regions_by_path(fn: Callable, tree, *args) -> dict:
+  """:func:`input_regions` of ``fn(tree, *args)``, keyed by each leaf's path in ``tree``.
+
+  A path is the leaf's dict keys and sequence indices (``('params', 'proj',
+  'kernel')``; an ``nnx.State`` 's ``('proj', 'kernel')``), attribute keys
+  (a variable's ``value``) left out.
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  regions = input_regions(fn, tree, *args)[:len(leaves)]
+  return {tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path
+                if not isinstance(k, jax.tree_util.GetAttrKey)): r
+          for (path, _), r in zip(leaves, regions)}
 
 
 def only_product(regions: frozenset | None, scope: str) -> bool:

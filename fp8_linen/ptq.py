@@ -18,6 +18,7 @@ NNX: :func:`fp8_linen.nnx.ptq`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import flax
@@ -25,7 +26,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fp8_linen.conversion import ServedModel, ServedModule, convert
+from fp8_linen.conversion import ServedModel, ServedModule, convert, own_weights
+from fp8_linen.core import serve
 from fp8_linen.core.owg import OWG
 from fp8_linen.families import calibration
 from fp8_linen.linen import access
@@ -102,8 +104,9 @@ def _load_float(who: str, init_vars: dict, float_vars: Mapping) -> dict:
   return out
 
 
-def _apply(who: str, variables: dict, path: tuple, values: dict, kernel) -> None:
-  """Writes one product's calibrated values into ``variables`` (in place)."""
+def _apply(who: str, variables: dict, path: tuple, values: dict, kernel,
+           name: str = "kernel") -> None:
+  """Writes one product's calibrated values (and new weight ``name``) into ``variables``."""
   where = "/".join(path) or "<root>"
   for name, value in values.items():
     for c in (OWG, "params"):
@@ -121,8 +124,8 @@ def _apply(who: str, variables: dict, path: tuple, values: dict, kernel) -> None
                        "model with its recipe's variables)")
   if kernel is not None:
     node = _node(variables["params"], path)
-    old = jnp.asarray(node["kernel"])
-    node["kernel"] = jnp.reshape(kernel, old.shape).astype(old.dtype)
+    old = jnp.asarray(node[name])
+    node[name] = jnp.reshape(kernel, old.shape).astype(old.dtype)
 
 
 def ptq(model, variables: Mapping, batches: Sequence, *, recipe=None,
@@ -214,10 +217,17 @@ def ptq(model, variables: Mapping, batches: Sequence, *, recipe=None,
       stats[path] = calibration.merge(stats.get(path), rec)
   if not stats:
     raise calibration.no_product_error(who)
+  # GPTQ rewrites a weight of a module's own code only where that product alone reads it.
+  own = (own_weights(qmodel, qvars, qvars["params"], args[0], kwargs, stats.items())
+         if config.weights == "gptq" else {})
   for path, st in stats.items():
-    values, kernel = calibration.calibrated(st, config, where="/".join(path) or "<root>")
+    rtn = st.kernel_at >= serve.WEIGHT_AT and path not in own
+    values, kernel = calibration.calibrated(
+        st, dataclasses.replace(config, weights="rtn") if rtn else config,
+        where="/".join(path) or "<root>")
     _apply(who, qvars, path, values, None)
     if kernel is not None:  # Fp8DotGeneral in a flax layer multiplies its parent's kernel
-      _apply(who, qvars, path if st.kernel_at == 0 else path[:-1], {}, kernel)
+      _apply(who, qvars, path if st.kernel_at == 0 else path[:-1], {}, kernel,
+             own.get(path, "kernel"))
   served, served_params = convert(qmodel, qvars, *args[0], **kwargs)
   return PtqResult(served, served_params, qmodel, qvars)

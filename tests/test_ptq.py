@@ -327,6 +327,42 @@ def test_gptq_on_multi_axis_weights_and_fp8_dot_general_layers():
   chex.assert_trees_all_equal(_serve(res, x[1]), _frozen(layer, res.variables, x[1]))
 
 
+class OwnWeights(nn.Module):
+  """Weights of a module's own code (MaxText's, EasyDeL's layers); ``shared`` is read twice."""
+
+  @nn.compact
+  def __call__(self, x):
+    dn = (((1,), (0,)), ((), ()))
+    w1 = self.param("w1", nn.initializers.lecun_normal(), (32, 64))
+    shared = self.param("shared", nn.initializers.lecun_normal(), (64, 64))
+    h = nn.relu(jax.lax.dot_general(x, w1, dn))
+    h = nn.relu(jax.lax.dot_general(h, shared, dn))
+    return jax.lax.dot_general(h, shared.astype(jnp.bfloat16), dn).astype(h.dtype)
+
+
+def test_gptq_rounds_a_weight_of_a_modules_own_code_that_one_product_reads():
+  model, batches = OwnWeights(), _batches((64, 32))
+  params = model.init(jax.random.key(4), batches[0])
+  qm = fl.quantize_model(model, fl.weight_only(4, granularity="group", group_size=16))
+  res = {w: fl.ptq(qm, params, batches, config=fl.PtqConfig(weights=w)) for w in ("gptq", "rtn")}
+  p = {w: r.variables["params"] for w, r in res.items()}
+  # w1 (one product) is GPTQ's rounding, on its step's grid and stored as those codes;
+  # `shared`, which two products read, is left as it was (each rounds it to nearest).
+  assert not np.array_equal(p["gptq"]["w1"], p["rtn"]["w1"])
+  np.testing.assert_array_equal(p["gptq"]["shared"], params["params"]["shared"])
+  np.testing.assert_array_equal(p["rtn"]["w1"], params["params"]["w1"])
+  served = res["gptq"].served_params["params"]
+  step = p["gptq"]["dot_general_0"]["kernel_step"]
+  np.testing.assert_array_equal(served["w1"].astype(jnp.float32).reshape(2, 16, 64) * step,
+                                p["gptq"]["w1"].reshape(2, 16, 64))
+  assert served["shared"].dtype == jnp.float32  # read twice: quantized at each call
+  chex.assert_trees_all_equal(_serve(res["gptq"], batches[1]),
+                              _frozen(qm, res["gptq"].variables, batches[1]))
+  ref = jax.jit(model.apply)(params, batches[0])
+  err = {w: float(jnp.linalg.norm(_serve(r, batches[0]) - ref)) for w, r in res.items()}
+  assert err["gptq"] < err["rtn"], err
+
+
 # ---------------------------------------------------------------------------- errors
 
 

@@ -35,10 +35,11 @@ def finds_weights() -> bool:
   """Whether a product in a module's own code looks for its weight among the module's.
 
   A conversion does (it then checks the weight's other uses before storing
-  it as codes), and so does a LoRA merge, which writes the merged weight
-  back in its place; every other run leaves the operand as it is.
+  it as codes), a calibration too (GPTQ rewrites the weight it found, after
+  the same check), and so does a LoRA merge, which writes the merged weight
+  back in its place; training leaves the operand as it is.
   """
-  return modes.current_mode() == "convert" or lora.phase() == "merge"
+  return modes.current_mode() in ("convert", "calibrate") or lora.phase() == "merge"
 
 
 def is_example_array(x) -> bool:

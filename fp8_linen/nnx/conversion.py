@@ -46,7 +46,6 @@ import contextlib
 import dataclasses
 from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -55,7 +54,7 @@ from fp8_linen.core.owg import frozen_quantizers
 from fp8_linen.families.conversion import TRAINING_ONLY, trace_once, traced
 from fp8_linen.nnx.access import Serving, recording, weights
 from fp8_linen.nnx.state import QuantState
-from fp8_linen.product_report import input_regions, only_product
+from fp8_linen.product_report import only_product, regions_by_path
 
 __all__ = ["convert", "traced_records"]
 
@@ -94,7 +93,12 @@ class _ReadAs:
     return value.astype(self.dtype) if hasattr(value, "astype") else value
 
 
-def _recording_run(model: nnx.Module, mode: str, context) -> tuple:
+def traced_records(model: nnx.Module, args, kwargs, *, mode: str, context=None) -> dict:
+  """``path -> record`` of every product ``model(*args, **kwargs)`` runs in ``mode``, in one trace.
+
+  ``context`` (a context manager, entered inside the trace) sets anything
+  else the run needs.
+  """
   graphdef, state = nnx.split(model)
 
   def run(state, *a, **k):
@@ -103,21 +107,11 @@ def _recording_run(model: nnx.Module, mode: str, context) -> tuple:
       m(*a, **k)
     return records
 
-  return run, state
-
-
-def traced_records(model: nnx.Module, args, kwargs, *, mode: str, context=None) -> dict:
-  """``path -> record`` of every product ``model(*args, **kwargs)`` runs in ``mode``, in one trace.
-
-  ``context`` (a context manager, entered inside the trace) sets anything
-  else the run needs.
-  """
-  run, state = _recording_run(model, mode, context)
   return trace_once(run, state, args, kwargs)
 
 
 def _weights_used_once(model: nnx.Module, args, kwargs) -> dict:
-  """``parameter path -> the quantized products it reaches``, ``None`` where it is used otherwise.
+  """``variable path -> the quantized products it reaches``, ``None`` where it is used otherwise.
 
   Read from the frozen QAT forward (a conversion run also compares each
   product's operand with every weight of its module).
@@ -129,9 +123,7 @@ def _weights_used_once(model: nnx.Module, args, kwargs) -> dict:
       return nnx.merge(graphdef, state)(*a, **k)
 
   fn, examples = traced(run, args, kwargs)
-  flat = nnx.to_flat_state(state)
-  regions = input_regions(fn, state, examples)[:len(flat)]
-  return {"/".join(str(p) for p in path): r for (path, _), r in zip(flat, regions)}
+  return regions_by_path(fn, state, examples)
 
 
 def _site_weights(records: dict, layers: dict, model, args, kwargs) -> dict:
@@ -147,11 +139,12 @@ def _site_weights(records: dict, layers: dict, model, args, kwargs) -> dict:
   if not wanted:
     return {}
   uses = _weights_used_once(model, args, kwargs)
+  keys = {"/".join(str(p) for p in path): path for path, _ in nnx.iter_modules(model)}
   out = {}
   for path, i in wanted.items():
     owner_path = path.rpartition("/")[0]
     name, _ = weights(layers[owner_path])[i]
-    if only_product(uses.get(f"{owner_path}/{name}" if owner_path else name), path):
+    if only_product(uses.get((*keys[owner_path], name)), path):
       out[path] = (layers[owner_path], name)
   return out
 
