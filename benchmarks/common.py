@@ -333,6 +333,14 @@ def write_json(name: str, payload: dict, out_dir: str | None = None,
   return write_json_to(os.path.join(out_dir, f"{device or device_name()}-{name}.json"), payload)
 
 
+def finish(payload: dict, table: str, out: str | None) -> dict:
+  """Prints a script's table, writes its JSON to ``out`` (when given) and returns the payload."""
+  print(table)
+  if out:
+    write_json_to(out, payload)
+  return payload
+
+
 def write_json_to(path: str, payload: dict) -> str:
   """Writes ``payload`` to ``path`` (folders created) and returns the path."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -168,10 +168,7 @@ def main(argv=None) -> dict:
   rows = ours + te_rows(tuple(args.te_shape), etas)
   payload = {"device": "estimate (compile only) beside measurements", "rows": rows,
              "environment": common.environment()}
-  print(markdown(rows))
-  if args.out:
-    common.write_json_to(args.out, payload)
-  return payload
+  return common.finish(payload, markdown(rows), args.out)
 
 
 if __name__ == "__main__":

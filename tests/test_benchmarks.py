@@ -169,6 +169,20 @@ def test_bench_passes_tiny(tmp_path, require_target):
   assert json.loads(out.read_text())["meta"]["device"] == "estimate (compile only)"
 
 
+def test_bench_grouped_gemm_tiny(tmp_path, require_target):
+  require_target("h100")
+  bg = _load("bench_grouped_gemm")
+  out = tmp_path / "grouped.json"
+  rows = bg.main(["--rows", "256", "--k", "128", "--n", "128", "--experts", "4", "--targets",
+                  "h100", "--arms", "bf16", "fp8_xla", "fp8", "--out", str(out)])["results"]["h100"]
+  # XLA multiplies every routed row by all 4 experts; the kernels by its own only.
+  assert rows["fp8"]["gflops"] == pytest.approx(rows["fp8_xla"]["gflops"] / 4)
+  assert {p["kind"] for p in rows["fp8"]["products"]} == {"pallas-grouped-gemm"}
+  assert rows["fp8_xla"]["classes"] == {"fp8": 3}
+  assert "| h100 | fp8 |" in bg.markdown(json.loads(out.read_text()))
+  assert json.loads(out.read_text())["meta"]["device"] == "estimate (compile only)"
+
+
 def test_bench_dense_tiny(tmp_path):
   bd = _load("bench_dense")
   payload = bd.main(["--sizes", "64", "--reps", "2", "--out-dir", str(tmp_path)])

@@ -11,6 +11,7 @@ Its modules, each importing only modules listed above it:
 * ``block_numerics``: the block formats (MXFP8, NVFP4): codes with their block scales;
 * ``randomness``: NVFP4's stochastic-rounding noise and random Hadamard rotation;
 * ``block_kernels``: Pallas kernels: an operand's block codes in both layouts from one read;
+* ``grouped_kernels``: Pallas grouped GEMMs for a GPU (``ragged_dot``: each row by its group's weight);
 * ``int_numerics``: integer grids (affine, symmetric, power-of-two scales), LSQ's steps;
 * ``owg``: the state protocol: new state leaves a step as its "gradient" (``RoleState``);
 * ``qdq``: the fp8 quantize/dequantize pair (``fl.quantize``, ``Fp8Activation``);

@@ -69,8 +69,8 @@ import numpy as np
 from fp8_linen.core import block_numerics, lowering, randomness, settings
 from fp8_linen.core.numerics import fp8_max, saturate_measured
 
-__all__ = ["MODES", "pallas_kernels", "kernel_mode", "tile_sizes", "mx_codes_both",
-           "nvfp4_amaxes", "nvfp4_codes_both", "nvfp4_tile_codes_both"]
+__all__ = ["MODES", "pallas_kernels", "switch_mode", "per_device", "kernel_mode", "tile_sizes",
+           "mx_codes_both", "nvfp4_amaxes", "nvfp4_codes_both", "nvfp4_tile_codes_both"]
 
 MODES = ("auto", "off", "interpret")
 """The values of :func:`pallas_kernels`."""
@@ -116,6 +116,11 @@ def pallas_kernels(mode: str):
     yield
 
 
+def switch_mode() -> str:
+  """The :func:`pallas_kernels` mode in force while tracing."""
+  return _MODE.get()
+
+
 def tile_sizes(p: int, q: int, block_size: int) -> tuple[int, int] | None:
   """The kernel's tile (rows, columns) for a (P, Q) tensor, or None when none fits.
 
@@ -129,7 +134,7 @@ def tile_sizes(p: int, q: int, block_size: int) -> tuple[int, int] | None:
   return None if tp is None or tq is None else (tp, tq)
 
 
-def _per_device(t) -> bool:
+def per_device(t) -> bool:
   """Whether ``t`` is one device's whole array.
 
   Inside ``shard_map`` (every mesh axis manual, or ``t`` varying over one),
@@ -160,7 +165,7 @@ def kernel_mode(t, block_size: int, *, gemm: str) -> str | None:
     # Pallas' interpreter rejects a kernel on shard_map's varying values
     # (its constants vary over no axis); compiled kernels run there.
     return None if lowering.varying_axes(t) else "interpret"
-  if gemm == "block" and lowering.current_backend() == "gpu" and _per_device(t):
+  if gemm == "block" and lowering.current_backend() == "gpu" and per_device(t):
     return "compiled"
   return None
 

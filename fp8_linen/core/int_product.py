@@ -58,8 +58,8 @@ from jax import lax
 # Bound at import, before quantize_model can intercept jax.lax.ragged_dot.
 from jax.lax import ragged_dot as lax_ragged_dot
 
-from fp8_linen.core import (dims, int_numerics, int_ops, lowering, mesh, owg, randomness,
-                            uses)
+from fp8_linen.core import (dims, grouped_kernels, int_numerics, int_ops, lowering, mesh, owg,
+                            randomness, uses)
 from fp8_linen.core.int_codes import Codes, Operand, dequantize, quantize, rank_like
 from fp8_linen.core.int_gemm import (conv_fn, conv_supported, contracted, int_conv, int_gemm,
                                      resolve_compute_dtype, resolve_int_gemm)
@@ -293,7 +293,8 @@ class _RaggedSpec(_Spec):
     g = g.astype(how)
     d_x = lax_ragged_dot(g, jnp.swapaxes(wh.astype(how), 1, 2), group_sizes,
                          preferred_element_type=jnp.float32)
-    d_w = lax.ragged_dot_general(xh.astype(how), g, group_sizes, _RAGGED_CONTRACTING,
+    d_w = lax.ragged_dot_general(xh.astype(how), g, group_sizes,
+                                 grouped_kernels.WGRAD_DIMENSIONS,
                                  preferred_element_type=jnp.float32)
     lt = jnp.float32 if self.x.cfg.learned else self.lhs_dtype
     rt = jnp.float32 if self.w.cfg.learned else self.rhs_dtype
@@ -325,18 +326,23 @@ class _RaggedSpec(_Spec):
     s_w = rank_like(wc.scale, wc.codes)  # (g or 1, 1, n or 1)
     s_w = s_w[jnp.minimum(row_group, s_w.shape[0] - 1)] if s_w.shape[0] > 1 else s_w
     q1, s1 = _int_rows(g32 * jnp.reshape(s_w, (-1, s_w.shape[-1])), (1,), qmax, noise(1))
-    d_x = lax_ragged_dot(q1, jnp.swapaxes(wc.codes, 1, 2), group_sizes,
-                         preferred_element_type=jnp.int32)
+    d_x = _grouped(q1, wc.codes, group_sizes, transpose_rhs=True)
     d_x = d_x.astype(jnp.float32) * s1
     amax = jax.ops.segment_max(jnp.abs(g32), row_group, num_segments=groups + 1)[:groups]
     s2 = jnp.maximum(amax, 0.0) / qmax
     s2 = jnp.where(s2 > 0, s2, jnp.ones_like(s2))  # (g, n); an expert without rows: 1
     q2 = _int_codes(g32, jnp.concatenate([s2, jnp.ones_like(s2[:1])])[row_group], qmax,
                     noise(2))
-    d_w = lax.ragged_dot_general(xc.codes, q2, group_sizes, _RAGGED_CONTRACTING,
-                                 preferred_element_type=jnp.int32)
+    d_w = _grouped(xc.codes, q2, group_sizes, wgrad=True)
     d_w = d_w.astype(jnp.float32) * s2[:, None, :] * jnp.reshape(xc.scale, ())
     return d_x, d_w
+
+
+def _grouped(a, b, group_sizes, *, transpose_rhs: bool = False, wgrad: bool = False):
+  """An int8 x int8 -> int32 grouped GEMM: on a GPU in the library's kernel (each row by
+  its own group's weight), else XLA's ``ragged_dot``."""
+  return grouped_kernels.ragged_product(a, b, group_sizes, low_precision=True,
+                                        transpose_rhs=transpose_rhs, wgrad=wgrad)
 
 
 def ragged_code_gemm(xc: Codes, wc: Codes, group_sizes, how: str):
@@ -346,7 +352,7 @@ def ragged_code_gemm(xc: Codes, wc: Codes, group_sizes, how: str):
   bfloat16; float32 accumulation). Shared by training and serving.
   """
   if how == "int8":
-    y = lax_ragged_dot(xc.codes, wc.codes, group_sizes, preferred_element_type=jnp.int32)
+    y = _grouped(xc.codes, wc.codes, group_sizes)
   else:
     y = lax_ragged_dot(xc.codes.astype(jnp.bfloat16), wc.codes.astype(jnp.bfloat16),
                        group_sizes, preferred_element_type=jnp.float32)
@@ -358,11 +364,6 @@ def ragged_code_gemm(xc: Codes, wc: Codes, group_sizes, how: str):
   return y.astype(jnp.float32) * jnp.reshape(xc.scale, ()) * jnp.reshape(
       s_w, (-1, s_w.shape[-1]))
 
-
-# wgrad of a grouped GEMM: lhs (m, k) and g (m, n) contract their ragged rows.
-_RAGGED_CONTRACTING = lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
-    rhs_group_dimensions=[])
 
 
 def ragged_supported(recipe: IntRecipe) -> str | None:

@@ -40,35 +40,32 @@ import jax
 import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-# Bound at import, before quantize_model can intercept jax.lax.ragged_dot.
-from jax.lax import ragged_dot as lax_ragged_dot
 
-from fp8_linen.core import lowering, numerics, owg, uses
+from fp8_linen.core import grouped_kernels, lowering, numerics, owg, uses
 from fp8_linen.core.fp8_vjp import Fp8Spec, backward_with_state
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
 __all__ = ["fp8_ragged_dot", "ragged_gemm", "group_row_scales", "rows_scaled"]
 
-# wgrad: lhs (m, k) and g (m, n) contract their ragged rows; one (k, n) per group.
-_RAGGED_CONTRACTING = lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
-    rhs_group_dimensions=[])
 
-
-def ragged_gemm(a, b, group_sizes, how: str, dimension_numbers=None):
+def ragged_gemm(a, b, group_sizes, how: str, *, wgrad: bool = False,
+                transpose_rhs: bool = False):
   """A grouped GEMM of two fp8 operands under the lowering ``how`` (float32 out).
 
-  ``'fp8'`` feeds the codes to the product (a GPU turns it into an fp8
-  GEMM); ``'bf16'`` / ``'f32'`` upcast them first, which is exact.
+  ``'fp8'`` feeds the codes to the product; ``'bf16'`` / ``'f32'`` upcast
+  them first, which is exact. ``wgrad``: the ragged-contracting form, ``a``
+  ``(m, k)`` and ``b`` ``(m, n)`` give one ``(k, n)`` per group. With
+  ``transpose_rhs`` group ``i`` multiplies ``b[i].T`` (the dgrad, reading the
+  weight codes in their stored layout).
+  On a GPU, ``'fp8'`` runs in :mod:`~fp8_linen.core.grouped_kernels`'
+  Pallas kernels (each row multiplied by its own group's weight) where they
+  apply and pay (:func:`~fp8_linen.core.grouped_kernels.run`); XLA's
+  lowering is one dense GEMM over every group.
   """
-  if how != "fp8":
-    up = jnp.bfloat16 if how == "bf16" else jnp.float32
-    a, b = a.astype(up), b.astype(up)
-  if dimension_numbers is None:
-    return lax_ragged_dot(a, b, group_sizes, preferred_element_type=jnp.float32)
-  return lax.ragged_dot_general(a, b, group_sizes, dimension_numbers,
-                                preferred_element_type=jnp.float32)
+  return grouped_kernels.ragged_product(
+      a, b, group_sizes, low_precision=how == "fp8", transpose_rhs=transpose_rhs,
+      wgrad=wgrad, upcast=None if how == "fp8" else
+      (jnp.bfloat16 if how == "bf16" else jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -118,14 +115,14 @@ def _bwd(spec, grouped, res, cts):
   def grads():
     q_g, s_g, a_g = numerics.quantize_with(spec.cfgs[2], *states[2], g, gradient=True)
     # dgrad: g (m, n) x rhs[i]^T (n, k) per group.
-    d_l = ragged_gemm(q_g, jnp.swapaxes(q_r, 1, 2), group_sizes, spec.gemm)
+    d_l = ragged_gemm(q_g, q_r, group_sizes, spec.gemm, transpose_rhs=True)
     if grouped:
       d_l = rows_scaled(d_l, numerics.scale_product(s_g, group_row_scales(
           s_r, group_sizes, q_l.shape[0])), spec.lhs_dtype)
     else:
       d_l = lowering.scaled(d_l, numerics.scale_product(s_g, s_r), spec.lhs_dtype)
     # wgrad: lhs rows^T (k, m_i) x g rows (m_i, n) per group.
-    d_r = ragged_gemm(q_l, q_g, group_sizes, spec.gemm, _RAGGED_CONTRACTING)
+    d_r = ragged_gemm(q_l, q_g, group_sizes, spec.gemm, wgrad=True)
     d_r = lowering.scaled(d_r, numerics.scale_product(s_g, s_l), spec.rhs_dtype)
     return d_l, d_r, a_g
 

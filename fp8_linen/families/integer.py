@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8_linen.core import dims, int_gemm, int_numerics, int_ops, int_product, int_serve, lowering
-from fp8_linen.core.ragged_dot import lax_ragged_dot
+from fp8_linen.core.grouped_kernels import lax_ragged_dot
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
 __all__ = ["declare", "dot_general", "ragged_dot", "ragged_record", "conv", "record",

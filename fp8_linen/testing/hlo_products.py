@@ -40,6 +40,9 @@ __all__ = ["Product", "products", "operand_class", "ProductCounts", "counts_of",
 FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
 """The custom-call target of a cuBLASLt GEMM with fp8 operands."""
 
+PALLAS_TRITON_TARGET = "__gpu$xla.gpu.triton"
+"""The custom-call target of a Pallas kernel compiled by Triton."""
+
 BLOCK_SCALED_DOT_TARGET = "__cudnn$blockScaledDot"
 """The custom-call target of cuDNN's block-scaled (MXFP8 / NVFP4) dot on Blackwell."""
 
@@ -85,7 +88,9 @@ class Product:
     kind: ``'cublas'`` (a cuBLAS/cuBLASLt GEMM custom call), ``'cudnn-conv'``,
       ``'block-scaled-dot'`` (cuDNN's MXFP8/NVFP4 dot), ``'mosaic-grouped-gemm'``
       (XLA:TPU's grouped GEMM kernel for ``ragged_dot``), ``'cudnn-gemm'`` or
-      ``'triton-gemm'`` (a GEMM fusion), ``'convolution'`` (a convolution
+      ``'triton-gemm'`` (a GEMM fusion), ``'pallas-grouped-gemm'`` (the
+      library's Triton grouped GEMMs for ``ragged_dot``; operands: the dtype
+      its dots are fed), ``'convolution'`` (a convolution
       instruction: every GEMM and convolution on a TPU) or ``'dot'`` (a dot
       left to a generic emitter).
     operands: the element types of its two operands, as they are fed to it.
@@ -227,7 +232,29 @@ def _custom_call_product(module: Module, comp: str, inst: Instruction) -> Produc
     k = lhs[0].shape[-1] if lhs and lhs[0].shape else 0
     return Product("mosaic-grouped-gemm", tuple(types), out.dtype, 2 * out.size * k, target,
                    comp, inst.name)
+  if target == PALLAS_TRITON_TARGET:
+    return _grouped_kernel_product(module, comp, inst, out)
   return None
+
+
+# The library's grouped-GEMM kernels name themselves after the dtype their dots are fed
+# (fp8_linen.core.grouped_kernels.kernel_name): mixed fp8 codes multiply in float16.
+_GROUPED_KERNEL = re.compile(r'\bname = "fp8_linen_grouped_(gemm|wgrad)_(\w+)"')
+_HLO_TYPES = {"float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2", "int8": "s8",
+              "float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+
+def _grouped_kernel_product(module: Module, comp: str, inst: Instruction, out: ArrayType):
+  found = _GROUPED_KERNEL.search(inst.attrs)
+  if found is None:
+    return None
+  fed = _HLO_TYPES.get(found.group(2), found.group(2))
+  lhs = (module.operand_arrays(comp, inst) + [None])[0]
+  rows, cols = lhs[0].shape if lhs and len(lhs[0].shape) == 2 else (0, 0)
+  # Each routed row is multiplied once: (m, c) by its group's (c, o).
+  per_row = out.shape[-1] * (cols if found.group(1) == "gemm" else out.shape[-2])
+  return Product("pallas-grouped-gemm", (fed, fed), out.dtype, 2 * rows * per_row,
+                 PALLAS_TRITON_TARGET, comp, inst.name)
 
 
 def products(module: Module) -> list[Product]:
@@ -296,8 +323,9 @@ class ProductCounts:
     fp8_convs: convolutions (cuDNN custom calls or ``convolution``
       instructions) whose two inputs are fp8.
     convs: all convolutions.
-    fp8_triton_gemms: Triton GEMM fusions whose dot has fp8 operands.
-    triton_gemms: all Triton GEMM fusions.
+    fp8_triton_gemms: Triton GEMM fusions and the library's Triton grouped
+      GEMMs whose dots have fp8 operands.
+    triton_gemms: all Triton GEMM fusions and grouped-GEMM kernels.
     other_dots: dots lowered neither to a library call nor to a Triton GEMM
       (e.g. tiny ones emitted inside loop fusions).
     int8_gemms: library or fusion GEMMs whose two operands are ``s8`` (the
@@ -345,7 +373,7 @@ def counts_of(items: Iterable[Product], module: Module) -> ProductCounts:
     elif p.kind in ("cudnn-conv", "convolution"):
       c["convs"] += 1
       c["fp8_convs"] += fp8
-    elif p.kind == "triton-gemm":
+    elif p.kind in ("triton-gemm", "pallas-grouped-gemm"):
       c["triton_gemms"] += 1
       c["fp8_triton_gemms"] += fp8
       c["int8_gemms"] += _all_s8(p.operands)

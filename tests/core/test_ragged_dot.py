@@ -184,27 +184,51 @@ def test_bad_input_is_named():
     _apply(lhs, rhs, (_st(), _st(), _st()), recipe=fl.rowwise_scaling())
 
 
-# (target, recipe.gemm, what the three grouped GEMMs of the step multiply)
+_E4M3_GRADS = fl.Fp8Recipe(output_grad=fl.ScalingConfig(dtype="float8_e4m3fn"))
+_K8 = ("pallas-grouped-gemm", "f8e4m3fn", "f8e4m3fn")
+_K16 = ("pallas-grouped-gemm", "f16", "f16")
+_MIXED = ("cublas", "f8e4m3fn", "f8e5m2")
+
+# (target, recipe, groups, pallas kernels, what the step's three grouped GEMMs are fed)
 _TARGET_CASES = [
-    ("h100", "auto", {"fp8": 3}),     # cuBLASLt fp8 GEMMs (dense over every group)
-    ("b200", "auto", {"fp8": 3}),
-    ("tpu7x", "fp8", {"fp8": 3}),     # XLA:TPU's Mosaic grouped GEMM takes fp8 codes
-    ("tpu-v6e", "auto", {"bf16": 3}),  # no fp8 MXU mode: the codes are multiplied as bf16
+    # The library's Triton grouped GEMMs (each row by its own group's weight): the forward
+    # on the e4m3 codes; the two gradients multiply e5m2 by e4m3, which Pallas' Triton
+    # lowering takes only as float16 (exact; half the fp8 rate, a quarter of the work here).
+    ("h100", fl.Fp8Recipe(), 4, "auto",
+     [_K8] + [_K16] * 2),
+    # Gradients in e4m3 too: all three are fp8 grouped kernels.
+    ("h100", _E4M3_GRADS, 4, "auto", [_K8] * 3),
+    # Two groups: XLA's fp8 GEMM over both is cheaper than float16 over the routed rows.
+    ("h100", fl.Fp8Recipe(), 2, "auto",
+     [_K8] + [_MIXED] * 2),
+    # Kernels off: XLA's cuBLASLt fp8 GEMMs, each dense over every group.
+    ("h100", fl.Fp8Recipe(), 4, "off", [("cublas", "f8e4m3fn", "f8e4m3fn")] + [_MIXED] * 2),
+    ("b200", fl.Fp8Recipe(), 4, "auto", [_K8] + [_K16] * 2),
+    ("tpu7x", fl.Fp8Recipe(gemm="fp8"), 4, "auto", None),   # XLA:TPU's Mosaic grouped GEMM
+    ("tpu-v6e", fl.Fp8Recipe(), 4, "auto", None),  # no fp8 MXU mode: the codes as bf16
 ]
+_TPU_CLASSES = {"tpu7x": {"fp8": 3}, "tpu-v6e": {"bf16": 3}}
 
 
-@pytest.mark.parametrize("target,gemm,expected", _TARGET_CASES,
-                         ids=[c[0] for c in _TARGET_CASES])
-def test_each_target_runs_the_three_grouped_gemms(require_target, target, gemm, expected):
+def _fed(p):
+  """(kind, its two operand types, sorted)."""
+  return (p.kind,) + tuple(sorted(p.operands))
+
+
+@pytest.mark.parametrize(
+    "target,recipe,groups,kernels,expected", _TARGET_CASES,
+    ids=[f"{c[0]}-{'e4m3grads' if c[1] is _E4M3_GRADS else c[1].gemm}-g{c[2]}-{c[3]}"
+         for c in _TARGET_CASES])
+def test_each_target_runs_the_three_grouped_gemms(require_target, target, recipe, groups,
+                                                  kernels, expected):
   t = require_target(target)
   from fp8_linen.testing.compile import compile_for  # pylint: disable=import-outside-toplevel
 
-  gs = np.array([128, 0, 256, 128], np.int32)
+  gs = np.array([128, 0, 256, 128] if groups == 4 else [192, 320], np.int32)
   k = jax.random.split(jax.random.key(0), 3)
   lhs = jax.random.normal(k[0], (512, 256), jnp.bfloat16)
-  rhs = jax.random.normal(k[1], (4, 256, 384))
+  rhs = jax.random.normal(k[1], (groups, 256, 384))
   ct = jax.random.normal(k[2], (512, 384), jnp.bfloat16)
-  recipe = fl.Fp8Recipe(gemm=gemm)
 
   def step(lhs, rhs, ct, states):
     loss = lambda l, w, s: jnp.sum(_apply(l, w, s, gs=gs, recipe=recipe) * ct)
@@ -212,9 +236,16 @@ def test_each_target_runs_the_three_grouped_gemms(require_target, target, gemm, 
     return jax.value_and_grad(loss, argnums=(0, 1, 2))(lhs, rhs, states)
 
   # Per-expert kernel scales, as quantize_model keeps them.
-  kernel = owg.RoleState(jnp.ones((4, 1)), jnp.zeros((4, 16)))
-  report = compile_for(t, step, lhs, rhs, ct, (_st(), kernel, _st()))
-  assert report.classes == expected, report.classes
+  kernel = owg.RoleState(jnp.ones((groups, 1)), jnp.zeros((groups, 16)))
+  with fl.pallas_kernels(kernels):
+    report = compile_for(t, step, lhs, rhs, ct, (_st(), kernel, _st()))
   if t.platform == "tpu":
+    assert report.classes == _TPU_CLASSES[target], report.classes
     kinds = [p.kind for p in report.product_list]
     assert kinds.count("mosaic-grouped-gemm") == 2, kinds  # forward and dgrad
+    return
+  assert sorted(map(_fed, report.product_list)) == sorted(expected), report.product_list
+  # A kernel multiplies the routed rows once; XLA's GEMMs every row by every group.
+  routed = 2 * 512 * 256 * 384
+  for p in report.product_list:
+    assert p.flops == routed * (1 if p.kind == "pallas-grouped-gemm" else groups), p

@@ -1,0 +1,338 @@
+"""Pallas grouped GEMMs for a GPU: each routed row multiplied by its own group's weight only.
+
+XLA:GPU lowers ``jax.lax.ragged_dot`` with fp8 (or int8) operands to one dense
+GEMM over every group: ``g`` times the FLOPs the routed rows need, the other
+groups' rows masked afterwards (``docs/accelerators.md``, grouped GEMMs). XLA:TPU
+has a grouped kernel of its own (Mosaic); these are the GPU's, compiled by
+Triton, fed the 8-bit codes:
+
+* :func:`grouped_gemm`: ``(m, c) x (g, c, o) -> (m, o)`` (the forward), or with
+  ``transpose_rhs`` ``(m, c) x (g, o, c)^T`` (the dgrad, reading the stored
+  weight codes in place). The rows are cut in tiles of ``tm``; a tile that
+  two groups share runs once per group and stores only its group's rows, so
+  the work is the routed rows' plus at most one tile per group boundary.
+* :func:`grouped_wgrad`: ``(m, c)^T x (m, o) -> (g, c, o)``, the
+  ragged-contracting form: group ``i``'s rows of both operands contracted,
+  looping over that group's row tiles only.
+
+Both accumulate in float32 (int32 for int8 codes) and return the raw sums:
+the caller scales them as it scales XLA's product. Rows past
+``sum(group_sizes)`` give zero rows (as ``ragged_dot``); an empty group gives a
+zero gradient. The row bookkeeping (which tile holds which group's rows) is
+computed with ``jnp`` before the call (:func:`row_tiles`).
+
+When they run follows :func:`~fp8_linen.core.block_kernels.pallas_kernels`
+(the one switch for the library's kernels): ``'auto'`` on a GPU for a product
+traced as an 8-bit GEMM (``gemm='fp8'`` or integer codes), on one device or
+inside ``shard_map``, for operands of whole tiles; ``'interpret'`` anywhere
+(Pallas' interpreter: how the tests compare them with ``ragged_dot`` on a
+CPU); ``'off'`` never.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from fp8_linen.core import block_kernels, grouped_kernels
+  >>> x, w = jnp.ones((32, 32), jnp.float8_e4m3fn), jnp.ones((2, 32, 32), jnp.float8_e4m3fn)
+  >>> with block_kernels.pallas_kernels('interpret'):
+  ...   y = grouped_kernels.grouped_gemm(x, w, jnp.array([8, 16]))
+  >>> float(y[0, 0]), float(y[31, 0])
+  (32.0, 0.0)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+# Bound at import, before quantize_model can intercept jax.lax.ragged_dot.
+from jax.lax import ragged_dot as lax_ragged_dot
+
+from fp8_linen.core import block_kernels, lowering
+
+__all__ = ["WGRAD_DIMENSIONS", "tiles", "kernel_mode", "pays", "run", "ragged_product",
+           "row_tiles", "kernel_name", "grouped_gemm", "grouped_wgrad"]
+
+WGRAD_DIMENSIONS = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[])
+"""The wgrad of a grouped GEMM: ``(m, k)`` and ``(m, n)`` contract their ragged rows, one
+``(k, n)`` per group."""
+
+# Row tiles stay short: a tile two groups share is computed once per group.
+_ROWS = (64, 32, 16)
+# Contracted and output columns: Triton's dots want powers of two of at least 16.
+_COLS = (128, 64, 32, 16)
+_NUM_WARPS = 4
+_NUM_STAGES = 3
+
+
+def tiles(m: int, c: int, o: int) -> tuple[int, int, int] | None:
+  """The kernels' tile ``(rows, contracted, output columns)`` for these sizes, or None.
+
+  Each edge is the largest of its candidates that divides the size.
+  """
+  pick = lambda n, options: next((t for t in options if n % t == 0), None)
+  found = pick(m, _ROWS), pick(c, _COLS), pick(o, _COLS)
+  return None if None in found else found
+
+
+def kernel_mode(lhs, out_cols: int, *, low_precision: bool) -> str | None:
+  """``'compiled'``, ``'interpret'`` or None: how a grouped GEMM of ``lhs`` would run now.
+
+  Args:
+    lhs: the rows, ``(m, c)`` (``c`` contracted, or for :func:`grouped_wgrad`
+      the output's rows).
+    out_cols: the output's columns.
+    low_precision: the product is traced as an 8-bit GEMM (fp8 codes fed to
+      the GEMM, or integer codes), the only form the compiled kernels take.
+  """
+  mode = block_kernels.switch_mode()
+  if mode == "off" or lhs.ndim != 2 or tiles(lhs.shape[0], lhs.shape[1], out_cols) is None:
+    return None
+  if mode == "interpret":
+    # The interpreter rejects shard_map's varying values (see block_kernels).
+    return None if lowering.varying_axes(lhs) else "interpret"
+  if low_precision and lowering.current_backend() == "gpu" and block_kernels.per_device(lhs):
+    return "compiled"
+  return None
+
+
+def pays(a_dtype, b_dtype, groups: int) -> bool:
+  """Whether a compiled kernel beats XLA's one dense GEMM over every group.
+
+  Equal 8-bit operands multiply at their low-precision rate over the routed
+  rows only: always. Mixed fp8 (e5m2 gradient x e4m3 codes) multiplies in
+  float16 in the kernel (:func:`kernel_name`), at half the fp8 rate, against
+  XLA's ``groups`` times the work at the fp8 rate: it pays from three groups on.
+  """
+  return jnp.dtype(a_dtype) == jnp.dtype(b_dtype) or groups > 2
+
+
+def run(a, b, group_sizes, *, low_precision: bool, transpose_rhs: bool = False,
+        wgrad: bool = False):
+  """The grouped product in a kernel when one runs here and pays, else None (use XLA's).
+
+  Args:
+    a: the rows ``(m, c)``.
+    b: ``(g, c, o)`` (``(g, o, c)`` with ``transpose_rhs``), or ``(m, o)``
+      with ``wgrad``.
+    group_sizes: integer ``(g,)``.
+    low_precision: the product is traced as an 8-bit GEMM (see :func:`kernel_mode`).
+    transpose_rhs: :func:`grouped_gemm`'s.
+    wgrad: :func:`grouped_wgrad` instead of :func:`grouped_gemm`.
+  """
+  out_cols = b.shape[1] if transpose_rhs else b.shape[-1]
+  mode = kernel_mode(a, out_cols, low_precision=low_precision)
+  if mode is None or (mode == "compiled" and not pays(a.dtype, b.dtype, group_sizes.shape[0])):
+    return None
+  if wgrad:
+    return grouped_wgrad(a, b, group_sizes, interpret=mode == "interpret")
+  return grouped_gemm(a, b, group_sizes, transpose_rhs=transpose_rhs,
+                      interpret=mode == "interpret")
+
+
+def ragged_product(a, b, group_sizes, *, low_precision: bool, transpose_rhs: bool = False,
+                   wgrad: bool = False, upcast=None):
+  """A grouped product: :func:`run`'s kernel where it runs and pays, else XLA's ``ragged_dot``.
+
+  Args: as :func:`run`; ``upcast``: the dtype XLA's product multiplies the
+  operands in (None: as they are). Accumulates in float32 (int32 for integer
+  operands).
+  """
+  out = run(a, b, group_sizes, low_precision=low_precision, transpose_rhs=transpose_rhs,
+            wgrad=wgrad)
+  if out is not None:
+    return out
+  if upcast is not None:
+    a, b = a.astype(upcast), b.astype(upcast)
+  acc = _acc_dtype(a.dtype)
+  if wgrad:
+    return lax.ragged_dot_general(a, b, group_sizes, WGRAD_DIMENSIONS,
+                                  preferred_element_type=acc)
+  if transpose_rhs:
+    b = jnp.swapaxes(b, 1, 2)
+  return lax_ragged_dot(a, b, group_sizes, preferred_element_type=acc)
+
+
+def row_tiles(group_sizes, m: int, tm: int):
+  """Which row tile each program of :func:`grouped_gemm` computes, and for which group.
+
+  The ranges are the ``g`` groups' rows and one more, the rows past them
+  (whose output is zero). Each range covers the row tiles it touches; a
+  tile two ranges share is listed once for each. ``m / tm + g`` slots cover
+  every case; the unused ones store nothing.
+
+  Returns:
+    int32 ``(group, tile, lo, hi)``, one entry per slot: the range's index
+    (``g``: the rows past the groups), the row tile, and the range's rows
+    ``[lo, hi)`` (empty for an unused slot).
+  """
+  g = group_sizes.shape[0]
+  sizes = group_sizes.astype(jnp.int32)
+  cum = jnp.cumsum(sizes)
+  ends, starts = jnp.minimum(cum, m), jnp.minimum(cum - sizes, m)
+  starts = jnp.concatenate([starts, ends[-1:]])
+  ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+  first = starts // tm
+  count = jnp.where(ends > starts, (ends + tm - 1) // tm - first, 0)
+  last = jnp.cumsum(count)                       # exclusive end of each range's slots
+  slot = jnp.arange(m // tm + g, dtype=jnp.int32)
+  rng = jnp.sum(last[None, :] <= slot[:, None], axis=1).astype(jnp.int32)
+  used = rng <= g
+  rng = jnp.minimum(rng, g)
+  tile = jnp.clip(first[rng] + slot - (last[rng] - count[rng]), 0, m // tm - 1)
+  lo = jnp.where(used, starts[rng], 0)
+  hi = jnp.where(used, ends[rng], 0)
+  return rng, tile, lo, hi
+
+
+def _acc_dtype(dtype):
+  return jnp.int32 if jnp.issubdtype(dtype, jnp.integer) else jnp.float32
+
+
+def _mixed(a_dtype, b_dtype) -> bool:
+  """Two different 8-bit floats (e5m2 gradient codes x e4m3 codes): Pallas' Triton
+  lowering multiplies only equal types, so the tiles go to float16 in registers
+  (exact for both formats) and the dot runs at float16's rate."""
+  return jnp.dtype(a_dtype) != jnp.dtype(b_dtype)
+
+
+def _dot(a, b, acc):
+  if _mixed(a.dtype, b.dtype):
+    a, b = a.astype(jnp.float16), b.astype(jnp.float16)
+  return jnp.dot(a, b, preferred_element_type=acc)
+
+
+def kernel_name(kind: str, a_dtype, b_dtype) -> str:
+  """The kernel's name in the compiled program: what it multiplies, for the product counter.
+
+  ``fp8_linen_<kind>_<operand dtype>`` with ``kind`` ``grouped_gemm`` or
+  ``grouped_wgrad``, the dtype the dot is fed (``float16`` for mixed fp8).
+  """
+  fed = jnp.float16 if _mixed(a_dtype, b_dtype) else a_dtype
+  return f"fp8_linen_{kind}_{jnp.dtype(fed).name}"
+
+
+def _call(kernel, grid, out_shape, out_specs, args, in_specs, *, name: str, interpret: bool):
+  params = {}
+  if not interpret:
+    from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel
+    params = {"compiler_params": pl_triton.CompilerParams(num_warps=_NUM_WARPS,
+                                                          num_stages=_NUM_STAGES)}
+  specs = {k: v for k, v in (("in_specs", in_specs), ("out_specs", out_specs)) if v is not None}
+  return pl.pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
+                        **specs, **params)(*args)
+
+
+def _gmm_kernel(lhs_ref, rhs_ref, rng_ref, tile_ref, lo_ref, hi_ref, out_ref, *, sizes,
+                groups: int, transpose_rhs: bool, acc):
+  from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel
+  tm, tc, to, c = sizes
+  s, j = pl.program_id(0), pl.program_id(1)
+  rng, tile, lo, hi = rng_ref[s], tile_ref[s], lo_ref[s], hi_ref[s]
+  w = jnp.minimum(rng, groups - 1)    # the rows past the groups read any weight: zeroed below
+  rows = pl.ds(tile * tm, tm)
+
+  def step(i, total):
+    a = lhs_ref[rows, pl.ds(i * tc, tc)]
+    if transpose_rhs:
+      b = rhs_ref[w, pl.ds(j * to, to), pl.ds(i * tc, tc)].T
+    else:
+      b = rhs_ref[w, pl.ds(i * tc, tc), pl.ds(j * to, to)]
+    return total + _dot(a, b, acc)
+
+  total = lax.fori_loop(0, c // tc, step, jnp.zeros((tm, to), acc))
+  total = jnp.where(rng == groups, jnp.zeros_like(total), total)
+  row = tile * tm + lax.broadcasted_iota(jnp.int32, (tm, to), 0)
+  pl_triton.store(out_ref.at[rows, pl.ds(j * to, to)], total, mask=(row >= lo) & (row < hi))
+
+
+def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, interpret=None):
+  """``ragged_dot(lhs, rhs, group_sizes)`` in a Pallas kernel, the raw float32 / int32 sums.
+
+  Args:
+    lhs: ``(m, c)``: rows sorted by group (8-bit codes, or any float).
+    rhs: ``(g, c, o)``, or ``(g, o, c)`` with ``transpose_rhs``.
+    group_sizes: integer ``(g,)``.
+    transpose_rhs: read ``rhs[i]`` transposed (the dgrad's ``g x W^T``).
+    interpret: run in Pallas' interpreter (default: as :func:`kernel_mode` says).
+
+  Returns:
+    ``(m, o)``: float32 sums (int32 for integer operands).
+  """
+  m, c = lhs.shape
+  g = rhs.shape[0]
+  o = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  found = tiles(m, c, o)
+  if found is None:
+    raise ValueError(f"grouped_gemm: ({m}, {c}) x {rhs.shape} is not whole tiles of rows "
+                     f"{_ROWS} and columns {_COLS}")
+  tm, tc, to = found
+  if interpret is None:
+    interpret = block_kernels.switch_mode() == "interpret"
+  meta = row_tiles(group_sizes, m, tm)
+  acc = _acc_dtype(lhs.dtype)
+  kernel = functools.partial(_gmm_kernel, sizes=(tm, tc, to, c), groups=g,
+                             transpose_rhs=transpose_rhs, acc=acc)
+  return _call(kernel, (meta[0].shape[0], o // to), jax.ShapeDtypeStruct((m, o), acc), None,
+               (lhs, rhs) + meta, None, name=kernel_name("grouped_gemm", lhs.dtype, rhs.dtype),
+               interpret=interpret)
+
+
+def _wgrad_kernel(lhs_ref, rhs_ref, lo_ref, hi_ref, out_ref, *, sizes, acc):
+  from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel
+  tm, tc, to = sizes
+  gi, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  lo, hi = lo_ref[gi], hi_ref[gi]
+
+  def step(t, total):
+    row = t * tm + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+    keep = (row >= lo) & (row < hi)
+    rows = pl.ds(t * tm, tm)
+    a = lhs_ref[rows, pl.ds(i * tc, tc)]
+    b = rhs_ref[rows, pl.ds(j * to, to)]
+    a = jnp.where(keep, a, jnp.zeros_like(a))
+    b = jnp.where(keep, b, jnp.zeros_like(b))
+    return total + _dot(a.T, b, acc)
+
+  # Only this group's row tiles (none for an empty group).
+  total = lax.fori_loop(lo // tm, jnp.where(hi > lo, (hi + tm - 1) // tm, lo // tm), step,
+                        jnp.zeros((tc, to), acc))
+  out_ref[...] = total
+
+
+def grouped_wgrad(lhs, rhs, group_sizes, *, interpret=None):
+  """The ragged-contracting grouped GEMM: ``out[i] = lhs[rows_i]^T @ rhs[rows_i]``.
+
+  Args:
+    lhs: ``(m, c)`` (the forward's input codes).
+    rhs: ``(m, o)`` (the output gradient's codes).
+    group_sizes: integer ``(g,)``.
+    interpret: run in Pallas' interpreter (default: as :func:`kernel_mode` says).
+
+  Returns:
+    ``(g, c, o)``: float32 sums (int32 for integer operands); zero for an empty group.
+  """
+  m, c = lhs.shape
+  o = rhs.shape[1]
+  found = tiles(m, c, o)
+  if found is None or rhs.shape[0] != m:
+    raise ValueError(f"grouped_wgrad: {lhs.shape} and {rhs.shape} are not whole tiles of rows "
+                     f"{_ROWS} and columns {_COLS} with the same rows")
+  tm, tc, to = found
+  if interpret is None:
+    interpret = block_kernels.switch_mode() == "interpret"
+  g = group_sizes.shape[0]
+  ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  acc = _acc_dtype(lhs.dtype)
+  kernel = functools.partial(_wgrad_kernel, sizes=(tm, tc, to), acc=acc)
+  whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+  args = (lhs, rhs, starts, ends)
+  return _call(kernel, (g, c // tc, o // to), jax.ShapeDtypeStruct((g, c, o), acc),
+               pl.BlockSpec((None, tc, to), lambda gi, i, j: (gi, i, j)), args,
+               [whole(a) for a in args], name=kernel_name("grouped_wgrad", lhs.dtype, rhs.dtype),
+               interpret=interpret)

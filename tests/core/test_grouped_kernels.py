@@ -1,0 +1,177 @@
+"""The Pallas grouped GEMMs (``core.grouped_kernels``) against ``jax.lax.ragged_dot``.
+
+In Pallas' interpreter on the CPU (unwritten output is NaN there, so a row
+the kernel forgets shows). Operands are small integers in their 8-bit
+formats, so every float32 sum is exact in any order and the kernel must
+match XLA's product bit for bit; int8 codes are exact for any values. What
+each target compiles them to is in test_ragged_dot.py / test_int_ragged_dot.py.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8_linen as fl
+from fp8_linen.core import grouped_kernels as gk
+from fp8_linen.core import owg
+
+_WGRAD = gk.WGRAD_DIMENSIONS
+
+# Group sizes over m = 96 rows: empty groups, a group inside one tile, all rows in one
+# group, fewer rows than m (the rest must be zero) and more (cut at m).
+SIZES = [[10, 0, 40, 30], [0, 0, 0, 0], [96, 0, 0, 0], [3, 5, 0, 88], [50, 50, 10, 0]]
+
+
+def _ints(key, shape, dtype, lo=-4, hi=5):
+  return jax.random.randint(key, shape, lo, hi).astype(dtype)
+
+
+@pytest.mark.parametrize("sizes", SIZES, ids=[str(s) for s in SIZES])
+def test_row_tiles_store_every_row_once_for_its_group(sizes):
+  m, tm = 96, 16
+  gs = np.array(sizes, np.int32)
+  rng, tile, lo, hi = map(np.asarray, gk.row_tiles(jnp.asarray(gs), m, tm))
+  assert len(rng) == m // tm + len(gs)
+  ends = np.minimum(np.cumsum(gs), m)
+  owner = np.searchsorted(ends, np.arange(m), side="right")  # len(gs): past the groups
+  stored = np.zeros(m, int)
+  for r, t, a, b in zip(rng, tile, lo, hi):
+    rows = np.arange(t * tm, (t + 1) * tm)
+    mine = rows[(rows >= a) & (rows < b)]
+    stored[mine] += 1
+    assert (owner[mine] == r).all()
+  np.testing.assert_array_equal(stored, 1)
+
+
+class KernelTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_the_three_products_match_ragged_dot_bit_for_bit(self):
+    m, k, n = 96, 64, 48
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = _ints(keys[0], (m, k), jnp.float8_e4m3fn)
+    w = _ints(keys[1], (4, k, n), jnp.float8_e4m3fn)
+    g = _ints(keys[2], (m, n), jnp.float8_e5m2)
+    f32 = lambda a: a.astype(jnp.float32)
+
+    @self.variant
+    def kernels(x, w, g, gs):
+      with fl.pallas_kernels("interpret"):
+        return (gk.grouped_gemm(x, w, gs),
+                gk.grouped_gemm(g, w, gs, transpose_rhs=True),  # e5m2 x e4m3: float16 dots
+                gk.grouped_wgrad(x, g, gs))
+
+    for sizes in SIZES:
+      gs = jnp.array(sizes, jnp.int32)
+      y, dx, dw = kernels(x, w, g, gs)
+      chex.assert_trees_all_equal(
+          (y, dx, dw),
+          (jax.lax.ragged_dot(f32(x), f32(w), gs),
+           jax.lax.ragged_dot(f32(g), jnp.swapaxes(f32(w), 1, 2), gs),
+           jax.lax.ragged_dot_general(f32(x), f32(g), gs, _WGRAD)))
+      chex.assert_type((y, dx, dw), jnp.float32)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_int8_codes_accumulate_in_int32_exactly(self):
+    m, k, n = 64, 128, 32
+    keys = jax.random.split(jax.random.key(1), 3)
+    x = _ints(keys[0], (m, k), jnp.int8, -127, 128)
+    w = _ints(keys[1], (3, k, n), jnp.int8, -127, 128)
+    g = _ints(keys[2], (m, n), jnp.int8, -127, 128)
+    gs = jnp.array([20, 0, 40], jnp.int32)
+
+    @self.variant
+    def kernels(x, w, g):
+      with fl.pallas_kernels("interpret"):
+        return gk.grouped_gemm(x, w, gs), gk.grouped_wgrad(x, g, gs)
+
+    y, dw = kernels(x, w, g)
+    chex.assert_type((y, dw), jnp.int32)
+    chex.assert_trees_all_equal(
+        (y, dw), (jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.int32),
+                  jax.lax.ragged_dot_general(x, g, gs, _WGRAD,
+                                             preferred_element_type=jnp.int32)))
+
+
+def _fp8_step(lhs, rhs, ct, gs):
+  st = lambda shape: owg.RoleState(jnp.ones(shape), jnp.zeros(shape[:-1] + (4,)))
+
+  def loss(lhs, rhs, states):
+    y, _ = fl.fp8_ragged_dot(lhs, rhs, gs, input_state=states[0], kernel_state=states[1],
+                             output_grad_state=states[2], recipe=fl.delayed_scaling(
+                                 history_length=4))
+    return jnp.sum(y * ct)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
+      lhs, rhs, (st((1,)), st((rhs.shape[0], 1)), st((1,))))
+
+
+def test_fp8_ragged_dot_with_the_kernels_is_the_same_step():
+  # Delayed scaling starts at scale 1: small integers are their own codes, so the
+  # kernels' step (forward, dgrad, wgrad, new state) must equal XLA's bit for bit.
+  keys = jax.random.split(jax.random.key(2), 3)
+  lhs = _ints(keys[0], (96, 64), jnp.float32)
+  rhs = _ints(keys[1], (4, 64, 48), jnp.float32)
+  ct = _ints(keys[2], (96, 48), jnp.float32)
+  gs = jnp.array([10, 0, 40, 30], jnp.int32)
+  with fl.pallas_kernels("interpret"):
+    kernels = _fp8_step(lhs, rhs, ct, gs)
+  with fl.pallas_kernels("off"):
+    xla = _fp8_step(lhs, rhs, ct, gs)
+  chex.assert_trees_all_equal(kernels, xla)
+  loss, (d_lhs, d_rhs, _) = kernels
+  assert float(loss) != 0 and float(jnp.abs(d_rhs[1]).max()) == 0  # the empty expert
+  assert bool(jnp.all(d_lhs[80:] == 0))                          # rows past the groups
+
+
+def test_int8_grad_bits_experts_with_the_kernels_are_the_same_step():
+  from fp8_linen.core import int_product  # pylint: disable=import-outside-toplevel
+  keys = jax.random.split(jax.random.key(3), 2)
+  x = jax.random.normal(keys[0], (64, 64))
+  w = jax.random.normal(keys[1], (2, 64, 32))
+  gs = jnp.array([24, 30], jnp.int32)
+  recipe = fl.IntRecipe(gemm="int8", grad_bits=8,
+                        kernel=fl.IntQuantConfig(granularity="channel"))
+
+  def step():
+    loss = lambda x, w: jnp.sum(int_product.int_ragged_dot(
+        x, w, gs, recipe=recipe, input_params=(jnp.zeros((2,)),))[0] ** 2)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+
+  with fl.pallas_kernels("interpret"):
+    kernels = step()
+  with fl.pallas_kernels("off"):
+    xla = step()
+  chex.assert_trees_all_equal(kernels, xla)
+
+
+def test_where_the_kernels_run():
+  x = jnp.zeros((64, 32), jnp.float8_e4m3fn)
+  assert gk.kernel_mode(x, 16, low_precision=True) is None          # a CPU: XLA's product
+  one = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1])
+  with fl.target_backend("gpu"), jax.set_mesh(one):
+    assert gk.kernel_mode(x, 16, low_precision=True) == "compiled"
+    assert gk.kernel_mode(x, 16, low_precision=False) is None       # a bf16 product
+    assert gk.kernel_mode(x, 24, low_precision=True) is None        # not whole tiles
+    with fl.pallas_kernels("off"):
+      assert gk.kernel_mode(x, 16, low_precision=True) is None
+  if len(jax.devices()) > 1:  # jit over several devices: XLA's (a Pallas call has no
+    with fl.target_backend("gpu"):  # partitioning rule)
+      assert gk.kernel_mode(x, 16, low_precision=True) is None
+  with fl.pallas_kernels("interpret"):
+    assert gk.kernel_mode(x, 16, low_precision=False) == "interpret"
+  # Mixed fp8 multiplies in float16 in the kernel: worth it from three groups on.
+  assert gk.pays(jnp.float8_e4m3fn, jnp.float8_e4m3fn, 2)
+  assert not gk.pays(jnp.float8_e5m2, jnp.float8_e4m3fn, 2)
+  assert gk.pays(jnp.float8_e5m2, jnp.float8_e4m3fn, 3)
+  assert gk.kernel_name("grouped_wgrad", jnp.float8_e4m3fn, jnp.float8_e5m2) == \
+      "fp8_linen_grouped_wgrad_float16"
+
+
+def test_shapes_that_are_not_whole_tiles_are_refused():
+  with pytest.raises(ValueError, match=r"grouped_gemm: \(40, 24\)"):
+    gk.grouped_gemm(jnp.zeros((40, 24)), jnp.zeros((2, 24, 16)), jnp.array([1, 2]))
+  with pytest.raises(ValueError, match="grouped_wgrad"):
+    gk.grouped_wgrad(jnp.zeros((32, 32)), jnp.zeros((16, 32)), jnp.array([1, 2]))
