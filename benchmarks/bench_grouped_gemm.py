@@ -69,10 +69,13 @@ def _loss(arm: str, groups: int):
 
 
 def _kernel_step(x, w, r, sizes):
-  """The bf16 step's three products in the grouped kernels (as the autodiff of ragged_dot)."""
-  y = grouped_kernels.grouped_gemm(x, w, sizes)
+  """The bf16 step's three products in the grouped kernels (as the autodiff of ragged_dot
+  gives them: bf16 output and input gradient, a float32 weight gradient)."""
+  bf16 = {"scales": jnp.float32(1), "out_dtype": jnp.bfloat16}
+  y = grouped_kernels.grouped_gemm(x, w, sizes, **bf16)
   g = r.astype(jnp.bfloat16)
-  return (jnp.sum(y * r), grouped_kernels.grouped_gemm(g, w, sizes, transpose_rhs=True),
+  return (jnp.sum(y.astype(jnp.float32) * r),
+          grouped_kernels.grouped_gemm(g, w, sizes, transpose_rhs=True, **bf16),
           grouped_kernels.grouped_wgrad(x, g, sizes))
 
 

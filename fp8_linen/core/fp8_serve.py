@@ -339,9 +339,5 @@ def served_ragged_dot(lhs, rhs, group_sizes, *, recipe: Fp8Recipe, arrays: dict,
     q_r, s_r = rhs.astype(recipe.kernel.jnp_dtype), jnp.asarray(arrays["kernel_scale"])
   else:
     q_r, s_r = _expert_codes(recipe, rhs, arrays.get("kernel_live_scale"))
-  grouped = jnp.ndim(s_r) == 2
-  y = ragged_dot.ragged_gemm(q_l, q_r, group_sizes, lowering.resolve_gemm(recipe))
-  if grouped:
-    return ragged_dot.rows_scaled(y, numerics.scale_product(s_l, ragged_dot.group_row_scales(s_r, group_sizes,
-                                                                    lhs.shape[0])), out_dtype)
-  return lowering.scaled(y, numerics.scale_product(s_l, s_r), out_dtype)
+  return ragged_dot.ragged_gemm(q_l, q_r, group_sizes, lowering.resolve_gemm(recipe),
+                                ragged_dot.group_scales(s_l, s_r), out_dtype)

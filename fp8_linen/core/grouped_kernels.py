@@ -15,8 +15,11 @@ Triton, fed the 8-bit codes:
   ragged-contracting form: group ``i``'s rows of both operands contracted,
   looping over that group's row tiles only.
 
-Both accumulate in float32 (int32 for int8 codes) and return the raw sums:
-the caller scales them as it scales XLA's product. Rows past
+Both accumulate in float32 (int32 for int8 codes) and return the raw sums,
+or, given one scale per group, the output already multiplied by its group's
+scale and cast (the fp8 products' dequantization, so no float32 copy of the
+output is written and read again): the same bits as XLA's product followed
+by that multiply (:func:`ragged_product` is either path). Rows past
 ``sum(group_sizes)`` give zero rows (as ``ragged_dot``); an empty group gives a
 zero gradient. The row bookkeeping (which tile holds which group's rows) is
 computed with ``jnp`` before the call (:func:`row_tiles`).
@@ -112,7 +115,7 @@ def pays(a_dtype, b_dtype, groups: int) -> bool:
 
 
 def run(a, b, group_sizes, *, low_precision: bool, transpose_rhs: bool = False,
-        wgrad: bool = False):
+        wgrad: bool = False, scales=None, out_dtype=None):
   """The grouped product in a kernel when one runs here and pays, else None (use XLA's).
 
   Args:
@@ -123,38 +126,47 @@ def run(a, b, group_sizes, *, low_precision: bool, transpose_rhs: bool = False,
     low_precision: the product is traced as an 8-bit GEMM (see :func:`kernel_mode`).
     transpose_rhs: :func:`grouped_gemm`'s.
     wgrad: :func:`grouped_wgrad` instead of :func:`grouped_gemm`.
+    scales, out_dtype: :func:`grouped_gemm`'s (each group's output scale).
   """
   out_cols = b.shape[1] if transpose_rhs else b.shape[-1]
   mode = kernel_mode(a, out_cols, low_precision=low_precision)
   if mode is None or (mode == "compiled" and not pays(a.dtype, b.dtype, group_sizes.shape[0])):
     return None
+  kw = {"scales": scales, "out_dtype": out_dtype, "interpret": mode == "interpret"}
   if wgrad:
-    return grouped_wgrad(a, b, group_sizes, interpret=mode == "interpret")
-  return grouped_gemm(a, b, group_sizes, transpose_rhs=transpose_rhs,
-                      interpret=mode == "interpret")
+    return grouped_wgrad(a, b, group_sizes, **kw)
+  return grouped_gemm(a, b, group_sizes, transpose_rhs=transpose_rhs, **kw)
 
 
 def ragged_product(a, b, group_sizes, *, low_precision: bool, transpose_rhs: bool = False,
-                   wgrad: bool = False, upcast=None):
+                   wgrad: bool = False, scales=None, out_dtype=None, upcast=None):
   """A grouped product: :func:`run`'s kernel where it runs and pays, else XLA's ``ragged_dot``.
 
   Args: as :func:`run`; ``upcast``: the dtype XLA's product multiplies the
   operands in (None: as they are). Accumulates in float32 (int32 for integer
-  operands).
+  operands); with ``scales`` each group's output is multiplied by its scale
+  and cast to ``out_dtype``, the same bits on either path.
   """
   out = run(a, b, group_sizes, low_precision=low_precision, transpose_rhs=transpose_rhs,
-            wgrad=wgrad)
+            wgrad=wgrad, scales=scales, out_dtype=out_dtype)
   if out is not None:
     return out
   if upcast is not None:
     a, b = a.astype(upcast), b.astype(upcast)
   acc = _acc_dtype(a.dtype)
   if wgrad:
-    return lax.ragged_dot_general(a, b, group_sizes, WGRAD_DIMENSIONS,
-                                  preferred_element_type=acc)
-  if transpose_rhs:
-    b = jnp.swapaxes(b, 1, 2)
-  return lax_ragged_dot(a, b, group_sizes, preferred_element_type=acc)
+    y = lax.ragged_dot_general(a, b, group_sizes, WGRAD_DIMENSIONS, preferred_element_type=acc)
+  else:
+    b = jnp.swapaxes(b, 1, 2) if transpose_rhs else b
+    y = lax_ragged_dot(a, b, group_sizes, preferred_element_type=acc)
+  if scales is None:
+    return y
+  (scales,), out_dtype = _scaled(scales, group_sizes.shape[0], out_dtype, acc)
+  if wgrad:
+    return (y * scales[:, None, None]).astype(out_dtype)
+  # Each row takes its group's scale (the rows past the groups are zero: any scale).
+  rows = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=y.shape[0])
+  return (y * scales[rows][:, None]).astype(out_dtype)
 
 
 def row_tiles(group_sizes, m: int, tm: int):
@@ -227,7 +239,7 @@ def _call(kernel, grid, out_shape, out_specs, args, in_specs, *, name: str, inte
                         **specs, **params)(*args)
 
 
-def _gmm_kernel(lhs_ref, rhs_ref, rng_ref, tile_ref, lo_ref, hi_ref, out_ref, *, sizes,
+def _gmm_kernel(lhs_ref, rhs_ref, rng_ref, tile_ref, lo_ref, hi_ref, *refs, sizes,
                 groups: int, transpose_rhs: bool, acc):
   from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel
   tm, tc, to, c = sizes
@@ -245,23 +257,31 @@ def _gmm_kernel(lhs_ref, rhs_ref, rng_ref, tile_ref, lo_ref, hi_ref, out_ref, *,
     return total + _dot(a, b, acc)
 
   total = lax.fori_loop(0, c // tc, step, jnp.zeros((tm, to), acc))
+  out_ref = refs[-1]
+  if len(refs) == 2:  # the group's output scale, and the cast to the output dtype
+    total = (total * refs[0][w]).astype(out_ref.dtype)
   total = jnp.where(rng == groups, jnp.zeros_like(total), total)
   row = tile * tm + lax.broadcasted_iota(jnp.int32, (tm, to), 0)
   pl_triton.store(out_ref.at[rows, pl.ds(j * to, to)], total, mask=(row >= lo) & (row < hi))
 
 
-def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, interpret=None):
-  """``ragged_dot(lhs, rhs, group_sizes)`` in a Pallas kernel, the raw float32 / int32 sums.
+def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, scales=None,
+                 out_dtype=None, interpret=None):
+  """``ragged_dot(lhs, rhs, group_sizes)`` in a Pallas kernel.
 
   Args:
     lhs: ``(m, c)``: rows sorted by group (8-bit codes, or any float).
     rhs: ``(g, c, o)``, or ``(g, o, c)`` with ``transpose_rhs``.
     group_sizes: integer ``(g,)``.
     transpose_rhs: read ``rhs[i]`` transposed (the dgrad's ``g x W^T``).
+    scales: float32 ``(g,)``: each group's rows are multiplied by its scale
+      and cast to ``out_dtype`` in the kernel (``(sum * scale).astype(out_dtype)``,
+      as XLA's product followed by that multiply); None: the raw sums.
+    out_dtype: the output dtype with ``scales`` (default float32).
     interpret: run in Pallas' interpreter (default: as :func:`kernel_mode` says).
 
   Returns:
-    ``(m, o)``: float32 sums (int32 for integer operands).
+    ``(m, o)``: float32 sums (int32 for integer operands), or the scaled output.
   """
   m, c = lhs.shape
   g = rhs.shape[0]
@@ -275,15 +295,23 @@ def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, interpre
     interpret = block_kernels.switch_mode() == "interpret"
   meta = row_tiles(group_sizes, m, tm)
   acc = _acc_dtype(lhs.dtype)
+  extra, out = _scaled(scales, g, out_dtype, acc)
   kernel = functools.partial(_gmm_kernel, sizes=(tm, tc, to, c), groups=g,
                              transpose_rhs=transpose_rhs, acc=acc)
-  return _call(kernel, (meta[0].shape[0], o // to), jax.ShapeDtypeStruct((m, o), acc), None,
-               (lhs, rhs) + meta, None, name=kernel_name("grouped_gemm", lhs.dtype, rhs.dtype),
-               interpret=interpret)
+  return _call(kernel, (meta[0].shape[0], o // to), jax.ShapeDtypeStruct((m, o), out), None,
+               (lhs, rhs) + meta + extra, None,
+               name=kernel_name("grouped_gemm", lhs.dtype, rhs.dtype), interpret=interpret)
 
 
-def _wgrad_kernel(lhs_ref, rhs_ref, lo_ref, hi_ref, out_ref, *, sizes, acc):
-  from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel
+def _scaled(scales, groups: int, out_dtype, acc):
+  """The kernel's extra input (the groups' scales) and its output dtype."""
+  if scales is None:
+    return (), acc
+  scales = jnp.broadcast_to(jnp.asarray(scales, jnp.float32), (groups,))
+  return (scales,), jnp.dtype(out_dtype or jnp.float32)
+
+
+def _wgrad_kernel(lhs_ref, rhs_ref, lo_ref, hi_ref, *refs, sizes, acc):
   tm, tc, to = sizes
   gi, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   lo, hi = lo_ref[gi], hi_ref[gi]
@@ -301,20 +329,25 @@ def _wgrad_kernel(lhs_ref, rhs_ref, lo_ref, hi_ref, out_ref, *, sizes, acc):
   # Only this group's row tiles (none for an empty group).
   total = lax.fori_loop(lo // tm, jnp.where(hi > lo, (hi + tm - 1) // tm, lo // tm), step,
                         jnp.zeros((tc, to), acc))
+  out_ref = refs[-1]
+  if len(refs) == 2:
+    total = (total * refs[0][gi]).astype(out_ref.dtype)
   out_ref[...] = total
 
 
-def grouped_wgrad(lhs, rhs, group_sizes, *, interpret=None):
+def grouped_wgrad(lhs, rhs, group_sizes, *, scales=None, out_dtype=None, interpret=None):
   """The ragged-contracting grouped GEMM: ``out[i] = lhs[rows_i]^T @ rhs[rows_i]``.
 
   Args:
     lhs: ``(m, c)`` (the forward's input codes).
     rhs: ``(m, o)`` (the output gradient's codes).
     group_sizes: integer ``(g,)``.
+    scales, out_dtype: as :func:`grouped_gemm` (group ``i``'s output times ``scales[i]``).
     interpret: run in Pallas' interpreter (default: as :func:`kernel_mode` says).
 
   Returns:
-    ``(g, c, o)``: float32 sums (int32 for integer operands); zero for an empty group.
+    ``(g, c, o)``: float32 sums (int32 for integer operands), or the scaled
+    output; zero for an empty group.
   """
   m, c = lhs.shape
   o = rhs.shape[1]
@@ -329,10 +362,11 @@ def grouped_wgrad(lhs, rhs, group_sizes, *, interpret=None):
   ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
   acc = _acc_dtype(lhs.dtype)
+  extra, out = _scaled(scales, g, out_dtype, acc)
   kernel = functools.partial(_wgrad_kernel, sizes=(tm, tc, to), acc=acc)
   whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
-  args = (lhs, rhs, starts, ends)
-  return _call(kernel, (g, c // tc, o // to), jax.ShapeDtypeStruct((g, c, o), acc),
+  args = (lhs, rhs, starts, ends) + extra
+  return _call(kernel, (g, c // tc, o // to), jax.ShapeDtypeStruct((g, c, o), out),
                pl.BlockSpec((None, tc, to), lambda gi, i, j: (gi, i, j)), args,
                [whole(a) for a in args], name=kernel_name("grouped_wgrad", lhs.dtype, rhs.dtype),
                interpret=interpret)

@@ -45,12 +45,16 @@ from fp8_linen.core import grouped_kernels, lowering, numerics, owg, uses
 from fp8_linen.core.fp8_vjp import Fp8Spec, backward_with_state
 from fp8_linen.recipes.fp8 import Fp8Recipe
 
-__all__ = ["fp8_ragged_dot", "ragged_gemm", "group_row_scales", "rows_scaled"]
+__all__ = ["fp8_ragged_dot", "ragged_gemm", "group_scales"]
 
 
-def ragged_gemm(a, b, group_sizes, how: str, *, wgrad: bool = False,
+def ragged_gemm(a, b, group_sizes, how: str, scales, out_dtype, *, wgrad: bool = False,
                 transpose_rhs: bool = False):
-  """A grouped GEMM of two fp8 operands under the lowering ``how`` (float32 out).
+  """A grouped GEMM of two fp8 operands under the lowering ``how``, scaled and cast.
+
+  Group ``i``'s output (its rows, or with ``wgrad`` its ``(k, n)``) is
+  multiplied by ``scales[i]`` (float32 ``(g,)``, or a scalar for all) and
+  cast to ``out_dtype``.
 
   ``'fp8'`` feeds the codes to the product; ``'bf16'`` / ``'f32'`` upcast
   them first, which is exact. ``wgrad``: the ragged-contracting form, ``a``
@@ -64,8 +68,8 @@ def ragged_gemm(a, b, group_sizes, how: str, *, wgrad: bool = False,
   """
   return grouped_kernels.ragged_product(
       a, b, group_sizes, low_precision=how == "fp8", transpose_rhs=transpose_rhs,
-      wgrad=wgrad, upcast=None if how == "fp8" else
-      (jnp.bfloat16 if how == "bf16" else jnp.float32))
+      wgrad=wgrad, scales=scales, out_dtype=out_dtype,
+      upcast=None if how == "fp8" else (jnp.bfloat16 if how == "bf16" else jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -73,15 +77,10 @@ def _ragged_vjp(spec, grouped, lhs, rhs, group_sizes, states, chain):
   return _forward(spec, grouped, lhs, rhs, group_sizes, states)[0], chain
 
 
-def group_row_scales(s_r, group_sizes, m: int):
-  """The kernel scale of each of the ``m`` rows: its group's (rows past the groups multiply
-  nothing, whatever their scale)."""
-  rows = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=m)
-  return s_r[rows]
-
-
-def rows_scaled(y, scale, out_dtype):
-  return (y * scale.astype(y.dtype)).astype(out_dtype)
+def group_scales(s_other, s_r):
+  """Each group's output scale: ``s_other`` times its kernel scale (``(g, 1)`` per group,
+  or one for all)."""
+  return numerics.scale_product(s_other, jnp.reshape(s_r, (-1,)))
 
 
 def _forward(spec, grouped, lhs, rhs, group_sizes, states):
@@ -93,12 +92,7 @@ def _forward(spec, grouped, lhs, rhs, group_sizes, states):
         states[1].scale, states[1].amax_history, rhs)
   else:
     q_r, s_r, a_r = numerics.quantize_with(c_r, *states[1], rhs, weight=True)
-  y = ragged_gemm(q_l, q_r, group_sizes, spec.gemm)
-  if grouped:
-    y = rows_scaled(y, numerics.scale_product(s_l, group_row_scales(s_r, group_sizes,
-                                                                 lhs.shape[0])), spec.out_dtype)
-  else:
-    y = lowering.scaled(y, numerics.scale_product(s_l, s_r), spec.out_dtype)
+  y = ragged_gemm(q_l, q_r, group_sizes, spec.gemm, group_scales(s_l, s_r), spec.out_dtype)
   named = lambda q: jax.ad_checkpoint.checkpoint_name(q, owg.CHECKPOINT_NAME)
   return y, (named(q_l), named(q_r), s_l, s_r, (a_l, a_r))
 
@@ -115,15 +109,11 @@ def _bwd(spec, grouped, res, cts):
   def grads():
     q_g, s_g, a_g = numerics.quantize_with(spec.cfgs[2], *states[2], g, gradient=True)
     # dgrad: g (m, n) x rhs[i]^T (n, k) per group.
-    d_l = ragged_gemm(q_g, q_r, group_sizes, spec.gemm, transpose_rhs=True)
-    if grouped:
-      d_l = rows_scaled(d_l, numerics.scale_product(s_g, group_row_scales(
-          s_r, group_sizes, q_l.shape[0])), spec.lhs_dtype)
-    else:
-      d_l = lowering.scaled(d_l, numerics.scale_product(s_g, s_r), spec.lhs_dtype)
+    d_l = ragged_gemm(q_g, q_r, group_sizes, spec.gemm, group_scales(s_g, s_r),
+                      spec.lhs_dtype, transpose_rhs=True)
     # wgrad: lhs rows^T (k, m_i) x g rows (m_i, n) per group.
-    d_r = ragged_gemm(q_l, q_g, group_sizes, spec.gemm, wgrad=True)
-    d_r = lowering.scaled(d_r, numerics.scale_product(s_g, s_l), spec.rhs_dtype)
+    d_r = ragged_gemm(q_l, q_g, group_sizes, spec.gemm, numerics.scale_product(s_g, s_l),
+                      spec.rhs_dtype, wgrad=True)
     return d_l, d_r, a_g
 
   (d_l, d_r), state_cts, chain_ct = backward_with_state(spec, q_l, q_r, g, states, amaxes,

@@ -175,3 +175,25 @@ def test_shapes_that_are_not_whole_tiles_are_refused():
     gk.grouped_gemm(jnp.zeros((40, 24)), jnp.zeros((2, 24, 16)), jnp.array([1, 2]))
   with pytest.raises(ValueError, match="grouped_wgrad"):
     gk.grouped_wgrad(jnp.zeros((32, 32)), jnp.zeros((16, 32)), jnp.array([1, 2]))
+
+
+@pytest.mark.parametrize("form", ["forward", "dgrad", "wgrad"])
+def test_scaled_outputs_are_xlas_bits(form):
+  # Each group's output times its own scale, cast to bf16, in the kernel: the same bits as
+  # XLA's product followed by the multiply (ragged_product's other path).
+  keys = jax.random.split(jax.random.key(4), 3)
+  x = _ints(keys[0], (96, 64), jnp.float8_e4m3fn)
+  w = _ints(keys[1], (4, 64, 48), jnp.float8_e4m3fn)
+  g = _ints(keys[2], (96, 48), jnp.float8_e4m3fn)
+  gs = jnp.array([10, 0, 40, 30], jnp.int32)
+  scales = jnp.array([0.37, 3.1, 2.0 ** -9, 1e3], jnp.float32)
+  a, b = {"forward": (x, w), "dgrad": (g, w), "wgrad": (x, g)}[form]
+  run = lambda: gk.ragged_product(a, b, gs, low_precision=True, transpose_rhs=form == "dgrad",
+                                  wgrad=form == "wgrad", scales=scales, out_dtype=jnp.bfloat16)
+  with fl.pallas_kernels("interpret"):
+    kernel = run()
+  with fl.pallas_kernels("off"):
+    xla = run()
+  chex.assert_type(kernel, jnp.bfloat16)
+  chex.assert_trees_all_equal(kernel, xla)
+  assert float(jnp.abs(kernel.astype(jnp.float32)).max()) > 0
