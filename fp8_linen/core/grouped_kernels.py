@@ -228,7 +228,17 @@ def kernel_name(kind: str, a_dtype, b_dtype) -> str:
   return f"fp8_linen_{kind}_{jnp.dtype(fed).name}"
 
 
+def _out(shape, dtype, inputs):
+  """The kernel's result type: inside ``shard_map`` it varies over every axis an input does."""
+  mats = [m for m in (getattr(jax.typeof(a), "mat", None) for a in inputs) if m is not None]
+  if not mats:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  varying = frozenset().union(*(m.varying for m in mats))
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mats[0].update(varying=varying))
+
+
 def _call(kernel, grid, out_shape, out_specs, args, in_specs, *, name: str, interpret: bool):
+  out_shape = _out(out_shape.shape, out_shape.dtype, args)
   params = {}
   if not interpret:
     from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel

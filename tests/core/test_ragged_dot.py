@@ -249,3 +249,39 @@ def test_each_target_runs_the_three_grouped_gemms(require_target, target, recipe
   routed = 2 * 512 * 256 * 384
   for p in report.product_list:
     assert p.flops == routed * (1 if p.kind == "pallas-grouped-gemm" else groups), p
+
+
+def test_expert_parallel_experts_run_the_grouped_kernels_on_8_h100s(require_target):
+  """Expert parallelism: each of 8 devices holds 4 experts and the rows routed to them.
+
+  Inside ``shard_map`` every device runs the three grouped GEMMs of its own experts in the
+  library's kernels (compile only), and the tokens' and gradient's scales come from amaxes
+  reduced over the devices.
+  """
+  require_target("h100x8")
+  from fp8_linen.testing import targets  # pylint: disable=import-outside-toplevel
+  from fp8_linen.testing.compile import compile_for  # pylint: disable=import-outside-toplevel
+  spec = jax.sharding.PartitionSpec
+  mesh = targets.target_mesh("h100x8")
+  sizes = np.array([32, 0, 64, 32], np.int32)  # each device's rows for its 4 experts
+  k = jax.random.split(jax.random.key(0), 3)
+  lhs = jax.random.normal(k[0], (8 * 128, 256), jnp.bfloat16)
+  rhs = jax.random.normal(k[1], (8 * 4, 256, 128))
+  ct = jax.random.normal(k[2], (8 * 128, 128), jnp.bfloat16)
+  kernel = owg.RoleState(jnp.ones((32, 1)), jnp.zeros((32, 16)))
+  per_expert = owg.RoleState(spec("d"), spec("d"))
+
+  def body(lhs, rhs, ct, states):
+    loss = lambda l, w, s: jnp.sum(_apply(l, w, s, gs=sizes, recipe=fl.Fp8Recipe()) * ct)
+    value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(lhs, rhs, states)
+    return jax.lax.psum(value, "d"), grads
+
+  step = jax.shard_map(
+      body, mesh=mesh, in_specs=(spec("d"), spec("d"), spec("d"), (spec(), per_expert, spec())),
+      out_specs=(spec(), (spec("d"), spec("d"), (spec(), per_expert, spec()))))
+  report = compile_for("h100x8", step, lhs, rhs, ct, (_st(), kernel, _st()))
+  assert sorted(map(_fed, report.product_list)) == sorted([_K8] + [_K16] * 2), \
+      report.product_list
+  # Each device's routed rows only: 128 rows x 256 x 128 per product.
+  assert all(p.flops == 2 * 128 * 256 * 128 for p in report.product_list)
+  assert report.collective_totals.get("all-reduce", (0,))[0] >= 1  # the amaxes over devices
