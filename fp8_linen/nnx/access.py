@@ -47,7 +47,8 @@ from fp8_linen.families.access import VariableAccess
 from fp8_linen.families.conversion import finds_weights
 from fp8_linen.nnx.state import QuantState
 
-__all__ = ["NnxAccess", "Serving", "declare", "recording", "converting", "calibrate", "weights"]
+__all__ = ["NnxAccess", "Serving", "declare", "recording", "converting", "calibrating",
+           "calibrate", "weights"]
 
 # module -> its chains. Held outside the module (weakly, so it goes with the
 # module: NNX transforms run on fresh copies of the module, which disappear
@@ -214,6 +215,14 @@ def converting(model: nnx.Module):
   return recording(model, "convert")
 
 
+@contextlib.contextmanager
+def calibrating():
+  """Learned activation quantizers take their values from the data of the run inside
+  (what :func:`calibrate` runs under)."""
+  with _CALIBRATING.set(True):
+    yield
+
+
 def calibrate(model: nnx.Module, *args, **kwargs) -> None:
   """Initialises the LSQ/LSQ+ activation steps (and offsets) from one batch.
 
@@ -234,7 +243,7 @@ def calibrate(model: nnx.Module, *args, **kwargs) -> None:
   """
   arrays = all(isinstance(leaf, (jax.Array, np.ndarray))
                for leaf in jax.tree.leaves((args, kwargs)))
-  with _CALIBRATING.set(True):
+  with calibrating():
     # Jitted, one compile replaces an op-by-op forward of every quantized product.
     (_call_jitted if arrays else _call)(model, *args, **kwargs)
 

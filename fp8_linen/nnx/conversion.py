@@ -126,7 +126,7 @@ def _weights_used_once(model: nnx.Module, args, kwargs) -> dict:
   return regions_by_path(fn, state, examples)
 
 
-def _site_weights(records: dict, layers: dict, model, args, kwargs) -> dict:
+def site_weights(records: dict, layers: dict, model, args, kwargs) -> dict:
   """``site path -> (module, name)`` of the weight each op-level product folds to codes.
 
   A product in a module's own code folds the module weight its conversion
@@ -227,7 +227,7 @@ def convert(model: nnx.Module, *args: Any, **kwargs: Any) -> nnx.Module:
         "fl.nnx.quantize_model")
   served = nnx.clone(model)
   layers = {"/".join(str(p) for p in path): m for path, m in nnx.iter_modules(served)}
-  folded = _site_weights(records, layers, model, args, kwargs)
+  folded = site_weights(records, layers, model, args, kwargs)
   for path, record in records.items():
     _serve_layer(layers[path], path, record, folded.get(path))
   return served

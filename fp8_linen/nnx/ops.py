@@ -45,9 +45,15 @@ operation reads is stored as the site's codes; the module reads it as the
 float dtype it saw in training. Other weights stay float, quantized at each
 call.
 
-Limits: recipes that learn quantizer parameters (LSQ, LSQ+) need the flax
-layers' fast path (their steps start from the weight's values, which an
-abstract run does not have); products of modules inside a transform whose
+Recipes that learn quantizer parameters (LSQ, LSQ+) start their steps from
+values the abstract run does not have: after it, one concrete run of the
+example declares them, each weight step from the weight its product
+multiplies and each activation step from the example's activations (as
+:func:`fl.nnx.calibrate <fp8_linen.nnx.calibrate>` sets them). The example
+must then hold arrays, and such products cannot sit in layers stacked under
+``nnx.scan`` (an error says so).
+
+Limits: products of modules inside a transform whose
 copies hold other parameters run in float with a warning
 (``switch_precision`` drops the sites with :func:`detach` and, for a new
 recipe, attaches new ones from an example run). :func:`fl.nnx.ptq
@@ -85,7 +91,7 @@ from flax import nnx
 
 from fp8_linen import interception, product_calls
 from fp8_linen.families import dispatch, modes
-from fp8_linen.nnx.access import NnxAccess, declare
+from fp8_linen.nnx.access import NnxAccess, calibrate, calibrating, declare
 from fp8_linen.nnx.state import QuantState
 from fp8_linen.product_report import MARKERS, product_report
 from fp8_linen.recipes.rules import first_match, operand_kinds
@@ -100,6 +106,9 @@ UNQUANTIZED_ATTR = "fl_unquantized_products"
 _STACK: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_nnx_stack", default=())
 _DISCOVERY: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_nnx_discovery",
                                                             default=None)
+# The run that declares the sites' learned quantizers (attach).
+_DECLARING: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_nnx_declaring",
+                                                            default=False)
 
 
 def _warn_once(key, message: str) -> None:
@@ -116,6 +125,9 @@ class ProductSite(nnx.Module):
     site_path: its path (``<module path>/<name>``), named in errors.
     groups: a grouped GEMM's number of groups (experts): fp8 keeps one
       kernel state per expert.
+    learned: the recipe learns quantizer parameters (LSQ): nothing is
+      declared here; the first concrete run of the example declares them
+      (:func:`attach`).
 
   Example:
     >>> from flax import nnx
@@ -126,10 +138,15 @@ class ProductSite(nnx.Module):
     ('input_amax_history',)
   """
 
-  def __init__(self, recipe, *, op: str, path: str, groups: int | None = None):
+  def __init__(self, recipe, *, op: str, path: str, groups: int | None = None,
+               learned: bool = False):
     self.recipe = recipe
     self.op = op
     self.site_path = path
+    if learned:
+      # LSQ steps start from the weight's values and the activations: the example's
+      # concrete run declares them (attach).
+      return
     try:
       if op == "ragged_dot":
         dispatch.declare_ragged(NnxAccess(self, declaring=True), recipe, groups)
@@ -137,14 +154,46 @@ class ProductSite(nnx.Module):
         declare(self, recipe)
     except (TypeError, ValueError) as e:
       raise type(e)(f"fl.nnx.quantize_model: product {path!r} ({op}): {e}") from e
-    learned = nnx.to_flat_state(nnx.state(self, nnx.Param))
-    if len(learned):
-      raise ValueError(
-          f"fl.nnx.quantize_model: product {path!r} ({op}): {type(recipe).__name__} learns "
-          "quantizer parameters (LSQ), which start from the weight's values; a product found "
-          "inside a module's own code has none before it runs. Use an STE recipe for it "
-          "(a QuantizationRule with another recipe), or build the layer from flax's "
-          "nnx.Linear / nnx.Einsum, which quantize_model swaps for fl.nnx layers")
+
+
+def _learns(recipe, op: str) -> bool:
+  """Whether a site of ``recipe`` learns quantizer parameters from data (LSQ, LSQ+).
+
+  Grouped GEMMs keep their own declaration (their learned experts run fake-quantized).
+  """
+  return op != "ragged_dot" and any(
+      getattr(getattr(recipe, role, None), "learned", False) for role in ("input", "kernel"))
+
+
+def _declare_learned(model, example, args, sites: dict) -> None:
+  """Declares the learned quantizers of ``sites`` (path -> site) by one concrete run.
+
+  Each LSQ weight step starts from the weight the product multiplies, each
+  activation step from the example's activations (as ``fl.nnx.calibrate``
+  sets them; the swapped flax layers' activation steps are set alike).
+  """
+  names = sorted(sites)
+  if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(args)):
+    raise ValueError(
+        f"fl.nnx.quantize_model: products {names} learn their quantizers (LSQ): their steps "
+        "start from the weights and the example's activations, so the example must hold "
+        "arrays, not shapes")
+  token = _DECLARING.set(True)
+  try:
+    if callable(example):
+      with calibrating():
+        example(model)
+    else:
+      calibrate(model, *args)  # jitted as fl.nnx.calibrate is: the same steps, bit for bit
+  finally:
+    _DECLARING.reset(token)
+  missing = [p for p in names if not len(nnx.to_flat_state(nnx.state(sites[p], nnx.Param)))]
+  if missing:
+    raise ValueError(
+        f"fl.nnx.quantize_model: products {missing} learn their quantizers (LSQ), whose steps "
+        "are created by a run of the example; they run inside an NNX transform whose copies "
+        "do not keep new variables. Use an STE recipe for them (a QuantizationRule with "
+        "another recipe), or build those layers from fl.nnx layers")
 
 
 class _Frame:
@@ -293,7 +342,8 @@ class _NnxBackend(product_calls.Backend):
       # A served site (fl.nnx.convert) runs its product from the arrays it holds.
       if getattr(site, "serving", None) is not None:
         stack.enter_context(modes.mode("serve"))
-      return product(NnxAccess(site, weights_of=_STACK.get()[-1].module), recipe)
+      return product(NnxAccess(site, declaring=_DECLARING.get(),
+                               weights_of=_STACK.get()[-1].module), recipe)
 
 
 HANDLERS = product_calls.handlers(_NnxBackend())
@@ -453,6 +503,7 @@ def attach(model, rules, recipe, example, *, library, float_layers, on_unquantiz
       delattr(node, PATH_ATTR)
     raise
   kept: dict = {}
+  to_learn: dict = {}
   for (path, name), (op, rule_recipe, status) in discovery.sites.items():
     if status[0] != "quantized":
       kept.setdefault(path, []).append((name, status[0], status[1] or ""))
@@ -461,8 +512,18 @@ def attach(model, rules, recipe, example, *, library, float_layers, on_unquantiz
       if name in vars(module):
         raise ValueError(f"fl.nnx.quantize_model: module {path or '<root>'!r} already has an "
                          f"attribute {name!r}, where the state of its product {name!r} would go")
-      site = ProductSite(rule_recipe, op=op, path=f"{path}/{name}" if path else name,
-                         groups=discovery.groups[(path, name)])
+      site_path = f"{path}/{name}" if path else name
+      learned = _learns(rule_recipe, op)
+      if learned and discovery.stacked[(path, name)]:
+        raise ValueError(
+            f"fl.nnx.quantize_model: product {site_path!r} ({op}): {type(rule_recipe).__name__} "
+            "learns quantizer parameters (LSQ), one set per layer, which a product of layers "
+            "stacked under nnx.scan / nnx.vmap cannot declare; use an STE recipe for it (a "
+            "QuantizationRule with another recipe)")
+      site = ProductSite(rule_recipe, op=op, path=site_path,
+                         groups=discovery.groups[(path, name)], learned=learned)
+      if learned:
+        to_learn[site_path] = site
       if discovery.stacked[(path, name)]:
         _stack_state(site, discovery.stacked[(path, name)])
       setattr(module, name, site)
@@ -471,6 +532,8 @@ def attach(model, rules, recipe, example, *, library, float_layers, on_unquantiz
   for name, node in modules.items():
     if name in kept:
       setattr(node, UNQUANTIZED_ATTR, tuple(sorted(kept[name])))
+  if to_learn:
+    _declare_learned(model, example, args, to_learn)
   product_calls.report_unseen(report, on_unquantized, who="fp8_linen.nnx.quantize_model",
                               what="the example run",
                               fix="jnp.matmul / jnp.einsum / jax.lax.dot_general", stacklevel=3)

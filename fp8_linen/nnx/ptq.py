@@ -12,15 +12,17 @@ quantizers (``model.eval()``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fp8_linen.core import serve
 from fp8_linen.families import calibration
 from fp8_linen.nnx.access import recording
-from fp8_linen.nnx.conversion import convert
+from fp8_linen.nnx.conversion import convert, site_weights
 from fp8_linen.nnx.quantize import quantize_model
 from fp8_linen.recipes.ptq import PtqConfig
 from fp8_linen.recipes.rules import QuantizationRule
@@ -42,7 +44,7 @@ class PtqResult(NamedTuple):
   model: Any
 
 
-def _set(who: str, layer, where: str, name: str, value) -> None:
+def _set(who: str, layer, name: str, where: str, value) -> None:
   var = getattr(layer, name, None)
   if not isinstance(var, nnx.Variable):
     raise ValueError(f"{who}: {where} has no variable {name!r} to calibrate")
@@ -124,11 +126,17 @@ def ptq(model: nnx.Module, batches: Sequence, *, recipe=None,
   if not stats:
     raise calibration.no_product_error(who)
   layers = {"/".join(str(p) for p in path): m for path, m in nnx.iter_modules(qmodel)}
+  # GPTQ rewrites a weight of a module's own code only where that product alone reads it
+  # (the check conversion makes before storing it as codes); elsewhere it rounds to nearest.
+  own = (site_weights(stats, layers, qmodel, args[0], kwargs)
+         if config.weights == "gptq" else {})
   for path, st in stats.items():
     where = path or "<root>"
-    values, kernel = calibration.calibrated(st, config, where=where)
+    rtn = st.kernel_at >= serve.WEIGHT_AT and path not in own
+    values, kernel = calibration.calibrated(
+        st, dataclasses.replace(config, weights="rtn") if rtn else config, where=where)
     for name, value in values.items():
-      _set(who, layers[path], where, name, value)
+      _set(who, layers[path], name, where, value)
     if kernel is not None:
-      _set(who, layers[path], where, "kernel", kernel)
+      _set(who, *(own[path] if path in own else (layers[path], "kernel")), where, kernel)
   return PtqResult(convert(qmodel, *args[0], **kwargs), qmodel)

@@ -156,9 +156,10 @@ def quantize_model(model: nnx.Module, recipe: Any = None,
       whose ``module_path`` matches and whose ``ops`` include the layer's op
       decides (default: quantize every layer).
     example: the arguments of one forward call, ``model(*example)`` (arrays or
-      ``jax.ShapeDtypeStruct`` s; nothing is computed), or a function of the
-      model that runs it (``lambda m: m.decode(tokens)``); ``None``: flax's
-      layers only.
+      ``jax.ShapeDtypeStruct`` s; nothing is computed, except with an LSQ
+      recipe: one run of the example arrays then sets the learned steps), or a
+      function of the model that runs it (``lambda m: m.decode(tokens)``);
+      ``None``: flax's layers only.
     on_unmatched: ``'warn'``, ``'raise'`` or ``'ignore'`` for rules that match
       no layer.
     on_unquantized: ``'warn'``, ``'raise'`` or ``'ignore'`` for products of
@@ -171,7 +172,8 @@ def quantize_model(model: nnx.Module, recipe: Any = None,
   Raises:
     ValueError: a quantized layer has a custom product function or a kernel
       mask (exclude it with ``quantize=False``); a product of the model's own
-      code would be quantized with a recipe that learns parameters (LSQ); or
+      code would learn quantizer parameters (LSQ) from an example of shapes
+      only, or inside layers stacked under ``nnx.scan``; or
       (``on_unmatched='raise'``) a rule matched nothing.
     TypeError: ``example`` is neither a tuple nor a function.
 

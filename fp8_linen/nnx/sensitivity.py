@@ -30,7 +30,7 @@ from fp8_linen.families import sensitivity as shared
 from fp8_linen.families.sensitivity import SensitivityResult
 # The flag fl.nnx.calibrate sets: with it several models (and a loss_fn that may call more
 # than __call__) set their LSQ steps in one jitted call.
-from fp8_linen.nnx.access import _CALIBRATING
+from fp8_linen.nnx.access import calibrating
 from fp8_linen.nnx.layers import Conv, Einsum, Fp8Einsum, Linear, LinearGeneral
 from fp8_linen.nnx.quantize import quantize_model
 from fp8_linen.recipes.integer import IntRecipe
@@ -130,7 +130,7 @@ def sensitivity(model: nnx.Module, batches: Sequence, *, recipe, loss_fn: Callab
   def calibrate(*models):
     """Sets the models' LSQ steps from the first batch, all in one jitted call."""
     if needs_calibration:
-      with _CALIBRATING.set(True):
+      with calibrating():
         nnx.jit(lambda ms, b: [loss_fn(m, b) for m in ms])(models, batches[0])
     return models
 

@@ -102,20 +102,37 @@ class Single(nnx.Module):
 
 class Twin(nnx.Module):
   def __init__(self, recipe):
-    self.p = fl.nnx.Linear(16, 8, use_bias=False, recipe=recipe, rngs=nnx.Rngs(0))
-    self.p.kernel[...] = Proj(16, 8).w[...]
+    w = Proj(16, 8).w[...]  # its kernel from the start: LSQ's weight step starts from it
+    self.p = fl.nnx.Linear(16, 8, use_bias=False, recipe=recipe, kernel_init=lambda *_: w,
+                           rngs=nnx.Rngs(0))
 
   def __call__(self, x):
     return self.p(x)
 
 
-@pytest.mark.parametrize("recipe", [fl.Fp8Recipe(), fl.IntRecipe()], ids=["fp8", "int8"])
+@pytest.mark.parametrize("recipe", [fl.Fp8Recipe(), fl.IntRecipe(), fl.int8_lsq()],
+                         ids=["fp8", "int8", "int8_lsq"])
 def test_own_product_trains_exactly_as_the_twin_layer(recipe):
-  """A raw dot_general quantized in place runs the fl.nnx.Linear product on the same state."""
+  """A raw dot_general quantized in place runs the fl.nnx.Linear product on the same state.
+
+  LSQ: the example's run starts the site's weight step from the weight and its activation
+  step from the example, as the twin's constructor and fl.nnx.calibrate do.
+  """
   x = jax.random.normal(jax.random.key(5), (4, 16)) * 3
   ops = fl.nnx.quantize_model(Single(), recipe, example=(x,))
   twin = Twin(recipe)
   assert isinstance(ops.p.dot_general_0, fl.nnx.ProductSite)
+  learned = nnx.to_flat_state(nnx.state(ops.p.dot_general_0, nnx.Param))
+  before = [np.asarray(v[...]) for _, v in learned]
+  if getattr(recipe.input, "learned", False):
+    fl.nnx.calibrate(twin, x)
+    steps = dict(nnx.to_flat_state(nnx.state(twin.p, nnx.Param)))
+    assert sorted(k for k, _ in learned) == [("input_step",), ("kernel_step",)]
+    for k, v in learned:
+      np.testing.assert_array_equal(v[...], steps[k][...], err_msg=str(k))
+    assert float(learned[0][1][...].max()) != 1.0  # not the placeholder: from the data
+  else:
+    assert not learned
 
   @nnx.jit
   def step(model, opt, x):
@@ -128,14 +145,16 @@ def test_own_product_trains_exactly_as_the_twin_layer(recipe):
     xi = x * (i + 1)
     np.testing.assert_array_equal(step(ops, opts[0], xi), step(twin, opts[1], xi))
   np.testing.assert_array_equal(ops.p.w[...], twin.p.kernel[...])
-  site = nnx.to_flat_state(nnx.state(ops.p.dot_general_0, fl.nnx.QuantState))
-  layer = dict(nnx.to_flat_state(nnx.state(twin.p, fl.nnx.QuantState)))
-  assert len(site) == len(layer) > 0
+  kind = nnx.Param if learned else fl.nnx.QuantState
+  site = nnx.to_flat_state(nnx.state(ops.p.dot_general_0, kind))
+  layer = dict(nnx.to_flat_state(nnx.state(twin.p, kind)))
+  assert len(site) > 0 and all(k in layer for k, _ in site)
   for k, v in site:
     np.testing.assert_array_equal(v[...], layer[k][...], err_msg=str(k))
-  # The state moved: it is the product's, not a constant.
-  assert any(float(jnp.abs(v[...]).max()) > 0 for k, v in site if "history" in k[-1]
-             or "range" in k[-1])
+  # The state moved (LSQ: the steps learned): it is the product's, not a constant.
+  moved = [v[...] for k, v in site if any(w in k[-1] for w in ("history", "range", "step"))]
+  assert any(float(jnp.abs(v).max()) > 0 for v in moved)
+  assert not before or any(not np.array_equal(a, b) for a, b in zip(moved, before))
 
 
 class TestForwardJitAndEager(chex.TestCase):
@@ -198,9 +217,12 @@ def test_methods_other_than_call_are_named_after_the_method():
   assert model.decode(jnp.ones((2, 6))).shape == (2, 8)
 
 
-def test_lsq_on_an_own_product_is_refused_naming_it():
-  with pytest.raises(ValueError, match=r"p/dot_general_0.*(lsq|LSQ)"):
-    fl.nnx.quantize_model(Single(), fl.int8_lsq(), example=(jnp.ones((2, 16)),))
+def test_lsq_own_products_need_an_example_of_arrays_and_no_stacked_layers():
+  shapes = (jax.ShapeDtypeStruct((2, 16), jnp.float32),)
+  with pytest.raises(ValueError, match=r"p/dot_general_0.*LSQ.*arrays, not shapes"):
+    fl.nnx.quantize_model(Single(), fl.int8_lsq(), example=shapes)
+  with pytest.raises(ValueError, match=r"dot_general_0.*LSQ.*stacked under nnx.scan"):
+    fl.nnx.quantize_model(Stack(), fl.int8_lsq(), example=(jnp.ones((2, 8)),))
 
 
 def test_remat_inside_a_method_keeps_the_state():

@@ -131,7 +131,7 @@ class NnxOwn(nnx.Module):
                       self.w2[...])
 
 
-@pytest.mark.parametrize("name", ["w8a8 int8 STE percentile", "fp8 delayed mse"])
+@pytest.mark.parametrize("name", list(RECIPES))
 def test_products_of_own_modules_are_calibrated_and_served_as_linens(name):
   recipe, config = RECIPES[name]
   batches = [jax.random.normal(k, (64, 32)) for k in jax.random.split(jax.random.key(0), 2)]
@@ -143,7 +143,7 @@ def test_products_of_own_modules_are_calibrated_and_served_as_linens(name):
   linen = lin.served_params["params"]
   # The weights are stored as the same codes, the calibrated arrays are the same.
   for w in ("w1", "w2"):
-    assert linen[w].dtype in (jnp.int8, jnp.float8_e4m3fn)
+    assert linen[w].dtype in (jnp.int4, jnp.int8, jnp.float8_e4m3fn)
     chex.assert_trees_all_equal(served_w := getattr(served, w).get_raw_value(), linen[w])
     chex.assert_trees_all_equal_dtypes(served_w, linen[w])
   for site in ("dot_general_0", "einsum_0"):
