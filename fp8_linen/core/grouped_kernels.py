@@ -26,7 +26,8 @@ computed with ``jnp`` before the call (:func:`row_tiles`).
 
 When they run follows :func:`~fp8_linen.core.block_kernels.pallas_kernels`
 (the one switch for the library's kernels): ``'auto'`` on a GPU for a product
-traced as an 8-bit GEMM (``gemm='fp8'`` or integer codes), on one device or
+of 8-bit codes (``gemm='fp8'``, integer codes) or of the 16-bit floats it
+multiplies (integer experts' float gradients), on one device or
 inside ``shard_map``, for operands of whole tiles; ``'interpret'`` anywhere
 (Pallas' interpreter: how the tests compare them with ``ragged_dot`` on a
 CPU); ``'off'`` never.
@@ -82,15 +83,17 @@ def tiles(m: int, c: int, o: int) -> tuple[int, int, int] | None:
   return None if None in found else found
 
 
-def kernel_mode(lhs, out_cols: int, *, low_precision: bool) -> str | None:
+def kernel_mode(lhs, out_cols: int, *, gpu_kernel: bool) -> str | None:
   """``'compiled'``, ``'interpret'`` or None: how a grouped GEMM of ``lhs`` would run now.
 
   Args:
     lhs: the rows, ``(m, c)`` (``c`` contracted, or for :func:`grouped_wgrad`
       the output's rows).
     out_cols: the output's columns.
-    low_precision: the product is traced as an 8-bit GEMM (fp8 codes fed to
-      the GEMM, or integer codes), the only form the compiled kernels take.
+    gpu_kernel: the product's operands are what it multiplies (8-bit codes,
+      or 16-bit floats it multiplies as they are), so the compiled kernel
+      computes it exactly: the only products it takes on a GPU. float32
+      operands never take it (Triton may round them to tf32).
   """
   mode = block_kernels.switch_mode()
   if mode == "off" or lhs.ndim != 2 or tiles(lhs.shape[0], lhs.shape[1], out_cols) is None:
@@ -98,7 +101,8 @@ def kernel_mode(lhs, out_cols: int, *, low_precision: bool) -> str | None:
   if mode == "interpret":
     # The interpreter rejects shard_map's varying values (see block_kernels).
     return None if lowering.varying_axes(lhs) else "interpret"
-  if low_precision and lowering.current_backend() == "gpu" and block_kernels.per_device(lhs):
+  if gpu_kernel and jnp.dtype(lhs.dtype).itemsize <= 2 and lowering.current_backend() == "gpu" \
+      and block_kernels.per_device(lhs):
     return "compiled"
   return None
 
@@ -114,7 +118,7 @@ def pays(a_dtype, b_dtype, groups: int) -> bool:
   return jnp.dtype(a_dtype) == jnp.dtype(b_dtype) or groups > 2
 
 
-def run(a, b, group_sizes, *, low_precision: bool, transpose_rhs: bool = False,
+def run(a, b, group_sizes, *, gpu_kernel: bool, transpose_rhs: bool = False,
         wgrad: bool = False, scales=None, out_dtype=None):
   """The grouped product in a kernel when one runs here and pays, else None (use XLA's).
 
@@ -123,13 +127,13 @@ def run(a, b, group_sizes, *, low_precision: bool, transpose_rhs: bool = False,
     b: ``(g, c, o)`` (``(g, o, c)`` with ``transpose_rhs``), or ``(m, o)``
       with ``wgrad``.
     group_sizes: integer ``(g,)``.
-    low_precision: the product is traced as an 8-bit GEMM (see :func:`kernel_mode`).
+    gpu_kernel: the product may run in the compiled kernel (see :func:`kernel_mode`).
     transpose_rhs: :func:`grouped_gemm`'s.
     wgrad: :func:`grouped_wgrad` instead of :func:`grouped_gemm`.
     scales, out_dtype: :func:`grouped_gemm`'s (each group's output scale).
   """
   out_cols = b.shape[1] if transpose_rhs else b.shape[-1]
-  mode = kernel_mode(a, out_cols, low_precision=low_precision)
+  mode = kernel_mode(a, out_cols, gpu_kernel=gpu_kernel)
   if mode is None or (mode == "compiled" and not pays(a.dtype, b.dtype, group_sizes.shape[0])):
     return None
   kw = {"scales": scales, "out_dtype": out_dtype, "interpret": mode == "interpret"}
@@ -138,7 +142,7 @@ def run(a, b, group_sizes, *, low_precision: bool, transpose_rhs: bool = False,
   return grouped_gemm(a, b, group_sizes, transpose_rhs=transpose_rhs, **kw)
 
 
-def ragged_product(a, b, group_sizes, *, low_precision: bool, transpose_rhs: bool = False,
+def ragged_product(a, b, group_sizes, *, gpu_kernel: bool, transpose_rhs: bool = False,
                    wgrad: bool = False, scales=None, out_dtype=None, upcast=None):
   """A grouped product: :func:`run`'s kernel where it runs and pays, else XLA's ``ragged_dot``.
 
@@ -147,7 +151,7 @@ def ragged_product(a, b, group_sizes, *, low_precision: bool, transpose_rhs: boo
   operands); with ``scales`` each group's output is multiplied by its scale
   and cast to ``out_dtype``, the same bits on either path.
   """
-  out = run(a, b, group_sizes, low_precision=low_precision, transpose_rhs=transpose_rhs,
+  out = run(a, b, group_sizes, gpu_kernel=gpu_kernel, transpose_rhs=transpose_rhs,
             wgrad=wgrad, scales=scales, out_dtype=out_dtype)
   if out is not None:
     return out
@@ -215,7 +219,9 @@ def _mixed(a_dtype, b_dtype) -> bool:
 def _dot(a, b, acc):
   if _mixed(a.dtype, b.dtype):
     a, b = a.astype(jnp.float16), b.astype(jnp.float16)
-  return jnp.dot(a, b, preferred_element_type=acc)
+  # Bound at import: quantize_model must not take the kernel's own tile product for a
+  # product of the model.
+  return lowering.lax_dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=acc)
 
 
 def kernel_name(kind: str, a_dtype, b_dtype) -> str:

@@ -291,11 +291,11 @@ class _RaggedSpec(_Spec):
   def grads(self, g, xh, wh, group_sizes):
     how = jnp.bfloat16 if self.grad_dtype == jnp.bfloat16 else jnp.float32
     g = g.astype(how)
-    d_x = lax_ragged_dot(g, jnp.swapaxes(wh.astype(how), 1, 2), group_sizes,
-                         preferred_element_type=jnp.float32)
-    d_w = lax.ragged_dot_general(xh.astype(how), g, group_sizes,
-                                 grouped_kernels.WGRAD_DIMENSIONS,
-                                 preferred_element_type=jnp.float32)
+    # bf16 on a GPU: the grouped kernels (each row by its own expert); f32: XLA's.
+    d_x = grouped_kernels.ragged_product(g, wh.astype(how), group_sizes, gpu_kernel=True,
+                                         transpose_rhs=True)
+    d_w = grouped_kernels.ragged_product(xh.astype(how), g, group_sizes, gpu_kernel=True,
+                                         wgrad=True)
     lt = jnp.float32 if self.x.cfg.learned else self.lhs_dtype
     rt = jnp.float32 if self.w.cfg.learned else self.rhs_dtype
     return d_x.astype(lt), d_w.astype(rt)
@@ -341,7 +341,7 @@ class _RaggedSpec(_Spec):
 def _grouped(a, b, group_sizes, *, transpose_rhs: bool = False, wgrad: bool = False):
   """An int8 x int8 -> int32 grouped GEMM: on a GPU in the library's kernel (each row by
   its own group's weight), else XLA's ``ragged_dot``."""
-  return grouped_kernels.ragged_product(a, b, group_sizes, low_precision=True,
+  return grouped_kernels.ragged_product(a, b, group_sizes, gpu_kernel=True,
                                         transpose_rhs=transpose_rhs, wgrad=wgrad)
 
 

@@ -67,7 +67,7 @@ def ragged_gemm(a, b, group_sizes, how: str, scales, out_dtype, *, wgrad: bool =
   lowering is one dense GEMM over every group.
   """
   return grouped_kernels.ragged_product(
-      a, b, group_sizes, low_precision=how == "fp8", transpose_rhs=transpose_rhs,
+      a, b, group_sizes, gpu_kernel=how == "fp8", transpose_rhs=transpose_rhs,
       wgrad=wgrad, scales=scales, out_dtype=out_dtype,
       upcast=None if how == "fp8" else (jnp.bfloat16 if how == "bf16" else jnp.float32))
 

@@ -149,19 +149,19 @@ def test_int8_grad_bits_experts_with_the_kernels_are_the_same_step():
 
 def test_where_the_kernels_run():
   x = jnp.zeros((64, 32), jnp.float8_e4m3fn)
-  assert gk.kernel_mode(x, 16, low_precision=True) is None          # a CPU: XLA's product
+  assert gk.kernel_mode(x, 16, gpu_kernel=True) is None          # a CPU: XLA's product
   one = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1])
   with fl.target_backend("gpu"), jax.set_mesh(one):
-    assert gk.kernel_mode(x, 16, low_precision=True) == "compiled"
-    assert gk.kernel_mode(x, 16, low_precision=False) is None       # a bf16 product
-    assert gk.kernel_mode(x, 24, low_precision=True) is None        # not whole tiles
+    assert gk.kernel_mode(x, 16, gpu_kernel=True) == "compiled"
+    assert gk.kernel_mode(x, 16, gpu_kernel=False) is None       # a bf16 product
+    assert gk.kernel_mode(x, 24, gpu_kernel=True) is None        # not whole tiles
     with fl.pallas_kernels("off"):
-      assert gk.kernel_mode(x, 16, low_precision=True) is None
+      assert gk.kernel_mode(x, 16, gpu_kernel=True) is None
   if len(jax.devices()) > 1:  # jit over several devices: XLA's (a Pallas call has no
     with fl.target_backend("gpu"):  # partitioning rule)
-      assert gk.kernel_mode(x, 16, low_precision=True) is None
+      assert gk.kernel_mode(x, 16, gpu_kernel=True) is None
   with fl.pallas_kernels("interpret"):
-    assert gk.kernel_mode(x, 16, low_precision=False) == "interpret"
+    assert gk.kernel_mode(x, 16, gpu_kernel=False) == "interpret"
   # Mixed fp8 multiplies in float16 in the kernel: worth it from three groups on.
   assert gk.pays(jnp.float8_e4m3fn, jnp.float8_e4m3fn, 2)
   assert not gk.pays(jnp.float8_e5m2, jnp.float8_e4m3fn, 2)
@@ -188,7 +188,7 @@ def test_scaled_outputs_are_xlas_bits(form):
   gs = jnp.array([10, 0, 40, 30], jnp.int32)
   scales = jnp.array([0.37, 3.1, 2.0 ** -9, 1e3], jnp.float32)
   a, b = {"forward": (x, w), "dgrad": (g, w), "wgrad": (x, g)}[form]
-  run = lambda: gk.ragged_product(a, b, gs, low_precision=True, transpose_rhs=form == "dgrad",
+  run = lambda: gk.ragged_product(a, b, gs, gpu_kernel=True, transpose_rhs=form == "dgrad",
                                   wgrad=form == "wgrad", scales=scales, out_dtype=jnp.bfloat16)
   with fl.pallas_kernels("interpret"):
     kernel = run()

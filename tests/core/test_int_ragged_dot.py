@@ -194,8 +194,11 @@ def test_the_forward_is_an_int8_grouped_gemm(require_target, target, kind, grad_
   if kind == "pallas-grouped-gemm":  # the routed rows' work, not 4 groups' worth
     assert all(p.kind == kind and p.flops == 2 * 512 * 256 * 384 for p in ints), ints
   if grad_bits is None:
-    # The two gradient products stay in the activations' dtype (bf16).
+    # The two gradient products stay in the activations' dtype (bf16): on a GPU in the
+    # same grouped kernels, each row by its own expert.
     assert len(ints) == 1 and report.classes.get("bf16") == 2, report.classes
+    if kind == "pallas-grouped-gemm":
+      assert {p.kind for p in report.product_list} == {kind}, report.product_list
   else:
     # grad_bits: dgrad and wgrad multiply int8 codes as well.
     assert len(ints) == 3 and report.classes == {"int8": 3}, report.classes
