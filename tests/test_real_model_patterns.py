@@ -298,10 +298,13 @@ def test_history_length_zero_is_for_current_scaling_only():
 class RaggedMoe(nn.Module):
   """MaxText's ``sparse_matmul`` and gemma's ``MoERagged``: experts as ``jax.lax.ragged_dot``."""
 
+  d: int = 8
+  f: int = 16
+
   @nn.compact
   def __call__(self, x, group_sizes):
-    w_in = self.param("w_in", nn.initializers.lecun_normal(), (4, 8, 16))
-    w_out = self.param("w_out", nn.initializers.lecun_normal(), (4, 16, 8))
+    w_in = self.param("w_in", nn.initializers.lecun_normal(), (4, self.d, self.f))
+    w_out = self.param("w_out", nn.initializers.lecun_normal(), (4, self.f, self.d))
     h = jax.nn.gelu(jax.lax.ragged_dot(x, w_in, group_sizes))
     return jax.lax.ragged_dot(h, w_out, group_sizes)
 
@@ -499,6 +502,25 @@ def test_served_experts_multiply_low_precision_codes(require_target, target, rec
   served, params = fl.convert(qm, v, ROUTED, GROUPS)
   report = compile_for(t, served.apply, params, ROUTED.astype(jnp.bfloat16), GROUPS)
   assert report.classes == expected, report.classes
+
+
+def test_a_quantized_moe_trains_in_the_gpu_grouped_kernels(require_target):
+  """quantize_model's experts on an H100 (compile only): every grouped GEMM of the step in
+  the library's kernels, each routed row multiplied by its own expert only."""
+  require_target("h100")
+  from fp8_linen.testing.compile import compile_for  # pylint: disable=import-outside-toplevel
+  qm = fl.quantize_model(RaggedMoe(d=32, f=64), fl.delayed_scaling(history_length=4))
+  x = jax.random.normal(jax.random.key(4), (64, 32), jnp.bfloat16)
+  gs = np.array([16, 0, 32, 16], np.int32)
+  v = qm.init(jax.random.key(0), x, gs)
+  step = lambda v, x: jax.value_and_grad(
+      lambda v: jnp.sum(jnp.square(qm.apply(v, x, gs).astype(jnp.float32))))(v)
+  report = compile_for("h100", step, v, x)
+  kinds = sorted((p.kind, p.operands[0]) for p in report.product_list)
+  # Two forwards on e4m3 codes; two wgrads and the second expert layer's dgrad (e5m2 x
+  # e4m3, float16 in the kernel); the input needs no gradient.
+  assert kinds == sorted([("pallas-grouped-gemm", "f8e4m3fn")] * 2
+                         + [("pallas-grouped-gemm", "f16")] * 3), kinds
 
 
 class OwnWeights(nn.Module):
