@@ -78,6 +78,8 @@ def tiles(m: int, c: int, o: int) -> tuple[int, int, int] | None:
 
   Each edge is the largest of its candidates that divides the size.
   """
+  if min(m, c, o) <= 0:  # an empty batch: XLA's product (nothing for a kernel to tile)
+    return None
   pick = lambda n, options: next((t for t in options if n % t == 0), None)
   found = pick(m, _ROWS), pick(c, _COLS), pick(o, _COLS)
   return None if None in found else found
@@ -134,7 +136,7 @@ def run(a, b, group_sizes, *, gpu_kernel: bool, transpose_rhs: bool = False,
   """
   out_cols = b.shape[1] if transpose_rhs else b.shape[-1]
   mode = kernel_mode(a, out_cols, gpu_kernel=gpu_kernel)
-  if mode is None or (mode == "compiled" and not pays(a.dtype, b.dtype, group_sizes.shape[0])):
+  if mode is None or group_sizes.shape[0] == 0 or (mode == "compiled" and not pays(a.dtype, b.dtype, group_sizes.shape[0])):
     return None
   kw = {"scales": scales, "out_dtype": out_dtype, "interpret": mode == "interpret"}
   if wgrad:

@@ -162,6 +162,11 @@ def test_where_the_kernels_run():
       assert gk.kernel_mode(x, 16, gpu_kernel=True) is None
   with fl.pallas_kernels("interpret"):
     assert gk.kernel_mode(x, 16, gpu_kernel=False) == "interpret"
+  assert gk.tiles(0, 32, 32) is None  # an empty batch keeps XLA's product
+  with fl.pallas_kernels("interpret"):
+    empty = gk.ragged_product(jnp.zeros((0, 32)), jnp.zeros((2, 32, 16)), jnp.array([0, 0]),
+                              gpu_kernel=True)
+  assert empty.shape == (0, 16)
   # Mixed fp8 multiplies in float16 in the kernel: worth it from three groups on.
   assert gk.pays(jnp.float8_e4m3fn, jnp.float8_e4m3fn, 2)
   assert not gk.pays(jnp.float8_e5m2, jnp.float8_e4m3fn, 2)
