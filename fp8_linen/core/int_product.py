@@ -365,7 +365,6 @@ def ragged_code_gemm(xc: Codes, wc: Codes, group_sizes, how: str):
       s_w, (-1, s_w.shape[-1]))
 
 
-
 def ragged_supported(recipe: IntRecipe) -> str | None:
   """Why ``recipe`` has no integer grouped GEMM (:func:`int_ragged_dot`), or ``None``."""
   if recipe.input is None or recipe.kernel is None:
