@@ -14,6 +14,11 @@ weights, per arm:
 * ``fp8_e4m3_grads``: the same with e4m3 gradients (all three kernels fp8);
 * ``int8_xla`` / ``int8``: ``int_ragged_dot`` with ``grad_bits=8``.
 
+On a TPU (``--targets tpu7x tpu-v6e``) XLA runs the forward and dgrad in its own
+grouped Mosaic kernel; the library's kernel there is the wgrad (JAX's megablox
+``tgmm``, where XLA convolves over every expert), so ``bf16_kernel`` is for GPUs
+only and ``*_xla`` arms turn that wgrad kernel off.
+
 Each step is compiled for the target (no GPU needed), its products listed
 (kind, operand types, FLOPs) and its time estimated from the compiled program
 at the target's published peaks (``fp8_linen.testing.estimate``): **estimates,
@@ -45,7 +50,7 @@ TARGETS = ["h100", "b200"]
 ARMS = ["bf16", "bf16_kernel", "fp8_xla", "fp8", "fp8_e4m3_grads", "int8_xla", "int8"]
 
 
-def _loss(arm: str, groups: int):
+def _loss(arm: str, groups: int, target: str):
   """``loss(x, w, r, gs)`` of one arm, with its quantization state made inside."""
   if arm == "bf16":
     return lambda x, w, r, gs: jnp.sum(
@@ -55,9 +60,11 @@ def _loss(arm: str, groups: int):
                           kernel=fl.IntQuantConfig(granularity="channel"))
     return lambda x, w, r, gs: jnp.sum(int_product.int_ragged_dot(
         x, w, gs, recipe=recipe, input_params=(jnp.zeros((2,)),))[0].astype(jnp.float32) * r)
-  recipe = fl.delayed_scaling()
+  # TPU7x multiplies fp8 only when asked (gemm='auto' is bf16 on every TPU).
+  gemm = "fp8" if target == "tpu7x" else "auto"
+  recipe = fl.Fp8Recipe(gemm=gemm)
   if arm == "fp8_e4m3_grads":
-    recipe = fl.Fp8Recipe(output_grad=fl.ScalingConfig(dtype="float8_e4m3fn"))
+    recipe = fl.Fp8Recipe(gemm=gemm, output_grad=fl.ScalingConfig(dtype="float8_e4m3fn"))
   state = lambda shape: owg.RoleState(jnp.ones(shape), jnp.zeros(shape[:-1] + (16,)))
 
   def loss(x, w, r, gs):
@@ -88,7 +95,7 @@ def run_arm(target: str, arm: str, rows: int, k: int, n: int, groups: int) -> di
   if arm == "bf16_kernel":
     step = lambda x, w, r: _kernel_step(x, w.astype(jnp.bfloat16), r, sizes)
   else:
-    loss = _loss(arm, groups)
+    loss = _loss(arm, groups, target)
     step = lambda x, w, r: jax.value_and_grad(loss, argnums=(0, 1))(x, w, r, sizes)
   with fl.pallas_kernels("off" if arm.endswith("_xla") else "auto"):
     report = compile_for(target, step, *args)

@@ -24,6 +24,11 @@ by that multiply (:func:`ragged_product` is either path). Rows past
 zero gradient. The row bookkeeping (which tile holds which group's rows) is
 computed with ``jnp`` before the call (:func:`row_tiles`).
 
+On a TPU, XLA runs the forward and the dgrad in a grouped Mosaic kernel of
+its own but the wgrad as a convolution over every group:
+:func:`tpu_grouped_wgrad` runs JAX's megablox ``tgmm`` there instead
+(:func:`tpu_wgrad_pays` says where).
+
 When they run follows :func:`~fp8_linen.core.block_kernels.pallas_kernels`
 (the one switch for the library's kernels): ``'auto'`` on a GPU for a product
 of 8-bit codes (``gemm='fp8'``, integer codes) or of the 16-bit floats it
@@ -45,6 +50,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +62,9 @@ from jax.lax import ragged_dot as lax_ragged_dot
 
 from fp8_linen.core import block_kernels, lowering
 
-__all__ = ["WGRAD_DIMENSIONS", "tiles", "kernel_mode", "pays", "run", "ragged_product",
-           "row_tiles", "kernel_name", "grouped_gemm", "grouped_wgrad"]
+__all__ = ["WGRAD_DIMENSIONS", "TPU_WGRAD_SCOPE", "tiles", "kernel_mode", "pays", "run", "ragged_product",
+           "tpu_wgrad_pays", "tpu_grouped_wgrad", "row_tiles", "kernel_name", "grouped_gemm",
+           "grouped_wgrad"]
 
 WGRAD_DIMENSIONS = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
@@ -160,7 +167,9 @@ def ragged_product(a, b, group_sizes, *, gpu_kernel: bool, transpose_rhs: bool =
   if upcast is not None:
     a, b = a.astype(upcast), b.astype(upcast)
   acc = _acc_dtype(a.dtype)
-  if wgrad:
+  if wgrad and tpu_wgrad_pays(a, b, group_sizes.shape[0]):
+    y = tpu_grouped_wgrad(a, b, group_sizes)
+  elif wgrad:
     y = lax.ragged_dot_general(a, b, group_sizes, WGRAD_DIMENSIONS, preferred_element_type=acc)
   else:
     b = jnp.swapaxes(b, 1, 2) if transpose_rhs else b
@@ -173,6 +182,48 @@ def ragged_product(a, b, group_sizes, *, gpu_kernel: bool, transpose_rhs: bool =
   # Each row takes its group's scale (the rows past the groups are zero: any scale).
   rows = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=y.shape[0])
   return (y * scales[rows][:, None]).astype(out_dtype)
+
+
+# XLA:TPU multiplies the forward and the dgrad in a grouped Mosaic kernel of its own, but
+# the wgrad as a convolution over every group. JAX's megablox `tgmm` (a Mosaic kernel that
+# contracts each group's rows only) takes bfloat16 and float32 operands, in 128 tiles.
+_TPU_TILE = 128
+TPU_WGRAD_SCOPE = "fp8_linen_tpu_grouped_wgrad"
+"""The name scope of :func:`tpu_grouped_wgrad`'s kernel (in its compiled ``op_name``)."""
+_TPU_TAKES = (jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def tpu_wgrad_pays(a, b, groups: int) -> bool:
+  """Whether a TPU wgrad goes to :func:`tpu_grouped_wgrad` instead of XLA's convolution.
+
+  On a TPU traced for (``'auto'`` kernels), on one device outside ``shard_map``,
+  for bfloat16 or fp8 operands (fp8 codes are widened to bfloat16, exact) in
+  whole 128 tiles. bfloat16 always pays (the routed rows' work, not ``groups``
+  times it); fp8 codes, which XLA would multiply at TPU7x's fp8 rate, from
+  three groups on.
+  """
+  if (block_kernels.switch_mode() != "auto" or lowering.current_backend() != "tpu"
+      or groups == 0 or lowering.varying_axes(a) or not block_kernels.per_device(a)):
+    return False
+  if any(jnp.dtype(t.dtype) not in map(jnp.dtype, _TPU_TAKES) for t in (a, b)):
+    return False
+  if any(d % _TPU_TILE for d in (*a.shape, b.shape[1])) or not a.shape[0]:
+    return False
+  return a.dtype == b.dtype == jnp.bfloat16 or groups > 2
+
+
+def tpu_grouped_wgrad(a, b, group_sizes, *, interpret: bool = False):
+  """``out[i] = a[rows_i]^T @ b[rows_i]`` by megablox's ``tgmm`` (float32, ``(g, k, n)``).
+
+  The operands go in as bfloat16 (exact for bfloat16 and fp8 values).
+  """
+  megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+  bf16 = lambda t: t.astype(jnp.bfloat16)
+  # The scope names the kernel in the compiled program, for the product counter.
+  with jax.named_scope(TPU_WGRAD_SCOPE):
+    return megablox.tgmm(bf16(a).T, bf16(b), group_sizes.astype(jnp.int32),
+                         preferred_element_type=jnp.float32,
+                         tiling=(_TPU_TILE, _TPU_TILE, _TPU_TILE), interpret=interpret)
 
 
 def row_tiles(group_sizes, m: int, tm: int):

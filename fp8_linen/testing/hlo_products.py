@@ -87,7 +87,8 @@ class Product:
   Attributes:
     kind: ``'cublas'`` (a cuBLAS/cuBLASLt GEMM custom call), ``'cudnn-conv'``,
       ``'block-scaled-dot'`` (cuDNN's MXFP8/NVFP4 dot), ``'mosaic-grouped-gemm'``
-      (XLA:TPU's grouped GEMM kernel for ``ragged_dot``), ``'cudnn-gemm'`` or
+      (XLA:TPU's grouped GEMM kernel for ``ragged_dot``, or megablox's ``tgmm``
+      the library runs for its wgrad), ``'cudnn-gemm'`` or
       ``'triton-gemm'`` (a GEMM fusion), ``'pallas-grouped-gemm'`` (the
       library's Triton grouped GEMMs for ``ragged_dot``; operands: the dtype
       its dots are fed), ``'convolution'`` (a convolution
@@ -232,10 +233,23 @@ def _custom_call_product(module: Module, comp: str, inst: Instruction) -> Produc
     k = lhs[0].shape[-1] if lhs and lhs[0].shape else 0
     return Product("mosaic-grouped-gemm", tuple(types), out.dtype, 2 * out.size * k, target,
                    comp, inst.name)
+  if target == "tpu_custom_call" and _TPU_WGRAD_SCOPE in inst.attrs:
+    # JAX's megablox grouped wgrad (the library's TPU wgrad): each group's rows of two
+    # matrices contracted; they are its last two operands, the second (m, n).
+    n = len(inst.operands)
+    types = (module.operand_types(comp, inst, n) + (None,) * n)[n - 2:n]
+    rhs = (module.operand_arrays(comp, inst) + [None] * n)[n - 1]
+    m = rhs[0].shape[0] if rhs and rhs[0].shape else 0
+    per_group = out.size // out.shape[0] if out.shape else 0
+    return Product("mosaic-grouped-gemm", tuple(types), out.dtype, 2 * m * per_group, target,
+                   comp, inst.name)
   if target == PALLAS_TRITON_TARGET:
     return _grouped_kernel_product(module, comp, inst, out)
   return None
 
+
+# fp8_linen.core.grouped_kernels.TPU_WGRAD_SCOPE: the name scope of the library's TPU wgrad.
+_TPU_WGRAD_SCOPE = "fp8_linen_tpu_grouped_wgrad"
 
 # The library's grouped-GEMM kernels name themselves after the dtype their dots are fed
 # (fp8_linen.core.grouped_kernels.kernel_name): mixed fp8 codes multiply in float16.

@@ -202,3 +202,25 @@ def test_scaled_outputs_are_xlas_bits(form):
   chex.assert_type(kernel, jnp.bfloat16)
   chex.assert_trees_all_equal(kernel, xla)
   assert float(jnp.abs(kernel.astype(jnp.float32)).max()) > 0
+
+
+def test_the_tpu_wgrad_is_megabloxs_grouped_kernel_bit_for_bit():
+  # Pallas' interpreter; the TPU compiles it in test_ragged_dot.py (compile only).
+  keys = jax.random.split(jax.random.key(5), 2)
+  x = _ints(keys[0], (256, 128), jnp.float8_e4m3fn)
+  g = _ints(keys[1], (256, 128), jnp.float8_e5m2)
+  gs = jnp.array([100, 0, 130, 10], jnp.int32)  # rows past the groups: in no gradient
+  got = gk.tpu_grouped_wgrad(x, g, gs, interpret=True)
+  f32 = lambda a: a.astype(jnp.float32)
+  chex.assert_trees_all_equal(got, jax.lax.ragged_dot_general(f32(x), f32(g), gs, _WGRAD))
+  # Where it runs: a TPU, bf16 always, fp8 codes from three groups on, 128 tiles.
+  one = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1])
+  b = jnp.zeros((256, 128), jnp.bfloat16)
+  with fl.target_backend("tpu"), jax.set_mesh(one):
+    assert gk.tpu_wgrad_pays(b, b, 2) and gk.tpu_wgrad_pays(x, g, 3)
+    assert not gk.tpu_wgrad_pays(x, g, 2)
+    assert not gk.tpu_wgrad_pays(b[:, :96], b, 4)                # not whole 128 tiles
+    assert not gk.tpu_wgrad_pays(b.astype(jnp.int8), b.astype(jnp.int8), 4)  # int8: XLA's
+    with fl.pallas_kernels("off"):
+      assert not gk.tpu_wgrad_pays(b, b, 4)
+  assert not gk.tpu_wgrad_pays(b, b, 4)                          # not traced for a TPU

@@ -204,10 +204,14 @@ _TARGET_CASES = [
     # Kernels off: XLA's cuBLASLt fp8 GEMMs, each dense over every group.
     ("h100", fl.Fp8Recipe(), 4, "off", [("cublas", "f8e4m3fn", "f8e4m3fn")] + [_MIXED] * 2),
     ("b200", fl.Fp8Recipe(), 4, "auto", [_K8] + [_K16] * 2),
-    ("tpu7x", fl.Fp8Recipe(gemm="fp8"), 4, "auto", None),   # XLA:TPU's Mosaic grouped GEMM
+    # XLA:TPU's Mosaic grouped GEMM for the forward and dgrad (fed the fp8 codes), JAX's
+    # megablox tgmm for the wgrad (bf16: it takes no fp8), where XLA would convolve over
+    # every group.
+    ("tpu7x", fl.Fp8Recipe(gemm="fp8"), 4, "auto", None),
     ("tpu-v6e", fl.Fp8Recipe(), 4, "auto", None),  # no fp8 MXU mode: the codes as bf16
+    ("tpu-v6e", fl.Fp8Recipe(), 4, "off", None),   # kernels off: XLA's wgrad convolution
 ]
-_TPU_CLASSES = {"tpu7x": {"fp8": 3}, "tpu-v6e": {"bf16": 3}}
+_TPU_CLASSES = {"tpu7x": {"fp8": 2, "bf16": 1}, "tpu-v6e": {"bf16": 3}}
 
 
 def _fed(p):
@@ -239,14 +243,18 @@ def test_each_target_runs_the_three_grouped_gemms(require_target, target, recipe
   kernel = owg.RoleState(jnp.ones((groups, 1)), jnp.zeros((groups, 16)))
   with fl.pallas_kernels(kernels):
     report = compile_for(t, step, lhs, rhs, ct, (_st(), kernel, _st()))
+  routed = 2 * 512 * 256 * 384
   if t.platform == "tpu":
     assert report.classes == _TPU_CLASSES[target], report.classes
-    kinds = [p.kind for p in report.product_list]
-    assert kinds.count("mosaic-grouped-gemm") == 2, kinds  # forward and dgrad
+    grouped = [p for p in report.product_list if p.kind == "mosaic-grouped-gemm"]
+    assert len(grouped) == (2 if kernels == "off" else 3), report.product_list
+    assert all(p.flops == routed for p in grouped), grouped
+    if kernels == "off":  # the wgrad: a convolution over all 4 groups
+      (conv,) = [p for p in report.product_list if p.kind == "convolution"]
+      assert conv.flops == 4 * routed
     return
   assert sorted(map(_fed, report.product_list)) == sorted(expected), report.product_list
   # A kernel multiplies the routed rows once; XLA's GEMMs every row by every group.
-  routed = 2 * 512 * 256 * 384
   for p in report.product_list:
     assert p.flops == routed * (1 if p.kind == "pallas-grouped-gemm" else groups), p
 
