@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp8_linen as fl
-from fp8_linen.core import grouped_kernels, int_product, owg
+from fp8_linen.core import grouped_kernels, int_product
 from fp8_linen.testing.compile import compile_for
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +65,7 @@ def _loss(arm: str, groups: int, target: str):
   recipe = fl.Fp8Recipe(gemm=gemm)
   if arm == "fp8_e4m3_grads":
     recipe = fl.Fp8Recipe(gemm=gemm, output_grad=fl.ScalingConfig(dtype="float8_e4m3fn"))
-  state = lambda shape: owg.RoleState(jnp.ones(shape), jnp.zeros(shape[:-1] + (16,)))
+  state = lambda shape: fl.RoleState(jnp.ones(shape), jnp.zeros(shape[:-1] + (16,)))
 
   def loss(x, w, r, gs):
     y, _ = fl.fp8_ragged_dot(x, w, gs, input_state=state((1,)),

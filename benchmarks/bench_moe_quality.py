@@ -217,7 +217,10 @@ def summarize(runs: list[dict]) -> dict:
 
 def markdown(payload: dict) -> str:
   rows = ["| arm | val loss | vs bf16 | target | seeds |", "| --- | ---: | ---: | ---: | ---: |"]
-  for arm, s in payload["summary"].items():
+  # In the arms' own order (the JSON may keep its keys sorted).
+  summary = payload["summary"]
+  for arm, s in sorted(summary.items(), key=lambda kv: (
+      ARMS.index(kv[0]) if kv[0] in ARMS else len(ARMS), kv[0])):
     excess = "–" if s["excess_vs_bf16"] is None or arm == "bf16" else \
         f"{100 * s['excess_vs_bf16']:+.2f}%"
     target = "–" if s["target"] is None else f"{100 * s['target']:.1f}%"

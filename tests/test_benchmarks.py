@@ -235,8 +235,10 @@ def test_scripts_import_only_the_public_api():
       for name in names:
         if name.split(".")[0] in ("fp8_linen", "fp8_linen_job", "common", "plot_results"):
           ok = name in allowed_ours or name.startswith("fp8_linen_job.")
-          # The kernels' own benchmark runs them against their jnp reference: both internal.
-          ok = ok or (path.name == "bench_kernels_gpu.py" and name == "fp8_linen.core")
+          # The kernels' own benchmarks run them against their references (jnp, or XLA's
+          # grouped GEMM and bf16 in the same kernels): both internal.
+          ok = ok or (path.name in ("bench_kernels_gpu.py", "bench_grouped_gemm.py")
+                      and name == "fp8_linen.core")
           assert ok, f"{path.name} imports {name}"
       # Only the scripts that measure the job's own models may import the job.
       if path.name not in ("bench_transformer.py", "bench_block_quality.py", "from_float.py",
