@@ -72,27 +72,36 @@ WGRAD_DIMENSIONS = lax.RaggedDotDimensionNumbers(
 """The wgrad of a grouped GEMM: ``(m, k)`` and ``(m, n)`` contract their ragged rows, one
 ``(k, n)`` per group."""
 
-# Row tiles stay short: a tile two groups share is computed once per group.
-_ROWS = (64, 32, 16)
-# Contracted and output columns: Triton's dots want powers of two of at least 16.
-_COLS = (128, 64, 32, 16)
-_NUM_WARPS = 4
-_NUM_STAGES = 3
+# How each kernel cuts its operands and is launched: per edge the candidate
+# tiles, largest first. Row tiles stay short in the forward/dgrad: a tile two
+# groups share is computed once per group. Triton's dots want powers of two of
+# at least 16 on every edge; every edge ends in 16, so which shapes a kernel
+# takes does not depend on the launch (GPU benchmarks sweep this table).
+_LAUNCH = {
+    "grouped_gemm": {"rows": (64, 32, 16), "contracted": (128, 64, 32, 16),
+                     "cols": (128, 64, 32, 16), "num_warps": 4, "num_stages": 3},
+    "grouped_wgrad": {"rows": (64, 32, 16), "contracted": (128, 64, 32, 16),
+                      "cols": (128, 64, 32, 16), "num_warps": 4, "num_stages": 3},
+}
 
 
-def tiles(m: int, c: int, o: int) -> tuple[int, int, int] | None:
-  """The kernels' tile ``(rows, contracted, output columns)`` for these sizes, or None.
+def tiles(m: int, c: int, o: int, kind: str = "grouped_gemm") -> tuple[int, int, int] | None:
+  """The tile ``(rows, contracted, output columns)`` of kernel ``kind`` for these sizes, or None.
 
-  Each edge is the largest of its candidates that divides the size.
+  Each edge is the largest of its candidates that divides the size. For
+  ``grouped_wgrad`` ``c`` is the output's rows (its lhs' columns), as in
+  :func:`kernel_mode`.
   """
   if min(m, c, o) <= 0:  # an empty batch: XLA's product (nothing for a kernel to tile)
     return None
+  launch = _LAUNCH[kind]
   pick = lambda n, options: next((t for t in options if n % t == 0), None)
-  found = pick(m, _ROWS), pick(c, _COLS), pick(o, _COLS)
+  found = pick(m, launch["rows"]), pick(c, launch["contracted"]), pick(o, launch["cols"])
   return None if None in found else found
 
 
-def kernel_mode(lhs, out_cols: int, *, gpu_kernel: bool) -> str | None:
+def kernel_mode(lhs, out_cols: int, *, gpu_kernel: bool,
+                kind: str = "grouped_gemm") -> str | None:
   """``'compiled'``, ``'interpret'`` or None: how a grouped GEMM of ``lhs`` would run now.
 
   Args:
@@ -103,9 +112,10 @@ def kernel_mode(lhs, out_cols: int, *, gpu_kernel: bool) -> str | None:
       or 16-bit floats it multiplies as they are), so the compiled kernel
       computes it exactly: the only products it takes on a GPU. float32
       operands never take it (Triton may round them to tf32).
+    kind: ``'grouped_gemm'`` or ``'grouped_wgrad'``, whose tiles the shape must fit.
   """
   mode = block_kernels.switch_mode()
-  if mode == "off" or lhs.ndim != 2 or tiles(lhs.shape[0], lhs.shape[1], out_cols) is None:
+  if mode == "off" or lhs.ndim != 2 or tiles(lhs.shape[0], lhs.shape[1], out_cols, kind) is None:
     return None
   if mode == "interpret":
     # The interpreter rejects shard_map's varying values (see block_kernels).
@@ -142,7 +152,8 @@ def run(a, b, group_sizes, *, gpu_kernel: bool, transpose_rhs: bool = False,
     scales, out_dtype: :func:`grouped_gemm`'s (each group's output scale).
   """
   out_cols = b.shape[1] if transpose_rhs else b.shape[-1]
-  mode = kernel_mode(a, out_cols, gpu_kernel=gpu_kernel)
+  mode = kernel_mode(a, out_cols, gpu_kernel=gpu_kernel,
+                     kind="grouped_wgrad" if wgrad else "grouped_gemm")
   if mode is None or group_sizes.shape[0] == 0 or (mode == "compiled" and not pays(a.dtype, b.dtype, group_sizes.shape[0])):
     return None
   kw = {"scales": scales, "out_dtype": out_dtype, "interpret": mode == "interpret"}
@@ -296,13 +307,15 @@ def _out(shape, dtype, inputs):
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mats[0].update(varying=varying))
 
 
-def _call(kernel, grid, out_shape, out_specs, args, in_specs, *, name: str, interpret: bool):
+def _call(kernel, grid, out_shape, out_specs, args, in_specs, *, kind: str, name: str,
+          interpret: bool):
   out_shape = _out(out_shape.shape, out_shape.dtype, args)
   params = {}
   if not interpret:
     from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel
-    params = {"compiler_params": pl_triton.CompilerParams(num_warps=_NUM_WARPS,
-                                                          num_stages=_NUM_STAGES)}
+    launch = _LAUNCH[kind]
+    params = {"compiler_params": pl_triton.CompilerParams(num_warps=launch["num_warps"],
+                                                          num_stages=launch["num_stages"])}
   specs = {k: v for k, v in (("in_specs", in_specs), ("out_specs", out_specs)) if v is not None}
   return pl.pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
                         **specs, **params)(*args)
@@ -357,8 +370,8 @@ def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, scales=N
   o = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   found = tiles(m, c, o)
   if found is None:
-    raise ValueError(f"grouped_gemm: ({m}, {c}) x {rhs.shape} is not whole tiles of rows "
-                     f"{_ROWS} and columns {_COLS}")
+    raise ValueError(f"grouped_gemm: ({m}, {c}) x {rhs.shape} is not whole tiles of "
+                     f"{_LAUNCH['grouped_gemm']}")
   tm, tc, to = found
   if interpret is None:
     interpret = block_kernels.switch_mode() == "interpret"
@@ -369,7 +382,8 @@ def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, scales=N
                              transpose_rhs=transpose_rhs, acc=acc)
   return _call(kernel, (meta[0].shape[0], o // to), jax.ShapeDtypeStruct((m, o), out), None,
                (lhs, rhs) + meta + extra, None,
-               name=kernel_name("grouped_gemm", lhs.dtype, rhs.dtype), interpret=interpret)
+               kind="grouped_gemm", name=kernel_name("grouped_gemm", lhs.dtype, rhs.dtype),
+               interpret=interpret)
 
 
 def _scaled(scales, groups: int, out_dtype, acc):
@@ -380,20 +394,23 @@ def _scaled(scales, groups: int, out_dtype, acc):
   return (scales,), jnp.dtype(out_dtype or jnp.float32)
 
 
-def _wgrad_kernel(lhs_ref, rhs_ref, lo_ref, hi_ref, *refs, sizes, acc):
+def _wgrad_kernel(lhs_ref, rhs_ref, lo_ref, hi_ref, *refs, sizes, acc, transposed: bool):
   tm, tc, to = sizes
   gi, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   lo, hi = lo_ref[gi], hi_ref[gi]
 
   def step(t, total):
-    row = t * tm + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
-    keep = (row >= lo) & (row < hi)
     rows = pl.ds(t * tm, tm)
-    a = lhs_ref[rows, pl.ds(i * tc, tc)]
-    b = rhs_ref[rows, pl.ds(j * to, to)]
+    if transposed:  # (c, m) and (o, m): the routed rows are each tile's contiguous edge
+      row = t * tm + lax.broadcasted_iota(jnp.int32, (1, tm), 1)
+      a, b = lhs_ref[pl.ds(i * tc, tc), rows], rhs_ref[pl.ds(j * to, to), rows]
+    else:
+      row = t * tm + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+      a, b = lhs_ref[rows, pl.ds(i * tc, tc)], rhs_ref[rows, pl.ds(j * to, to)]
+    keep = (row >= lo) & (row < hi)
     a = jnp.where(keep, a, jnp.zeros_like(a))
     b = jnp.where(keep, b, jnp.zeros_like(b))
-    return total + _dot(a.T, b, acc)
+    return total + (_dot(a, b.T, acc) if transposed else _dot(a.T, b, acc))
 
   # Only this group's row tiles (none for an empty group).
   total = lax.fori_loop(lo // tm, jnp.where(hi > lo, (hi + tm - 1) // tm, lo // tm), step,
@@ -404,13 +421,17 @@ def _wgrad_kernel(lhs_ref, rhs_ref, lo_ref, hi_ref, *refs, sizes, acc):
   out_ref[...] = total
 
 
-def grouped_wgrad(lhs, rhs, group_sizes, *, scales=None, out_dtype=None, interpret=None):
+def grouped_wgrad(lhs, rhs, group_sizes, *, transposed: bool = False, scales=None,
+                  out_dtype=None, interpret=None):
   """The ragged-contracting grouped GEMM: ``out[i] = lhs[rows_i]^T @ rhs[rows_i]``.
 
   Args:
-    lhs: ``(m, c)`` (the forward's input codes).
-    rhs: ``(m, o)`` (the output gradient's codes).
+    lhs: ``(m, c)`` (the forward's input codes), or ``(c, m)`` with ``transposed``.
+    rhs: ``(m, o)`` (the output gradient's codes), or ``(o, m)`` with ``transposed``.
     group_sizes: integer ``(g,)``.
+    transposed: the operands are stored with the routed rows last: the
+      layout Hopper's 8-bit tensor-core products read without a transpose
+      (both operands contiguous along the contracted rows).
     scales, out_dtype: as :func:`grouped_gemm` (group ``i``'s output times ``scales[i]``).
     interpret: run in Pallas' interpreter (default: as :func:`kernel_mode` says).
 
@@ -418,12 +439,11 @@ def grouped_wgrad(lhs, rhs, group_sizes, *, scales=None, out_dtype=None, interpr
     ``(g, c, o)``: float32 sums (int32 for integer operands), or the scaled
     output; zero for an empty group.
   """
-  m, c = lhs.shape
-  o = rhs.shape[1]
-  found = tiles(m, c, o)
-  if found is None or rhs.shape[0] != m:
-    raise ValueError(f"grouped_wgrad: {lhs.shape} and {rhs.shape} are not whole tiles of rows "
-                     f"{_ROWS} and columns {_COLS} with the same rows")
+  (c, m), o = (lhs.shape, rhs.shape[0]) if transposed else (lhs.shape[::-1], rhs.shape[1])
+  found = tiles(m, c, o, "grouped_wgrad")
+  if found is None or rhs.shape[1 if transposed else 0] != m:
+    raise ValueError(f"grouped_wgrad: {lhs.shape} and {rhs.shape} are not whole tiles of "
+                     f"{_LAUNCH['grouped_wgrad']} with the same rows")
   tm, tc, to = found
   if interpret is None:
     interpret = block_kernels.switch_mode() == "interpret"
@@ -432,10 +452,11 @@ def grouped_wgrad(lhs, rhs, group_sizes, *, scales=None, out_dtype=None, interpr
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
   acc = _acc_dtype(lhs.dtype)
   extra, out = _scaled(scales, g, out_dtype, acc)
-  kernel = functools.partial(_wgrad_kernel, sizes=(tm, tc, to), acc=acc)
+  kernel = functools.partial(_wgrad_kernel, sizes=(tm, tc, to), acc=acc, transposed=transposed)
   whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
   args = (lhs, rhs, starts, ends) + extra
   return _call(kernel, (g, c // tc, o // to), jax.ShapeDtypeStruct((g, c, o), out),
                pl.BlockSpec((None, tc, to), lambda gi, i, j: (gi, i, j)), args,
-               [whole(a) for a in args], name=kernel_name("grouped_wgrad", lhs.dtype, rhs.dtype),
+               [whole(a) for a in args], kind="grouped_wgrad",
+               name=kernel_name("grouped_wgrad", lhs.dtype, rhs.dtype),
                interpret=interpret)

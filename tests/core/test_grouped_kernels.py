@@ -61,17 +61,19 @@ class KernelTest(chex.TestCase):
       with fl.pallas_kernels("interpret"):
         return (gk.grouped_gemm(x, w, gs),
                 gk.grouped_gemm(g, w, gs, transpose_rhs=True),  # e5m2 x e4m3: float16 dots
-                gk.grouped_wgrad(x, g, gs))
+                gk.grouped_wgrad(x, g, gs),
+                # The operands stored with the routed rows last.
+                gk.grouped_wgrad(x.T, g.T, gs, transposed=True))
 
     for sizes in SIZES:
       gs = jnp.array(sizes, jnp.int32)
-      y, dx, dw = kernels(x, w, g, gs)
+      y, dx, dw, dw_t = kernels(x, w, g, gs)
+      want_dw = jax.lax.ragged_dot_general(f32(x), f32(g), gs, _WGRAD)
       chex.assert_trees_all_equal(
-          (y, dx, dw),
+          (y, dx, dw, dw_t),
           (jax.lax.ragged_dot(f32(x), f32(w), gs),
-           jax.lax.ragged_dot(f32(g), jnp.swapaxes(f32(w), 1, 2), gs),
-           jax.lax.ragged_dot_general(f32(x), f32(g), gs, _WGRAD)))
-      chex.assert_type((y, dx, dw), jnp.float32)
+           jax.lax.ragged_dot(f32(g), jnp.swapaxes(f32(w), 1, 2), gs), want_dw, want_dw))
+      chex.assert_type((y, dx, dw, dw_t), jnp.float32)
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_int8_codes_accumulate_in_int32_exactly(self):
@@ -85,14 +87,15 @@ class KernelTest(chex.TestCase):
     @self.variant
     def kernels(x, w, g):
       with fl.pallas_kernels("interpret"):
-        return gk.grouped_gemm(x, w, gs), gk.grouped_wgrad(x, g, gs)
+        return (gk.grouped_gemm(x, w, gs), gk.grouped_wgrad(x, g, gs),
+                gk.grouped_wgrad(x.T, g.T, gs, transposed=True))
 
-    y, dw = kernels(x, w, g)
-    chex.assert_type((y, dw), jnp.int32)
+    y, dw, dw_t = kernels(x, w, g)
+    chex.assert_type((y, dw, dw_t), jnp.int32)
+    want_dw = jax.lax.ragged_dot_general(x, g, gs, _WGRAD, preferred_element_type=jnp.int32)
     chex.assert_trees_all_equal(
-        (y, dw), (jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.int32),
-                  jax.lax.ragged_dot_general(x, g, gs, _WGRAD,
-                                             preferred_element_type=jnp.int32)))
+        (y, dw, dw_t), (jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.int32),
+                        want_dw, want_dw))
 
 
 def _fp8_step(lhs, rhs, ct, gs):
