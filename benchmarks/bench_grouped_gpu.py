@@ -59,7 +59,7 @@ from fp8_linen.core import grouped_kernels  # noqa: E402
 ARMS = bench_grouped_gemm.ARMS + ["fp8_e4m3_grads_xla"]
 # Each kernel arm and the XLA arm it must agree with.
 TWINS = {"bf16_kernel": "bf16", "fp8": "fp8_xla", "fp8_e4m3_grads": "fp8_e4m3_grads_xla",
-         "int8": "int8_xla"}
+         "int8": "int8_xla", "fp8_nmajor": "fp8", "int8_nmajor": "int8"}
 SHAPE = {"rows": 16384, "k": 4096, "n": 14336, "experts": 8}
 SMOKE_SHAPE = {"rows": 256, "k": 64, "n": 128, "experts": 4}
 
@@ -114,10 +114,16 @@ class _Stop(Exception):
   """The run's time is up (SIGTERM, or --stop-after-s reached)."""
 
 
-def _launch(choice) -> dict:
+def _set_launch(kernel: str, choice) -> dict:
+  """Gives every launch table of ``kernel`` (``grouped_gemm``: 16- and 8-bit; ``grouped_wgrad``:
+  both layouts) the launch ``choice``; returns the tables it replaced."""
   tm, tc, to, warps, stages = choice
-  return {"rows": (tm,), "contracted": (tc,), "cols": (to,), "num_warps": warps,
-          "num_stages": stages}
+  tables = grouped_kernels._LAUNCH  # pylint: disable=protected-access
+  saved = {k: v for k, v in tables.items() if k.startswith(kernel)}
+  for k in saved:
+    tables[k] = {"rows": (tm,), "contracted": (tc,), "cols": (to,), "num_warps": warps,
+                 "num_stages": stages}
+  return saved
 
 
 def group_sizes(rows: int, groups: int) -> np.ndarray:
@@ -145,8 +151,9 @@ def _step(arm: str, groups: int):
     fn = lambda x, w, r, gs: bench_grouped_gemm._kernel_step(  # pylint: disable=protected-access
         x, w.astype(jnp.bfloat16), r, gs)
   else:
-    # The XLA twins trace the same loss with the kernels off ("fp8_xla" is the fp8 recipe).
-    base = "fp8_e4m3_grads" if arm == "fp8_e4m3_grads_xla" else arm
+    # The XLA twins trace the same loss with the kernels off ("fp8_xla" is the fp8 recipe);
+    # "_nmajor" arms with every operand in the layout the step makes it.
+    base = "fp8_e4m3_grads" if arm == "fp8_e4m3_grads_xla" else arm.removesuffix("_nmajor")
     loss = bench_grouped_gemm._loss(base, groups, "h100")  # pylint: disable=protected-access
     fn = jax.value_and_grad(loss, argnums=(0, 1))
   return jax.jit(fn), "off" if arm.endswith("_xla") else None
@@ -156,8 +163,14 @@ def compile_arm(arm: str, args, groups: int, kernels: str, peaks) -> tuple[objec
   """Compiles one arm's step on the device: the executable and its JSON row."""
   fn, mode = _step(arm, groups)
   t0 = time.perf_counter()
-  with fl.pallas_kernels(mode or kernels):
-    compiled = fn.lower(*args).compile()
+  policy = grouped_kernels.contiguous_contraction
+  if arm.endswith("_nmajor"):  # no K-major copies (the kernels' layout before them)
+    grouped_kernels.contiguous_contraction = lambda *_: False
+  try:
+    with fl.pallas_kernels(mode or kernels):
+      compiled = fn.lower(*args).compile()
+  finally:
+    grouped_kernels.contiguous_contraction = policy
   row = {"compile_s": time.perf_counter() - t0}
   text = compiled.as_text()
   row["products"] = bench_gpu.product_summary(text)
@@ -278,11 +291,12 @@ def run_sweep(shape, sizes, kernels, rounds, payload, save, choices):
     a, b, kw = _operands(kind, a_dtype, b_dtype, shape)
     with fl.pallas_kernels(kernels):
       want = _product_fn(kw)(a, b, sizes)
-    library = dict(grouped_kernels._LAUNCH[kernel])  # pylint: disable=protected-access
+    library = {k: dict(v) for k, v in grouped_kernels._LAUNCH.items()  # pylint: disable=protected-access
+               if k.startswith(kernel)}
     rows = []
     for choice in choices[kernel]:
+      saved = _set_launch(kernel, choice)
       try:
-        grouped_kernels._LAUNCH[kernel] = _launch(choice)  # pylint: disable=protected-access
         with fl.pallas_kernels(kernels):
           fk = _product_fn(kw).lower(a, b, sizes).compile()  # a new closure: a new trace
         cmp = _compare(fk(a, b, sizes), want)
@@ -294,15 +308,16 @@ def run_sweep(shape, sizes, kernels, rounds, payload, save, choices):
       except Exception as e:  # pylint: disable=broad-except  # a launch Triton rejects is a result
         row = {"launch": list(choice), "error": f"{type(e).__name__}: {e}"[:500]}
       finally:
-        grouped_kernels._LAUNCH[kernel] = library  # pylint: disable=protected-access
+        grouped_kernels._LAUNCH.update(saved)  # pylint: disable=protected-access
       rows.append(row)
       print(f"sweep {kernel} {product} {choice}: " + (row.get("error", "")[:150] or
             f"max_rel {row['max_rel_vs_library']:.1e}"
             + (f" {row['kernel_ms']:.3f} ms" if rounds else "")), flush=True)
     ok = sorted((r for r in rows if "kernel_ms" in r and r["max_rel_vs_library"] < 1e-3),
                 key=lambda r: r["kernel_ms"])
-    section[f"{kernel} {product}"] = {"library": {k: list(v) if isinstance(v, tuple) else v
-                                                  for k, v in library.items()},
+    section[f"{kernel} {product}"] = {"library": {t: {k: list(v) if isinstance(v, tuple) else v
+                                                      for k, v in launch.items()}
+                                                  for t, launch in library.items()},
                                       "fastest": ok[0]["launch"] if ok else None, "rows": rows}
     save()
 
@@ -338,9 +353,8 @@ def run_layouts(shape, sizes, kernels, rounds, payload, save, launches):
       kernel, fn, args, ref = _layout_case(form, x, w, g, sizes)
       for choice in launches[jnp.dtype(xd).itemsize][kernel]:
         key = f"{label} {form} {list(choice)}"
-        library = grouped_kernels._LAUNCH[kernel]  # pylint: disable=protected-access
+        saved = _set_launch(kernel, choice)
         try:
-          grouped_kernels._LAUNCH[kernel] = _launch(choice)  # pylint: disable=protected-access
           with fl.pallas_kernels(kernels):  # a new closure: a new trace under this launch
             f = jax.jit(lambda *a, fn=fn: fn(*a)).lower(*args).compile()
           out = f(*args)
@@ -358,7 +372,7 @@ def run_layouts(shape, sizes, kernels, rounds, payload, save, launches):
           row = {"dtype": label, "form": form, "launch": list(choice),
                  "error": f"{type(e).__name__}: {e}"[:500]}
         finally:
-          grouped_kernels._LAUNCH[kernel] = library  # pylint: disable=protected-access
+          grouped_kernels._LAUNCH.update(saved)  # pylint: disable=protected-access
         section[key] = row
         print(f"layouts {key}: " + (row.get("error", "")[:150] or
               ", ".join(f"{a} {row[a]:.3g}" for a in row if a.startswith(("max_rel", "kernel_ms",
@@ -443,9 +457,10 @@ def main(argv=None) -> dict:
         best = [c["fastest"] for key, c in payload["sweep"].items()
                 if key.startswith(kernel + " ") and c["fastest"]]
         if best:
-          grouped_kernels._LAUNCH[kernel] = _launch(best[0])  # pylint: disable=protected-access
-      payload["tuned_launch"] = {k: list(v) if isinstance(v, tuple) else v for k, v in
-                                 grouped_kernels._LAUNCH.items()}  # pylint: disable=protected-access
+          _set_launch(kernel, best[0])
+      payload["tuned_launch"] = {t: {k: list(v) if isinstance(v, tuple) else v
+                                     for k, v in launch.items()}
+                                 for t, launch in grouped_kernels._LAUNCH.items()}  # pylint: disable=protected-access
       run_steps(args, g, kernels, peaks, reps, payload, save,
                 arms=["bf16", "bf16_kernel", "fp8", "fp8_e4m3_grads", "int8"], key="tuned")
     payload["complete"] = True

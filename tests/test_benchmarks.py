@@ -237,7 +237,8 @@ def test_scripts_import_only_the_public_api():
           ok = name in allowed_ours or name.startswith("fp8_linen_job.")
           # The kernels' own benchmarks run them against their references (jnp, or XLA's
           # grouped GEMM and bf16 in the same kernels): both internal.
-          ok = ok or (path.name in ("bench_kernels_gpu.py", "bench_grouped_gemm.py")
+          ok = ok or (path.name in ("bench_kernels_gpu.py", "bench_grouped_gemm.py",
+                                    "bench_grouped_gpu.py")
                       and name == "fp8_linen.core")
           assert ok, f"{path.name} imports {name}"
       # Only the scripts that measure the job's own models may import the job.
@@ -412,6 +413,32 @@ def test_bench_kernels_gpu_smoke(tmp_path):
   for case, row in saved["cases"].items():
     (r,) = row["rows"]
     assert r["bit_exact"] and tuple(r["launch"]["tile"]) != launch[row["kernels"][0]]["tile"], case
+
+
+def test_bench_grouped_gpu_smoke(tmp_path):
+  # The grouped kernels' GPU run, here in Pallas' interpreter: the int8 step with and without
+  # the kernels (and without their K-major copies) is the same bits, every kernel gives the
+  # same output in both operand layouts, and the launch table is left as it was.
+  bg = _load("bench_grouped_gpu")
+  launch = copy.deepcopy(bg.grouped_kernels._LAUNCH)  # pylint: disable=protected-access
+  policy = bg.grouped_kernels.contiguous_contraction
+  bg.main(["--smoke", "--sections", "steps", "layouts", "--arms", "int8", "int8_xla",
+           "int8_nmajor", "--out-dir", str(tmp_path)])
+  assert bg.grouped_kernels._LAUNCH == launch  # pylint: disable=protected-access
+  assert bg.grouped_kernels.contiguous_contraction is policy
+  saved = json.loads((tmp_path / f"{bg.common.device_name()}-grouped-gpu-smoke.json").read_text())
+  assert saved["complete"] and sum(saved["group_sizes"]) == saved["shape"]["rows"]
+  arms = saved["steps"]["arms"]
+  assert arms["int8"]["vs_int8_xla"]["bit_exact"] and arms["int8_nmajor"]["vs_int8"]["bit_exact"]
+  assert arms["int8"]["products"]["by_kind_and_class"] != {}
+  rows = saved["layouts"].values()
+  assert not any("error" in r for r in rows)
+  checked = [r for r in rows if any(k.startswith("max_rel_vs_") for k in r)]
+  assert {r["form"] for r in checked} == {"fwd_kmajor", "wgrad_kmajor"}
+  # Exact integer operands (int8) must agree bit for bit; float sums up to their order.
+  for r in checked:
+    (rel,) = [v for k, v in r.items() if k.startswith("max_rel_vs_")]
+    assert rel == 0 if r["dtype"] == "int8" else rel < 1e-6, r
 
 
 def test_bench_targets_measure_only_times_on_this_machine(tmp_path):

@@ -62,7 +62,8 @@ from jax.lax import ragged_dot as lax_ragged_dot
 
 from fp8_linen.core import block_kernels, lowering
 
-__all__ = ["WGRAD_DIMENSIONS", "TPU_WGRAD_SCOPE", "tiles", "kernel_mode", "pays", "run", "ragged_product",
+__all__ = ["WGRAD_DIMENSIONS", "TPU_WGRAD_SCOPE", "tiles", "kernel_mode", "pays", "run",
+           "contiguous_contraction", "ragged_product",
            "tpu_wgrad_pays", "tpu_grouped_wgrad", "row_tiles", "kernel_name", "grouped_gemm",
            "grouped_wgrad"]
 
@@ -72,31 +73,41 @@ WGRAD_DIMENSIONS = lax.RaggedDotDimensionNumbers(
 """The wgrad of a grouped GEMM: ``(m, k)`` and ``(m, n)`` contract their ragged rows, one
 ``(k, n)`` per group."""
 
-# How each kernel cuts its operands and is launched: per edge the candidate
-# tiles, largest first. Row tiles stay short in the forward/dgrad: a tile two
-# groups share is computed once per group. Triton's dots want powers of two of
-# at least 16 on every edge; every edge ends in 16, so which shapes a kernel
-# takes does not depend on the launch (GPU benchmarks sweep this table).
+# How each kernel cuts its operands and is launched, per table: the candidate
+# tiles of each edge, largest first, and Triton's warps and pipeline stages.
+# Triton's dots want powers of two of at least 16 on every edge; every edge ends
+# in 16, so which shapes a kernel takes does not depend on the table. The
+# choices are the fastest of a sweep on an H200 (the Mixtral-shaped layer of
+# benchmarks/results/nvidia-h200-grouped-gpu.json); 16-bit operands keep the
+# contracted tile at 64 so three stages fit in shared memory.
 _LAUNCH = {
-    "grouped_gemm": {"rows": (64, 32, 16), "contracted": (128, 64, 32, 16),
-                     "cols": (128, 64, 32, 16), "num_warps": 4, "num_stages": 3},
+    "grouped_gemm": {"rows": (128, 64, 32, 16), "contracted": (64, 32, 16),
+                     "cols": (256, 128, 64, 32, 16), "num_warps": 8, "num_stages": 3},
+    "grouped_gemm_8bit": {"rows": (128, 64, 32, 16), "contracted": (128, 64, 32, 16),
+                          "cols": (256, 128, 64, 32, 16), "num_warps": 8, "num_stages": 3},
     "grouped_wgrad": {"rows": (64, 32, 16), "contracted": (128, 64, 32, 16),
                       "cols": (128, 64, 32, 16), "num_warps": 4, "num_stages": 3},
+    "grouped_wgrad_kmajor": {"rows": (128, 64, 32, 16), "contracted": (128, 64, 32, 16),
+                             "cols": (256, 128, 64, 32, 16), "num_warps": 8, "num_stages": 3},
 }
 
 
-def tiles(m: int, c: int, o: int, kind: str = "grouped_gemm") -> tuple[int, int, int] | None:
-  """The tile ``(rows, contracted, output columns)`` of kernel ``kind`` for these sizes, or None.
+def tiles(m: int, c: int, o: int, kind: str = "grouped_gemm",
+          groups: int = 1) -> tuple[int, int, int] | None:
+  """The tile ``(rows, contracted, output columns)`` of launch table ``kind``, or None.
 
-  Each edge is the largest of its candidates that divides the size. For
-  ``grouped_wgrad`` ``c`` is the output's rows (its lhs' columns), as in
-  :func:`kernel_mode`.
+  Each edge is the largest of its candidates that divides the size. For the
+  forward/dgrad a row tile is also at most the rows per group (``m /
+  groups``) where a candidate allows: a tile two groups share is computed once
+  per group. For ``grouped_wgrad`` ``c`` is the output's rows (its lhs'
+  columns), as in :func:`kernel_mode`.
   """
   if min(m, c, o) <= 0:  # an empty batch: XLA's product (nothing for a kernel to tile)
     return None
   launch = _LAUNCH[kind]
   pick = lambda n, options: next((t for t in options if n % t == 0), None)
-  found = pick(m, launch["rows"]), pick(c, launch["contracted"]), pick(o, launch["cols"])
+  rows = [t for t in launch["rows"] if t * max(groups, 1) <= m] or launch["rows"][-1:]
+  found = pick(m, rows), pick(c, launch["contracted"]), pick(o, launch["cols"])
   return None if None in found else found
 
 
@@ -154,12 +165,39 @@ def run(a, b, group_sizes, *, gpu_kernel: bool, transpose_rhs: bool = False,
   out_cols = b.shape[1] if transpose_rhs else b.shape[-1]
   mode = kernel_mode(a, out_cols, gpu_kernel=gpu_kernel,
                      kind="grouped_wgrad" if wgrad else "grouped_gemm")
-  if mode is None or group_sizes.shape[0] == 0 or (mode == "compiled" and not pays(a.dtype, b.dtype, group_sizes.shape[0])):
+  groups = group_sizes.shape[0]
+  if mode is None or groups == 0 or (mode == "compiled" and not pays(a.dtype, b.dtype, groups)):
     return None
   kw = {"scales": scales, "out_dtype": out_dtype, "interpret": mode == "interpret"}
+  form = "wgrad" if wgrad else "dgrad" if transpose_rhs else "fwd"
   if wgrad:
+    if contiguous_contraction(form, a.dtype, b.dtype):
+      return grouped_wgrad(a.T, b.T, group_sizes, transposed=True, **kw)
     return grouped_wgrad(a, b, group_sizes, **kw)
+  if contiguous_contraction(form, a.dtype, b.dtype):
+    b, transpose_rhs = jnp.swapaxes(b, 1, 2), True
   return grouped_gemm(a, b, group_sizes, transpose_rhs=transpose_rhs, **kw)
+
+
+# Where a kernel reads an operand whose contracted edge is not contiguous, and
+# a copy that makes it contiguous pays: Hopper's 8-bit tensor-core products
+# read only such (K-major) tiles, so Triton transposes the others on the way.
+# Measured on an H200 (benchmarks/results/nvidia-h200-grouped-gpu.json,
+# "3_layouts"), the Mixtral-shaped layer: the int8 forward 20.3 -> 2.25 ms and
+# wgrad 12.7 -> 6.3 ms, the e4m3 forward 5.7 -> 4.7 ms, for copies of 0.1-0.4 ms;
+# fp8 wgrads ran slower with the copies, and 16-bit products the same. The
+# dgrad reads the weight codes (g, k, n) along n, its contracted edge, already.
+
+
+def contiguous_contraction(form: str, a_dtype, b_dtype) -> bool:
+  """Whether :func:`run` gives a kernel of ``form`` (``'fwd'``, ``'dgrad'`` or
+  ``'wgrad'``) its operands copied with the contracted edge contiguous: the
+  forward's weight codes as ``(g, n, k)``, the wgrad's operands with the
+  routed rows last (:func:`grouped_wgrad`'s ``transposed``)."""
+  a, b = jnp.dtype(a_dtype), jnp.dtype(b_dtype)
+  if a != b or a.itemsize != 1:
+    return False
+  return form == "fwd" or (form == "wgrad" and jnp.issubdtype(a, jnp.integer))
 
 
 def ragged_product(a, b, group_sizes, *, gpu_kernel: bool, transpose_rhs: bool = False,
@@ -368,10 +406,11 @@ def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, scales=N
   m, c = lhs.shape
   g = rhs.shape[0]
   o = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  found = tiles(m, c, o)
+  table = "grouped_gemm_8bit" if jnp.dtype(lhs.dtype).itemsize == 1 else "grouped_gemm"
+  found = tiles(m, c, o, table, groups=g)
   if found is None:
     raise ValueError(f"grouped_gemm: ({m}, {c}) x {rhs.shape} is not whole tiles of "
-                     f"{_LAUNCH['grouped_gemm']}")
+                     f"{_LAUNCH[table]}")
   tm, tc, to = found
   if interpret is None:
     interpret = block_kernels.switch_mode() == "interpret"
@@ -382,7 +421,7 @@ def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, scales=N
                              transpose_rhs=transpose_rhs, acc=acc)
   return _call(kernel, (meta[0].shape[0], o // to), jax.ShapeDtypeStruct((m, o), out), None,
                (lhs, rhs) + meta + extra, None,
-               kind="grouped_gemm", name=kernel_name("grouped_gemm", lhs.dtype, rhs.dtype),
+               kind=table, name=kernel_name("grouped_gemm", lhs.dtype, rhs.dtype),
                interpret=interpret)
 
 
@@ -440,10 +479,11 @@ def grouped_wgrad(lhs, rhs, group_sizes, *, transposed: bool = False, scales=Non
     output; zero for an empty group.
   """
   (c, m), o = (lhs.shape, rhs.shape[0]) if transposed else (lhs.shape[::-1], rhs.shape[1])
-  found = tiles(m, c, o, "grouped_wgrad")
+  table = "grouped_wgrad_kmajor" if transposed else "grouped_wgrad"
+  found = tiles(m, c, o, table)
   if found is None or rhs.shape[1 if transposed else 0] != m:
     raise ValueError(f"grouped_wgrad: {lhs.shape} and {rhs.shape} are not whole tiles of "
-                     f"{_LAUNCH['grouped_wgrad']} with the same rows")
+                     f"{_LAUNCH[table]} with the same rows")
   tm, tc, to = found
   if interpret is None:
     interpret = block_kernels.switch_mode() == "interpret"
@@ -457,6 +497,6 @@ def grouped_wgrad(lhs, rhs, group_sizes, *, transposed: bool = False, scales=Non
   args = (lhs, rhs, starts, ends) + extra
   return _call(kernel, (g, c // tc, o // to), jax.ShapeDtypeStruct((g, c, o), out),
                pl.BlockSpec((None, tc, to), lambda gi, i, j: (gi, i, j)), args,
-               [whole(a) for a in args], kind="grouped_wgrad",
+               [whole(a) for a in args], kind=table,
                name=kernel_name("grouped_wgrad", lhs.dtype, rhs.dtype),
                interpret=interpret)

@@ -267,6 +267,8 @@ def _grouped_kernel_product(module: Module, comp: str, inst: Instruction, out: A
   rows, cols = lhs[0].shape if lhs and len(lhs[0].shape) == 2 else (0, 0)
   # Each routed row is multiplied once: (m, c) by its group's (c, o).
   per_row = out.shape[-1] * (cols if found.group(1) == "gemm" else out.shape[-2])
+  if found.group(1) == "wgrad" and out.shape[-2]:
+    rows = rows * cols // out.shape[-2]  # (m, c) or, K-major, (c, m): m either way
   return Product("pallas-grouped-gemm", (fed, fed), out.dtype, 2 * rows * per_row,
                  PALLAS_TRITON_TARGET, comp, inst.name)
 
