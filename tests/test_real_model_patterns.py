@@ -367,6 +367,48 @@ def _ragged_reference(x, w, group_sizes):
   return out
 
 
+class _Weight(nn.Module):
+  """gemma 4's ``_Weight``: a module that only holds a parameter and returns it."""
+
+  shape: tuple
+
+  @nn.compact
+  def __call__(self):
+    return self.param("w", nn.initializers.lecun_normal(), self.shape)
+
+
+class ChildWeightMoe(nn.Module):
+  """gemma 4's ``MoERagged``: the experts' weights live in child modules and are
+  transposed and reshaped (gate and up fused) before each ``ragged_dot``."""
+
+  d: int = 8
+  h: int = 8
+
+  def setup(self):
+    self.gating = _Weight((4, 2, self.h, self.d))
+    self.linear = _Weight((4, self.h, self.d))
+
+  def __call__(self, x, group_sizes):
+    w = jnp.transpose(self.gating(), (0, 3, 1, 2)).reshape(4, self.d, 2 * self.h)
+    gate = jax.lax.ragged_dot(x, w, group_sizes).reshape(-1, 2, self.h)
+    return jax.lax.ragged_dot(jax.nn.gelu(gate[:, 0]) * gate[:, 1],
+                              jnp.swapaxes(self.linear(), 1, 2), group_sizes)
+
+
+def test_projection_rules_quantize_experts_whose_weights_live_in_child_modules():
+  # The module running the products holds no parameter of the experts' shape: a grouped
+  # GEMM's experts are its weights however the model holds them.
+  qm = fl.quantize_model(ChildWeightMoe(), rules=fl.projection_rules())
+  v = qm.init(jax.random.key(0), ROUTED, GROUPS)
+  report = qm.product_report(v, ROUTED, GROUPS)
+  assert report.counts == {"quantized": 2}, str(report)
+  assert set(v[fl.OWG]) == {"ragged_dot_0", "ragged_dot_1"}
+  y_q = qm.apply(v, ROUTED, GROUPS)
+  y_f = ChildWeightMoe().apply({"params": v["params"]}, ROUTED, GROUPS)
+  assert not np.allclose(np.asarray(y_q), np.asarray(y_f), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(y_q), np.asarray(y_f), atol=0.1)
+
+
 def test_moe_experts_with_an_integer_recipe_are_fake_quantized_per_expert_channel():
   recipe = fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel"))
   qm = fl.quantize_model(RaggedMoe(), recipe)

@@ -77,14 +77,14 @@ class Session:
     self.vocab_table = None  # (rows, sorted shape) of the largest nn.Embed table seen
     self.by_operands = any(r.operands != "any" for r in rules)
 
-  def operand_kinds(self, frame: Frame, lhs, rhs) -> set:
+  def operand_kinds(self, frame: Frame, op: str, lhs, rhs) -> set:
     """``{'weight', 'embedding'}``, ``{'weight'}`` or ``{'activations'}``."""
     params = frame.module.variables.get("params", {})
     own = [jnp.shape(v) for v in (nn.meta.unbox(v) for v in params.values()
                                   if not isinstance(v, Mapping))]
     return operand_kinds(own, (jnp.shape(lhs), jnp.shape(rhs)),
                          self.vocab_table and self.vocab_table[1],
-                         isinstance(frame.module, nn.Embed))
+                         isinstance(frame.module, nn.Embed), op=op)
 
   def note_tables(self, module, args, kwargs) -> None:
     """Records the vocabulary table if ``module``'s method looked up token ids in it.
@@ -109,7 +109,7 @@ class Session:
         self.vocab_table = (shape[0], tuple(sorted(shape)))
 
   def recipe_for(self, frame: Frame, op: str, lhs, rhs):
-    kinds = self.operand_kinds(frame, lhs, rhs) if self.by_operands else set()
+    kinds = self.operand_kinds(frame, op, lhs, rhs) if self.by_operands else set()
     i = first_match(self.rules, op, frame.path, kinds)
     if i is None:
       return None

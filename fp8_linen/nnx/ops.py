@@ -230,7 +230,7 @@ class _Discovery:
     own = [v[...].shape for v in vars(frame.module).values() if isinstance(v, nnx.Param)]
     kinds = operand_kinds(own, (jnp.shape(lhs), jnp.shape(rhs)),
                           self.vocab_table and self.vocab_table[1],
-                          isinstance(frame.module, nnx.Embed))
+                          isinstance(frame.module, nnx.Embed), op=op)
     i = first_match(self.rules, op, path, kinds)
     recipe = None
     if i is not None:

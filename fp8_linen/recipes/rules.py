@@ -89,7 +89,8 @@ class QuantizationRule:
       raise ValueError(f"QuantizationRule.optional={self.optional!r} must be True or False")
 
 
-def operand_kinds(own_shapes, operand_shapes, table=None, is_embedding=False) -> set:
+def operand_kinds(own_shapes, operand_shapes, table=None, is_embedding=False, *,
+                  op: str = "dot_general") -> set:
   """What a product's operands are, for :attr:`QuantizationRule.operands`.
 
   Args:
@@ -98,14 +99,20 @@ def operand_kinds(own_shapes, operand_shapes, table=None, is_embedding=False) ->
     table: the vocabulary table's shape seen so far (sorted), or ``None``.
     is_embedding: the running module is an embedding layer (its product is
       ``attend``).
+    op: the product (one of :data:`OPS`): a ``ragged_dot``'s right operand,
+      one matrix per group, is the experts' weights however the model holds
+      them (gemma's ``MoERagged`` reads them from child modules and reshapes
+      them first).
 
   Returns:
     ``{'weight', 'embedding'}``, ``{'weight'}`` or ``{'activations'}``: an
     operand is a weight when it has, up to the order of its axes, the shape
-    of one of the module's own parameters.
+    of one of the module's own parameters (or is a grouped GEMM's experts).
   """
   own = {tuple(sorted(s)) for s in own_shapes if len(s) >= 1}
   weights = [w for w in (tuple(sorted(s)) for s in operand_shapes) if w in own]
+  if op == "ragged_dot" and len(operand_shapes[1]) == 3:
+    weights.append(tuple(sorted(operand_shapes[1])))
   if not weights:
     return {"activations"}
   if is_embedding or any(w == table for w in weights):

@@ -127,3 +127,40 @@ def test_training_tracks_float():
   assert q_losses[-1] < q_losses[0]  # it learns
   np.testing.assert_allclose(q_losses, float_losses, rtol=0.05)
   assert not np.array_equal(q_losses[1:], float_losses[1:])  # and is not float
+
+
+class _Weight(nnx.Module):
+  def __init__(self, shape, seed):
+    self.w = nnx.Param(jax.random.normal(jax.random.key(seed), shape) * 0.3)
+
+  def __call__(self):
+    return self.w[...]
+
+
+class ChildWeightMoe(nnx.Module):
+  """gemma 4's ``MoERagged`` in NNX: the experts' weights in child modules, reshaped
+  before each ``jax.lax.ragged_dot``."""
+
+  def __init__(self, d=8, h=8):
+    self.d, self.h = d, h
+    self.gating = _Weight((4, 2, h, d), 0)
+    self.linear = _Weight((4, h, d), 1)
+
+  def __call__(self, x, group_sizes):
+    w = jnp.transpose(self.gating(), (0, 3, 1, 2)).reshape(4, self.d, 2 * self.h)
+    gate = jax.lax.ragged_dot(x, w, group_sizes).reshape(-1, 2, self.h)
+    return jax.lax.ragged_dot(jax.nn.gelu(gate[:, 0]) * gate[:, 1],
+                              jnp.swapaxes(self.linear(), 1, 2), group_sizes)
+
+
+def test_projection_rules_quantize_experts_whose_weights_live_in_child_modules():
+  x = jax.random.normal(jax.random.key(3), (12, 8))
+  groups = jnp.array([3, 0, 5, 4])
+  model = fl.nnx.quantize_model(ChildWeightMoe(), rules=fl.projection_rules(),
+                                example=(x, groups))
+  report = fl.nnx.product_report(model, x, groups)
+  assert report.counts == {"quantized": 2}, str(report)
+  y_f = ChildWeightMoe()(x, groups)
+  y_q = model(x, groups)
+  assert not np.allclose(np.asarray(y_q), np.asarray(y_f), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(y_q), np.asarray(y_f), atol=0.15)
