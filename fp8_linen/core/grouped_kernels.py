@@ -149,7 +149,7 @@ def pays(a_dtype, b_dtype, groups: int) -> bool:
 
 
 def run(a, b, group_sizes, *, gpu_kernel: bool, transpose_rhs: bool = False,
-        wgrad: bool = False, scales=None, out_dtype=None):
+        wgrad: bool = False, scales=None, row_scales=None, out_dtype=None):
   """The grouped product in a kernel when one runs here and pays, else None (use XLA's).
 
   Args:
@@ -160,7 +160,7 @@ def run(a, b, group_sizes, *, gpu_kernel: bool, transpose_rhs: bool = False,
     gpu_kernel: the product may run in the compiled kernel (see :func:`kernel_mode`).
     transpose_rhs: :func:`grouped_gemm`'s.
     wgrad: :func:`grouped_wgrad` instead of :func:`grouped_gemm`.
-    scales, out_dtype: :func:`grouped_gemm`'s (each group's output scale).
+    scales, row_scales, out_dtype: :func:`grouped_gemm`'s (the output's scales).
   """
   out_cols = b.shape[1] if transpose_rhs else b.shape[-1]
   mode = kernel_mode(a, out_cols, gpu_kernel=gpu_kernel,
@@ -170,6 +170,8 @@ def run(a, b, group_sizes, *, gpu_kernel: bool, transpose_rhs: bool = False,
     return None
   kw = {"scales": scales, "out_dtype": out_dtype, "interpret": mode == "interpret"}
   form = "wgrad" if wgrad else "dgrad" if transpose_rhs else "fwd"
+  if not wgrad:
+    kw["row_scales"] = row_scales
   if wgrad:
     if contiguous_contraction(form, a.dtype, b.dtype):
       return grouped_wgrad(a.T, b.T, group_sizes, transposed=True, **kw)
@@ -201,16 +203,20 @@ def contiguous_contraction(form: str, a_dtype, b_dtype) -> bool:
 
 
 def ragged_product(a, b, group_sizes, *, gpu_kernel: bool, transpose_rhs: bool = False,
-                   wgrad: bool = False, scales=None, out_dtype=None, upcast=None):
+                   wgrad: bool = False, scales=None, row_scales=None, out_dtype=None,
+                   upcast=None):
   """A grouped product: :func:`run`'s kernel where it runs and pays, else XLA's ``ragged_dot``.
 
   Args: as :func:`run`; ``upcast``: the dtype XLA's product multiplies the
   operands in (None: as they are). Accumulates in float32 (int32 for integer
-  operands); with ``scales`` each group's output is multiplied by its scale
-  and cast to ``out_dtype``, the same bits on either path.
+  operands); with ``scales`` (and ``row_scales``) the output is multiplied by
+  them and cast to ``out_dtype``, the same bits on either path.
   """
+  if wgrad and row_scales is not None:
+    raise ValueError("ragged_product: row_scales scale a forward or dgrad's rows; a wgrad "
+                     "contracts them")
   out = run(a, b, group_sizes, gpu_kernel=gpu_kernel, transpose_rhs=transpose_rhs,
-            wgrad=wgrad, scales=scales, out_dtype=out_dtype)
+            wgrad=wgrad, scales=scales, row_scales=row_scales, out_dtype=out_dtype)
   if out is not None:
     return out
   if upcast is not None:
@@ -223,14 +229,23 @@ def ragged_product(a, b, group_sizes, *, gpu_kernel: bool, transpose_rhs: bool =
   else:
     b = jnp.swapaxes(b, 1, 2) if transpose_rhs else b
     y = lax_ragged_dot(a, b, group_sizes, preferred_element_type=acc)
-  if scales is None:
+  if scales is None and row_scales is None:
     return y
-  (scales,), out_dtype = _scaled(scales, group_sizes.shape[0], out_dtype, acc)
-  if wgrad:
-    return (y * scales[:, None, None]).astype(out_dtype)
-  # Each row takes its group's scale (the rows past the groups are zero: any scale).
-  rows = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=y.shape[0])
-  return (y * scales[rows][:, None]).astype(out_dtype)
+  extra, out_dtype = _scaled(scales, row_scales, group_sizes.shape[0], y.shape[-1], out_dtype,
+                             acc, y.shape[0] if not wgrad else None)
+  y = y.astype(jnp.float32)
+  if scales is not None:
+    s = extra[0] if extra[0].ndim == 2 else extra[0][:, None]  # (g, o) or (g, 1)
+    if wgrad:
+      y = y * s[:, None, :]
+    else:
+      # Each row takes its group's scales (the rows past the groups are zero: any scale).
+      rows = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
+                        total_repeat_length=y.shape[0])
+      y = y * s[rows]
+  if row_scales is not None:
+    y = y * extra[-1][:, None]
+  return y.astype(out_dtype)
 
 
 # XLA:TPU multiplies the forward and the dgrad in a grouped Mosaic kernel of its own, but
@@ -360,7 +375,7 @@ def _call(kernel, grid, out_shape, out_specs, args, in_specs, *, kind: str, name
 
 
 def _gmm_kernel(lhs_ref, rhs_ref, rng_ref, tile_ref, lo_ref, hi_ref, *refs, sizes,
-                groups: int, transpose_rhs: bool, acc):
+                groups: int, transpose_rhs: bool, acc, scaled):
   from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel
   tm, tc, to, c = sizes
   s, j = pl.program_id(0), pl.program_id(1)
@@ -378,15 +393,16 @@ def _gmm_kernel(lhs_ref, rhs_ref, rng_ref, tile_ref, lo_ref, hi_ref, *refs, size
 
   total = lax.fori_loop(0, c // tc, step, jnp.zeros((tm, to), acc))
   out_ref = refs[-1]
-  if len(refs) == 2:  # the group's output scale, and the cast to the output dtype
-    total = (total * refs[0][w]).astype(out_ref.dtype)
+  # The output's scales, and the cast to the output dtype.
+  total = _apply_scales(total, refs[:-1], scaled, w, pl.ds(j * to, to), rows)
+  total = total.astype(out_ref.dtype)
   total = jnp.where(rng == groups, jnp.zeros_like(total), total)
   row = tile * tm + lax.broadcasted_iota(jnp.int32, (tm, to), 0)
   pl_triton.store(out_ref.at[rows, pl.ds(j * to, to)], total, mask=(row >= lo) & (row < hi))
 
 
 def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, scales=None,
-                 out_dtype=None, interpret=None):
+                 row_scales=None, out_dtype=None, interpret=None):
   """``ragged_dot(lhs, rhs, group_sizes)`` in a Pallas kernel.
 
   Args:
@@ -394,9 +410,12 @@ def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, scales=N
     rhs: ``(g, c, o)``, or ``(g, o, c)`` with ``transpose_rhs``.
     group_sizes: integer ``(g,)``.
     transpose_rhs: read ``rhs[i]`` transposed (the dgrad's ``g x W^T``).
-    scales: float32 ``(g,)``: each group's rows are multiplied by its scale
-      and cast to ``out_dtype`` in the kernel (``(sum * scale).astype(out_dtype)``,
-      as XLA's product followed by that multiply); None: the raw sums.
+    scales: float32 ``(g,)`` or ``(g, o)``: each group's rows are multiplied
+      by its scale (per output column with ``(g, o)``) and cast to
+      ``out_dtype`` in the kernel (``(sum * scale).astype(out_dtype)``, as XLA's
+      product followed by that multiply); None: the raw sums.
+    row_scales: float32 ``(m,)``: each row's scale, multiplied after
+      ``scales`` (an integer dgrad's per-row gradient scales).
     out_dtype: the output dtype with ``scales`` (default float32).
     interpret: run in Pallas' interpreter (default: as :func:`kernel_mode` says).
 
@@ -416,24 +435,47 @@ def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, scales=N
     interpret = block_kernels.switch_mode() == "interpret"
   meta = row_tiles(group_sizes, m, tm)
   acc = _acc_dtype(lhs.dtype)
-  extra, out = _scaled(scales, g, out_dtype, acc)
+  extra, out = _scaled(scales, row_scales, g, o, out_dtype, acc, m)
   kernel = functools.partial(_gmm_kernel, sizes=(tm, tc, to, c), groups=g,
-                             transpose_rhs=transpose_rhs, acc=acc)
+                             transpose_rhs=transpose_rhs, acc=acc,
+                             scaled=(scales is not None, row_scales is not None))
   return _call(kernel, (meta[0].shape[0], o // to), jax.ShapeDtypeStruct((m, o), out), None,
                (lhs, rhs) + meta + extra, None,
                kind=table, name=kernel_name("grouped_gemm", lhs.dtype, rhs.dtype),
                interpret=interpret)
 
 
-def _scaled(scales, groups: int, out_dtype, acc):
-  """The kernel's extra input (the groups' scales) and its output dtype."""
-  if scales is None:
+def _scaled(scales, row_scales, groups: int, cols: int, out_dtype, acc, rows):
+  """The kernel's extra inputs (the groups' scales, ``(g,)`` or ``(g, o)``, then the
+  rows' ``(m,)``) and its output dtype."""
+  extra = []
+  if scales is not None:
+    scales = jnp.asarray(scales, jnp.float32)
+    shape = (groups, cols) if scales.ndim == 2 else (groups,)
+    extra.append(jnp.broadcast_to(scales, shape))
+  if row_scales is not None:
+    extra.append(jnp.broadcast_to(jnp.asarray(row_scales, jnp.float32).reshape(-1), (rows,)))
+  if not extra:
     return (), acc
-  scales = jnp.broadcast_to(jnp.asarray(scales, jnp.float32), (groups,))
-  return (scales,), jnp.dtype(out_dtype or jnp.float32)
+  return tuple(extra), jnp.dtype(out_dtype or jnp.float32)
 
 
-def _wgrad_kernel(lhs_ref, rhs_ref, lo_ref, hi_ref, *refs, sizes, acc, transposed: bool):
+def _apply_scales(total, refs, scaled, group, cols, rows):
+  """``total`` times the kernel's scales (``scaled``: which of the two it has), in float32."""
+  has_group, has_row = scaled
+  refs = iter(refs)
+  if has_group or has_row:
+    total = total.astype(jnp.float32)
+  if has_group:
+    ref = next(refs)
+    total = total * (ref[group, cols][None, :] if len(ref.shape) == 2 else ref[group])
+  if has_row:
+    total = total * next(refs)[rows][:, None]
+  return total
+
+
+def _wgrad_kernel(lhs_ref, rhs_ref, lo_ref, hi_ref, *refs, sizes, acc, transposed: bool,
+                  scaled):
   tm, tc, to = sizes
   gi, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   lo, hi = lo_ref[gi], hi_ref[gi]
@@ -455,9 +497,8 @@ def _wgrad_kernel(lhs_ref, rhs_ref, lo_ref, hi_ref, *refs, sizes, acc, transpose
   total = lax.fori_loop(lo // tm, jnp.where(hi > lo, (hi + tm - 1) // tm, lo // tm), step,
                         jnp.zeros((tc, to), acc))
   out_ref = refs[-1]
-  if len(refs) == 2:
-    total = (total * refs[0][gi]).astype(out_ref.dtype)
-  out_ref[...] = total
+  out_ref[...] = _apply_scales(total, refs[:-1], scaled, gi, pl.ds(j * to, to),
+                               None).astype(out_ref.dtype)
 
 
 def grouped_wgrad(lhs, rhs, group_sizes, *, transposed: bool = False, scales=None,
@@ -471,7 +512,8 @@ def grouped_wgrad(lhs, rhs, group_sizes, *, transposed: bool = False, scales=Non
     transposed: the operands are stored with the routed rows last: the
       layout Hopper's 8-bit tensor-core products read without a transpose
       (both operands contiguous along the contracted rows).
-    scales, out_dtype: as :func:`grouped_gemm` (group ``i``'s output times ``scales[i]``).
+    scales, out_dtype: as :func:`grouped_gemm` (group ``i``'s output times
+      ``scales[i]``, a ``(g, o)`` scale per output column).
     interpret: run in Pallas' interpreter (default: as :func:`kernel_mode` says).
 
   Returns:
@@ -491,8 +533,9 @@ def grouped_wgrad(lhs, rhs, group_sizes, *, transposed: bool = False, scales=Non
   ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
   acc = _acc_dtype(lhs.dtype)
-  extra, out = _scaled(scales, g, out_dtype, acc)
-  kernel = functools.partial(_wgrad_kernel, sizes=(tm, tc, to), acc=acc, transposed=transposed)
+  extra, out = _scaled(scales, None, g, o, out_dtype, acc, None)
+  kernel = functools.partial(_wgrad_kernel, sizes=(tm, tc, to), acc=acc, transposed=transposed,
+                             scaled=(scales is not None, False))
   whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
   args = (lhs, rhs, starts, ends) + extra
   return _call(kernel, (g, c // tc, o // to), jax.ShapeDtypeStruct((g, c, o), out),

@@ -55,8 +55,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-# Bound at import, before quantize_model can intercept jax.lax.ragged_dot.
-from jax.lax import ragged_dot as lax_ragged_dot
 
 from fp8_linen.core import (dims, grouped_kernels, int_numerics, int_ops, lowering, mesh, owg,
                             randomness, uses)
@@ -326,23 +324,26 @@ class _RaggedSpec(_Spec):
     s_w = rank_like(wc.scale, wc.codes)  # (g or 1, 1, n or 1)
     s_w = s_w[jnp.minimum(row_group, s_w.shape[0] - 1)] if s_w.shape[0] > 1 else s_w
     q1, s1 = _int_rows(g32 * jnp.reshape(s_w, (-1, s_w.shape[-1])), (1,), qmax, noise(1))
-    d_x = _grouped(q1, wc.codes, group_sizes, transpose_rhs=True)
-    d_x = d_x.astype(jnp.float32) * s1
+    # The scales multiply in the kernel's epilogue (no int32 copy of the output).
+    d_x = _grouped(q1, wc.codes, group_sizes, transpose_rhs=True, row_scales=s1[:, 0])
     amax = jax.ops.segment_max(jnp.abs(g32), row_group, num_segments=groups + 1)[:groups]
     s2 = jnp.maximum(amax, 0.0) / qmax
     s2 = jnp.where(s2 > 0, s2, jnp.ones_like(s2))  # (g, n); an expert without rows: 1
     q2 = _int_codes(g32, jnp.concatenate([s2, jnp.ones_like(s2[:1])])[row_group], qmax,
                     noise(2))
-    d_w = _grouped(xc.codes, q2, group_sizes, wgrad=True)
-    d_w = d_w.astype(jnp.float32) * s2[:, None, :] * jnp.reshape(xc.scale, ())
+    d_w = _grouped(xc.codes, q2, group_sizes, wgrad=True,
+                   scales=s2 * jnp.reshape(xc.scale, ()))
     return d_x, d_w
 
 
-def _grouped(a, b, group_sizes, *, transpose_rhs: bool = False, wgrad: bool = False):
-  """An int8 x int8 -> int32 grouped GEMM: on a GPU in the library's kernel (each row by
-  its own group's weight), else XLA's ``ragged_dot``."""
+def _grouped(a, b, group_sizes, *, transpose_rhs: bool = False, wgrad: bool = False,
+             scales=None, row_scales=None):
+  """An int8 x int8 grouped GEMM, its int32 sums times ``scales`` (per group and output
+  column) and ``row_scales`` (per row) in float32: on a GPU in the library's kernel (each
+  row by its own group's weight, the scales in its epilogue), else XLA's ``ragged_dot``."""
   return grouped_kernels.ragged_product(a, b, group_sizes, gpu_kernel=True,
-                                        transpose_rhs=transpose_rhs, wgrad=wgrad)
+                                        transpose_rhs=transpose_rhs, wgrad=wgrad, scales=scales,
+                                        row_scales=row_scales, out_dtype=jnp.float32)
 
 
 def ragged_code_gemm(xc: Codes, wc: Codes, group_sizes, how: str):
@@ -351,18 +352,16 @@ def ragged_code_gemm(xc: Codes, wc: Codes, group_sizes, how: str):
   ``how``: ``'int8'`` (int32 accumulation) or ``'bf16'`` (codes are exact in
   bfloat16; float32 accumulation). Shared by training and serving.
   """
-  if how == "int8":
-    y = _grouped(xc.codes, wc.codes, group_sizes)
-  else:
-    y = lax_ragged_dot(xc.codes.astype(jnp.bfloat16), wc.codes.astype(jnp.bfloat16),
-                       group_sizes, preferred_element_type=jnp.float32)
+  # One scale per expert and output column, the activation's times the weight's, applied
+  # to the exact integer sums once (in the GPU kernel's epilogue): both lowerings agree.
   s_w = rank_like(wc.scale, wc.codes)
-  if s_w.shape[0] > 1:  # one scale per expert: each row takes its group's
-    rows = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
-                      total_repeat_length=y.shape[0])
-    s_w = s_w[rows]
-  return y.astype(jnp.float32) * jnp.reshape(xc.scale, ()) * jnp.reshape(
-      s_w, (-1, s_w.shape[-1]))
+  groups, n = wc.codes.shape[0], wc.codes.shape[-1]
+  s = jnp.reshape(xc.scale, ()) * jnp.reshape(s_w, (s_w.shape[0], s_w.shape[-1]))
+  s = jnp.broadcast_to(s, (groups, n))
+  if how == "int8":
+    return _grouped(xc.codes, wc.codes, group_sizes, scales=s)
+  return grouped_kernels.ragged_product(xc.codes, wc.codes, group_sizes, gpu_kernel=False,
+                                        upcast=jnp.bfloat16, scales=s, out_dtype=jnp.float32)
 
 
 def ragged_supported(recipe: IntRecipe) -> str | None:

@@ -249,6 +249,43 @@ def test_scaled_outputs_are_xlas_bits(form):
   assert float(jnp.abs(kernel.astype(jnp.float32)).max()) > 0
 
 
+@pytest.mark.parametrize("form", ["forward", "dgrad", "wgrad"])
+def test_int8_sums_scaled_per_column_and_row_are_xlas_bits(form):
+  # The integer experts' epilogue: int32 sums times a scale per group and output column
+  # (and, in the forward and dgrad, per row), to float32 in the kernel; the same bits as
+  # XLA's product followed by the multiplies.
+  keys = jax.random.split(jax.random.key(6), 5)
+  x = _ints(keys[0], (96, 64), jnp.int8, -127, 128)
+  w = _ints(keys[1], (4, 64, 48), jnp.int8, -127, 128)
+  g = _ints(keys[2], (96, 48), jnp.int8, -127, 128)
+  gs = jnp.array([10, 0, 40, 30], jnp.int32)
+  a, b = {"forward": (x, w), "dgrad": (g, w), "wgrad": (x, g)}[form]
+  cols = 64 if form == "dgrad" else 48
+  scales = jnp.exp2(jax.random.randint(keys[3], (4, cols), -12, 12)) * 0.37
+  rows = None if form == "wgrad" else jax.random.uniform(keys[4], (96,), minval=0.01)
+  run = lambda: gk.ragged_product(a, b, gs, gpu_kernel=True, transpose_rhs=form == "dgrad",
+                                  wgrad=form == "wgrad", scales=scales, row_scales=rows,
+                                  out_dtype=jnp.float32)
+  with fl.pallas_kernels("interpret"):
+    kernel = run()
+  with fl.pallas_kernels("off"):
+    xla = run()
+  chex.assert_type(kernel, jnp.float32)
+  chex.assert_trees_all_equal(kernel, xla)
+  # And they are the sums scaled: against a float64 reference of the same product.
+  f64 = lambda t: np.asarray(t, np.float64)
+  if form == "wgrad":
+    ends = np.cumsum(gs)
+    want = np.stack([f64(x[e - n:e]).T @ f64(g[e - n:e]) for e, n in zip(ends, np.asarray(gs))])
+    want = want * f64(scales)[:, None, :]
+  else:
+    owner = np.searchsorted(np.cumsum(gs), np.arange(96), side="right")
+    wt = f64(w) if form == "forward" else np.swapaxes(f64(w), 1, 2)
+    want = np.stack([f64(a[r]) @ wt[min(o, 3)] * f64(scales)[min(o, 3)] * f64(rows)[r]
+                     if o < 4 else np.zeros(cols) for r, o in enumerate(owner)])
+  np.testing.assert_allclose(np.asarray(kernel), want, rtol=1e-6)
+
+
 def test_the_tpu_wgrad_is_megabloxs_grouped_kernel_bit_for_bit():
   # Pallas' interpreter; the TPU compiles it in test_ragged_dot.py (compile only).
   keys = jax.random.split(jax.random.key(5), 2)
