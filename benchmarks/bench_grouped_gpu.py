@@ -338,12 +338,14 @@ def _layout_case(form: str, x, w, g, sizes):
           "wgrad")
 
 
-def run_layouts(shape, sizes, kernels, rounds, payload, save, launches):
+def run_layouts(shape, sizes, kernels, rounds, payload, save, launches, dtypes=None):
   """Section "layouts": every form and dtype under two launches, timed, checked across layouts."""
   section = payload.setdefault("layouts", {})
   m, k, n, groups = shape["rows"], shape["k"], shape["n"], shape["experts"]
   flops = 2 * m * k * n
   for label, (xd, wd, gd) in LAYOUT_DTYPES.items():
+    if dtypes and label not in dtypes:
+      continue
     x, w, _ = _operands("fwd", xd, wd, shape)
     g = _operands("dgrad", gd, wd, shape)[0]
     results = {}
@@ -403,6 +405,8 @@ def main(argv=None) -> dict:
   p.add_argument("--sections", nargs="+",
                  default=["steps", "products", "layouts", "sweep", "tuned"])
   p.add_argument("--arms", nargs="+", default=ARMS, help="the steps section's arms")
+  p.add_argument("--layout-dtypes", nargs="+", choices=sorted(LAYOUT_DTYPES), default=None,
+                 help="the layouts section's dtypes (default: all)")
   p.add_argument("--stop-after-s", type=float, default=1e9,
                  help="stop starting new work after this many seconds (the JSON keeps what ran)")
   p.add_argument("--smoke", action="store_true",
@@ -449,7 +453,7 @@ def main(argv=None) -> dict:
       run_products(shape, sizes, kernels, rounds, payload, save)
     if "layouts" in a.sections:
       run_layouts(shape, sizes, kernels, rounds, payload, save,
-                  SMOKE_LAYOUT_LAUNCHES if a.smoke else LAYOUT_LAUNCHES)
+                  SMOKE_LAYOUT_LAUNCHES if a.smoke else LAYOUT_LAUNCHES, a.layout_dtypes)
     if "sweep" in a.sections:
       run_sweep(shape, sizes, kernels, rounds, payload, save, choices)
     if "tuned" in a.sections and payload.get("sweep"):

@@ -423,7 +423,7 @@ def test_bench_grouped_gpu_smoke(tmp_path):
   launch = copy.deepcopy(bg.grouped_kernels._LAUNCH)  # pylint: disable=protected-access
   policy = bg.grouped_kernels.contiguous_contraction
   bg.main(["--smoke", "--sections", "steps", "layouts", "--arms", "int8", "int8_xla",
-           "int8_nmajor", "--out-dir", str(tmp_path)])
+           "int8_nmajor", "--layout-dtypes", "int8", "--out-dir", str(tmp_path)])
   assert bg.grouped_kernels._LAUNCH == launch  # pylint: disable=protected-access
   assert bg.grouped_kernels.contiguous_contraction is policy
   saved = json.loads((tmp_path / f"{bg.common.device_name()}-grouped-gpu-smoke.json").read_text())
@@ -435,10 +435,10 @@ def test_bench_grouped_gpu_smoke(tmp_path):
   assert not any("error" in r for r in rows)
   checked = [r for r in rows if any(k.startswith("max_rel_vs_") for k in r)]
   assert {r["form"] for r in checked} == {"fwd_kmajor", "wgrad_kmajor"}
-  # Exact integer operands (int8) must agree bit for bit; float sums up to their order.
+  # Exact integer operands: the two layouts agree bit for bit.
+  assert {r["dtype"] for r in rows} == {"int8"}
   for r in checked:
-    (rel,) = [v for k, v in r.items() if k.startswith("max_rel_vs_")]
-    assert rel == 0 if r["dtype"] == "int8" else rel < 1e-6, r
+    assert [v for k, v in r.items() if k.startswith("max_rel_vs_")] == [0], r
 
 
 def test_bench_targets_measure_only_times_on_this_machine(tmp_path):

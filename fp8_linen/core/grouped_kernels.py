@@ -189,8 +189,6 @@ def run(a, b, group_sizes, *, gpu_kernel: bool, transpose_rhs: bool = False,
 # wgrad 12.7 -> 6.3 ms, the e4m3 forward 5.7 -> 4.7 ms, for copies of 0.1-0.4 ms;
 # fp8 wgrads ran slower with the copies, and 16-bit products the same. The
 # dgrad reads the weight codes (g, k, n) along n, its contracted edge, already.
-
-
 def contiguous_contraction(form: str, a_dtype, b_dtype) -> bool:
   """Whether :func:`run` gives a kernel of ``form`` (``'fwd'``, ``'dgrad'`` or
   ``'wgrad'``) its operands copied with the contracted edge contiguous: the
