@@ -236,18 +236,8 @@ def _product_fn(kw: dict):
 
 
 def _time_calls(fns: dict, rounds: int, calls: int = 5) -> dict:
-  """Median ms per call of each fn: rounds of back-to-back calls, interleaved."""
-  for fn in fns.values():
-    jax.block_until_ready(fn())
-  times = {k: [] for k in fns}
-  for _ in range(rounds):
-    for k, fn in fns.items():
-      t0 = time.perf_counter()
-      for _ in range(calls):
-        r = fn()
-      jax.block_until_ready(r)
-      times[k].append((time.perf_counter() - t0) * 1e3 / calls)
-  return {k: float(np.median(t)) for k, t in times.items()}
+  """Median ms per call of each fn (``common.time_calls``)."""
+  return {k: t["median_ms"] for k, t in common.time_calls(fns, rounds, calls).items()}
 
 
 def run_products(shape, sizes, kernels, rounds, payload, save):

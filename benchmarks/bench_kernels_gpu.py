@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -133,21 +132,6 @@ def cases(ops: dict) -> list[tuple[str, str, object, object, str]]:
   ]]
 
 
-def _time(fns: dict, rounds: int, calls: int) -> dict:
-  """Median / min ms per call of each fn: rounds of ``calls`` back-to-back calls, interleaved."""
-  for fn in fns.values():
-    jax.block_until_ready(fn())
-  times = {k: [] for k in fns}
-  for _ in range(rounds):
-    for k, fn in fns.items():
-      t0 = time.perf_counter()
-      for _ in range(calls):
-        r = fn()
-      jax.block_until_ready(r)
-      times[k].append((time.perf_counter() - t0) * 1e3 / calls)
-  return {k: {"median_ms": statistics.median(t), "min_ms": min(t)} for k, t in times.items()}
-
-
 def _bytes(tree) -> int:
   return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
@@ -173,7 +157,7 @@ def run_case(name, operand, kern, ref, x, rounds, calls) -> dict:
   row = {"operand": operand, "shape": list(x.shape), "dtype": str(x.dtype),
          **checked, "compile_and_check_s": time.perf_counter() - t0}
   if rounds:
-    t = _time({"kernel": lambda: fk(x), "jnp": lambda: fr(x)}, rounds, calls)
+    t = common.time_calls({"kernel": lambda: fk(x), "jnp": lambda: fr(x)}, rounds, calls)
     moved = x.size * x.dtype.itemsize + _bytes(got)
     row.update({"kernel_ms": t["kernel"]["median_ms"], "kernel_min_ms": t["kernel"]["min_ms"],
                 "jnp_ms": t["jnp"]["median_ms"], "jnp_min_ms": t["jnp"]["min_ms"],
@@ -198,7 +182,7 @@ def sweep_case(name, operand, family, x, choices, rounds, calls) -> dict:
       row = {"launch": {"tile": list(choice["tile"]), "num_warps": choice["num_warps"]},
              **_check(name, fk, x, want)[0]}
       if rounds:
-        row["kernel_ms"] = _time({"k": lambda: fk(x)}, rounds, calls)["k"]["median_ms"]
+        row["kernel_ms"] = common.time_calls({"k": lambda: fk(x)}, rounds, calls)["k"]["median_ms"]
     except Exception as e:  # pylint: disable=broad-except  # a launch Triton rejects is a result
       row = {"launch": {"tile": list(choice["tile"]), "num_warps": choice["num_warps"]},
              "error": f"{type(e).__name__}: {e}"[:500]}

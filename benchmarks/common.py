@@ -78,6 +78,26 @@ def time_interleaved(arms: dict[str, Callable[[], object]], reps: int = 20,
                  "runs": len(t)} for name, t in times.items()}
 
 
+def time_calls(fns: dict[str, Callable[[], object]], rounds: int,
+               calls: int) -> dict[str, dict]:
+  """Median / min ms per call of each fn: rounds of ``calls`` back-to-back calls, interleaved.
+
+  For kernels too short to time one call at a time (launch overhead); each fn
+  runs once first (compile and warm-up).
+  """
+  for fn in fns.values():
+    jax.block_until_ready(fn())
+  times = {k: [] for k in fns}
+  for _ in range(rounds):
+    for k, fn in fns.items():
+      t0 = time.perf_counter()
+      for _ in range(calls):
+        r = fn()
+      jax.block_until_ready(r)
+      times[k].append((time.perf_counter() - t0) * 1e3 / calls)
+  return {k: {"median_ms": statistics.median(t), "min_ms": min(t)} for k, t in times.items()}
+
+
 def saved_residuals(f: Callable, *args) -> list[dict]:
   """Residuals ``f``'s backward pass keeps, parsed from ``print_saved_residuals``.
 

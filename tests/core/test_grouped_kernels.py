@@ -227,6 +227,14 @@ def test_shapes_that_are_not_whole_tiles_are_refused():
     gk.grouped_wgrad(jnp.zeros((32, 32)), jnp.zeros((16, 32)), jnp.array([1, 2]))
 
 
+def _kernel_and_xla(run):
+  """``run()`` with the kernels in Pallas' interpreter, then with XLA's product."""
+  with fl.pallas_kernels("interpret"):
+    kernel = run()
+  with fl.pallas_kernels("off"):
+    return kernel, run()
+
+
 @pytest.mark.parametrize("form", ["forward", "dgrad", "wgrad"])
 def test_scaled_outputs_are_xlas_bits(form):
   # Each group's output times its own scale, cast to bf16, in the kernel: the same bits as
@@ -240,10 +248,7 @@ def test_scaled_outputs_are_xlas_bits(form):
   a, b = {"forward": (x, w), "dgrad": (g, w), "wgrad": (x, g)}[form]
   run = lambda: gk.ragged_product(a, b, gs, gpu_kernel=True, transpose_rhs=form == "dgrad",
                                   wgrad=form == "wgrad", scales=scales, out_dtype=jnp.bfloat16)
-  with fl.pallas_kernels("interpret"):
-    kernel = run()
-  with fl.pallas_kernels("off"):
-    xla = run()
+  kernel, xla = _kernel_and_xla(run)
   chex.assert_type(kernel, jnp.bfloat16)
   chex.assert_trees_all_equal(kernel, xla)
   assert float(jnp.abs(kernel.astype(jnp.float32)).max()) > 0
@@ -266,10 +271,7 @@ def test_int8_sums_scaled_per_column_and_row_are_xlas_bits(form):
   run = lambda: gk.ragged_product(a, b, gs, gpu_kernel=True, transpose_rhs=form == "dgrad",
                                   wgrad=form == "wgrad", scales=scales, row_scales=rows,
                                   out_dtype=jnp.float32)
-  with fl.pallas_kernels("interpret"):
-    kernel = run()
-  with fl.pallas_kernels("off"):
-    xla = run()
+  kernel, xla = _kernel_and_xla(run)
   chex.assert_type(kernel, jnp.float32)
   chex.assert_trees_all_equal(kernel, xla)
   # And they are the sums scaled: against a float64 reference of the same product.
