@@ -225,6 +225,10 @@ def test_shapes_that_are_not_whole_tiles_are_refused():
     gk.grouped_gemm(jnp.zeros((40, 24)), jnp.zeros((2, 24, 16)), jnp.array([1, 2]))
   with pytest.raises(ValueError, match="grouped_wgrad"):
     gk.grouped_wgrad(jnp.zeros((32, 32)), jnp.zeros((16, 32)), jnp.array([1, 2]))
+  # A wgrad contracts the rows: there is no row to scale.
+  with pytest.raises(ValueError, match="row_scales .* a wgrad contracts them"):
+    gk.ragged_product(jnp.zeros((32, 32)), jnp.zeros((32, 16)), jnp.array([16, 16]),
+                      gpu_kernel=True, wgrad=True, row_scales=jnp.ones((32,)))
 
 
 def _kernel_and_xla(run):
