@@ -72,6 +72,7 @@ __all__ = [
     "gemm",
     "grad_gemm",
     "is_code",
+    "untracked_axes",
     "scaled",
     "relayout",
     "relayout_like",
@@ -384,12 +385,32 @@ def varying_axes(x) -> frozenset:
   return frozenset(getattr(aval, "vma", ()) or ())
 
 
+def untracked_axes() -> tuple:
+  """Manual mesh axes (more than one device) over which JAX does not track what varies.
+
+  Inside ``shard_map(check_vma=False)`` (and ``pmap``, which runs on it) a
+  value's type does not say which axes it varies over, so an amax may be one
+  device's own, and the gradient of a value the body closes over (the fp8
+  state) is summed over these axes when the ``shard_map`` is differentiated
+  from outside. Empty elsewhere, and under ``check_vma=True``.
+  """
+  abstract = jax.sharding.get_abstract_mesh()
+  if abstract.empty:
+    return ()
+  # An axis index varies over its own axis exactly when variance is tracked.
+  return tuple(sorted(a for a in getattr(abstract, "manual_axes", ())
+                      if abstract.shape[a] > 1
+                      and a not in varying_axes(jax.lax.axis_index(a))))
+
+
 def global_max(a):
   """``a`` max-reduced over the ``shard_map`` axes it varies on (``a`` elsewhere).
 
   Under ``jit`` an amax over a sharded array is already the global one; inside
   ``shard_map`` each device sees its own shard, and the scale it picks from
-  that amax must be the one a single device would pick.
+  that amax must be the one a single device would pick. Where JAX does not
+  track variance (:func:`untracked_axes`) it is max-reduced over those axes
+  too: the state is one for every device.
 
   Example:
     >>> import jax.numpy as jnp
@@ -397,7 +418,7 @@ def global_max(a):
     >>> float(lowering.global_max(jnp.float32(3.0)))
     3.0
   """
-  axes = varying_axes(a)
+  axes = varying_axes(a) | set(untracked_axes())
   return jax.lax.pmax(a, tuple(sorted(axes))) if axes else a
 
 

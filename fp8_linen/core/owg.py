@@ -231,13 +231,35 @@ def fold_chain(observed, ct_chain, first: bool, like=None):
   return None, combined
 
 
+def _state_for_untracked_axes(ct):
+  """A state cotangent where JAX does not track variance: global, and on the first device only.
+
+  Under ``shard_map(check_vma=False)`` differentiated from outside, JAX sums
+  the cotangent of a value the body closes over (the fp8 state) over the
+  mesh axes; every device holding the new state would record it N times.
+  The state is max-reduced over those axes and handed to the first device
+  along them, zeros elsewhere, so that sum gives it back once, exactly; and
+  where the gradient is taken inside (``pmap``, or a per-device step with
+  :func:`fp8_linen.reduce_gradients`) the max over devices does too.
+  """
+  axes = lowering.untracked_axes()
+  if not axes:
+    return ct
+  ct = lax.pmax(ct, axes)
+  first = functools.reduce(jnp.logical_and, [lax.axis_index(a) == 0 for a in axes])
+  return jnp.where(first, ct, jnp.zeros_like(ct))
+
+
 def match_varying(ct, like, reduce):
   """Makes cotangent ``ct`` vary over exactly the mesh axes its primal ``like`` does.
 
   Inside ``shard_map`` a replicated input's cotangent must be reduced over the
   axes the cotangent varies on: gradients are summed (``lax.psum``, what JAX's
-  own autodiff does) and fp8 state is max-reduced (``lax.pmax``).
+  own autodiff does) and fp8 state is max-reduced (``lax.pmax``); state where
+  JAX does not track variance: :func:`_state_for_untracked_axes`.
   """
+  if reduce is lax.pmax:
+    ct = _state_for_untracked_axes(ct)
   want, have = lowering.varying_axes(like), lowering.varying_axes(ct)
   extra = tuple(sorted(have - want))
   if extra:

@@ -468,8 +468,14 @@ def test_frozen_quantizers_around_a_jitted_call_retrace():
     chex.assert_trees_all_close(frozen_out, model.apply(v, 3 * X))
 
 
-def test_raw_shard_map_inside_a_method_declares_and_trains():
-  """MaxText runs its sparse MoE inside a raw jax.shard_map: state declared there stays constant."""
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_raw_shard_map_inside_a_method_declares_and_trains(check_vma):
+  """MaxText runs its sparse MoE inside a raw jax.shard_map: state declared there stays constant.
+
+  MaxText's is ``check_vma=False``: JAX then sums the closed-over state's
+  gradient over the 4 devices, so without the state handed to one device the
+  history would grow 4-fold each step (and each device scale by its own amax).
+  """
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
 
   mesh = jax.make_mesh((4,), ("e",), axis_types=(jax.sharding.AxisType.Auto,),
@@ -481,7 +487,7 @@ def test_raw_shard_map_inside_a_method_declares_and_trains():
     def __call__(self, x):
       w = self.param("w", nn.initializers.normal(), (8, 8))
       return jax.shard_map(lambda x, w: jnp.einsum("bd,df->bf", x, w), mesh=mesh,
-                           in_specs=(P("e"), P()), out_specs=P("e"))(x, w)
+                           in_specs=(P("e"), P()), out_specs=P("e"), check_vma=check_vma)(x, w)
 
   qm = fl.quantize_model(Sharded(), R)
   v = qm.init(jax.random.key(0), X)

@@ -164,3 +164,52 @@ def test_projection_rules_quantize_experts_whose_weights_live_in_child_modules()
   y_q = model(x, groups)
   assert not np.allclose(np.asarray(y_q), np.asarray(y_f), atol=1e-6)
   np.testing.assert_allclose(np.asarray(y_q), np.asarray(y_f), atol=0.15)
+
+
+class ShardMapMoe(nnx.Module):
+  """MaxText's sparse MoE in NNX: each device's tokens through every expert in a raw
+  ``jax.shard_map`` (``check_vma=False`` as MaxText's), the experts closed over."""
+
+  def __init__(self, mesh, check_vma):
+    self.mesh, self.check_vma = mesh, check_vma
+    self.w = nnx.Param(jax.random.normal(jax.random.key(4), (4, 8, 8)) * 0.3)
+
+  def __call__(self, x, group_sizes):
+    P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+    return jax.shard_map(lambda x, gs, w: jax.lax.ragged_dot(x, w, gs[0]), mesh=self.mesh,
+                         in_specs=(P("e"), P("e"), P()), out_specs=P("e"),
+                         check_vma=self.check_vma)(x, group_sizes, self.w[...])
+
+
+def test_experts_in_a_shard_map_record_the_global_amax_once():
+  # Without vma tracking (MaxText's check_vma=False) JAX sums the closed-over
+  # state's gradient over the 4 devices: the histories would be 4 times too
+  # large, each device's amax its own. Both settings must train alike.
+  mesh = jax.make_mesh((4,), ("e",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:4])
+  x = jax.random.normal(jax.random.key(5), (16, 8)) * jnp.arange(1, 17)[:, None] / 16
+  groups = jnp.array([[1, 0, 2, 1], [0, 4, 0, 0], [2, 2, 0, 0], [1, 1, 1, 1]], jnp.int32)
+  w_grads = []
+  for check_vma in (True, False):
+    model = fl.nnx.quantize_model(ShardMapMoe(mesh, check_vma),
+                                  fl.delayed_scaling(history_length=4), example=(x, groups))
+    opt = fl.nnx.Optimizer(model, optax.sgd(0.0))  # nothing changes: histories must not grow
+
+    @nnx.jit
+    def step(model, opt):
+      _, g = fl.nnx.value_and_grad(lambda m: jnp.sum(m(x, groups) ** 2))(model)
+      opt.update(model, g)
+      return g.w[...]
+
+    for _ in range(3):
+      w_grad = step(model, opt)
+    w_grads.append(np.asarray(w_grad))
+    (site,) = [s for _, s in nnx.iter_graph(model) if isinstance(s, fl.nnx.ProductSite)]
+    np.testing.assert_allclose(np.asarray(site.input_amax_history[...]),
+                               [float(jnp.abs(x).max())] * 3 + [0.0], rtol=1e-6)
+    w_amax = np.abs(np.asarray(model.w[...])).max(axis=(1, 2))
+    np.testing.assert_allclose(np.asarray(site.kernel_amax_history[...])[:, :3],
+                               np.repeat(w_amax[:, None], 3, 1), rtol=1e-6)
+  # The same scales on every device either way: the same weight gradient, summed once.
+  np.testing.assert_allclose(w_grads[1], w_grads[0], rtol=1e-6, atol=1e-6)
+  assert np.abs(w_grads[0]).max() > 0
