@@ -54,6 +54,8 @@ TARGETS = {
     "jax.numpy.einsum": (jnp, "einsum"),
     "jax.numpy.matmul": (jnp, "matmul"),
     "jax.numpy.dot": (jnp, "dot"),
+    # Not a product: its body's trace has no parent (product_calls.shard_map).
+    "jax.shard_map": (jax, "shard_map"),
 }
 
 _ORIGINALS: dict[str, Callable] = {name: getattr(mod, attr) for name, (mod, attr)

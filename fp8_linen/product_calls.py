@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import string
 import threading
 import warnings
@@ -241,4 +242,25 @@ def handlers(backend: Backend) -> dict:
   return {"jax.lax.dot_general": dot_general, "jax.numpy.einsum": einsum,
           "jax.numpy.matmul": matmul_like("matmul", matmul_equation),
           "jax.numpy.dot": matmul_like("dot", dot_equation),
-          "jax.lax.conv_general_dilated": conv, "jax.lax.ragged_dot": ragged_dot}
+          "jax.lax.conv_general_dilated": conv, "jax.lax.ragged_dot": ragged_dot,
+          "jax.shard_map": shard_map}
+
+
+def shard_map(orig, f=None, /, **kwargs):
+  """``jax.shard_map`` (no product): its body traced where the state-use checks see past it.
+
+  A body's trace has no parent, so a scan around the call (MaxText's
+  ``scan_layers`` over an MoE in a ``shard_map``) was out of sight of
+  :func:`fp8_linen.core.uses.check_use`, and the iterations' state updates
+  were summed. Calls made with the function alone return a decorator.
+  """
+  if f is None:
+    return lambda g: shard_map(orig, g, **kwargs)
+  mapped = orig(f, **kwargs)
+
+  @functools.wraps(f)
+  def call(*args, **kw):
+    with uses.entering_shard_map():
+      return mapped(*args, **kw)
+
+  return call

@@ -42,6 +42,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import weakref
 from typing import Any, Callable, Hashable
@@ -52,7 +54,8 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.extend.core import find_top_trace
 
-__all__ = ["LOOPS", "StateUseError", "transforms_between", "constant", "in_kernel",
+__all__ = ["LOOPS", "StateUseError", "transforms_between", "entering_shard_map", "constant",
+           "in_kernel",
            "differentiated",
            "under_vmap",
            "fold_vmapped", "check_use", "Chains", "compiled_when_eager"]
@@ -92,12 +95,39 @@ def _kind(trace) -> str:
   return name
 
 
+# The traces ``jax.shard_map`` calls were made from, outermost first, while
+# their bodies are traced: a body's trace has no parent, so the transforms
+# around the call (a scan over layers) would be out of sight.
+_SHARD_MAP_CALLERS: contextvars.ContextVar = contextvars.ContextVar(
+    "fp8_linen_shard_map_callers", default=())
+
+
+@contextlib.contextmanager
+def entering_shard_map():
+  """Within: a ``shard_map`` called from the current trace is traced; its body sees past it."""
+  token = _SHARD_MAP_CALLERS.set(_SHARD_MAP_CALLERS.get() + (find_top_trace(()),))
+  try:
+    yield
+  finally:
+    _SHARD_MAP_CALLERS.reset(token)
+
+
 def _stack_to(value) -> tuple[list, bool]:
-  """The traces from the current one up to ``value``'s (exclusive); whether it was reached."""
+  """The traces from the current one up to ``value``'s (exclusive); whether it was reached.
+
+  A ``shard_map`` body's trace has no parent: the walk goes on from the trace
+  the ``shard_map`` was called from where :func:`entering_shard_map` said.
+  """
   target = _trace_of(value)
+  callers = list(_SHARD_MAP_CALLERS.get())
   out = []
   t = find_top_trace(())
-  while t is not None and t is not target:
+  while t is not target:
+    if t is None:
+      if not callers:
+        break
+      t = callers.pop()
+      continue
     out.append(t)
     t = _parent(t)
   return out, t is target or target is None

@@ -468,6 +468,29 @@ def test_frozen_quantizers_around_a_jitted_call_retrace():
     chex.assert_trees_all_close(frozen_out, model.apply(v, 3 * X))
 
 
+def test_a_scan_around_a_shard_map_is_seen_by_the_state_check():
+  """MaxText's scan_layers over its MoE's shard_map: the body's trace has no parent, but
+  the scan around the call would still sum the layers' state updates into one."""
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:1])
+
+  class Stack(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      w = self.param("w", nn.initializers.normal(0.5), (2, 8, 8))
+      body = jax.shard_map(lambda h, wl: jnp.einsum("bf,fo->bo", h, wl), mesh=mesh,
+                           in_specs=(P(), P()), out_specs=P())
+      return jax.lax.scan(lambda h, wl: (body(h, wl), None), x, w)[0]
+
+  qm = fl.quantize_model(Stack(), R)
+  v = qm.init(jax.random.key(0), X)
+  with pytest.raises(StateUseError, match=r"einsum_0 is applied inside a scan"):
+    jax.grad(lambda v: qm.apply(v, X).sum())(v)
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_raw_shard_map_inside_a_method_declares_and_trains(check_vma):
   """MaxText runs its sparse MoE inside a raw jax.shard_map: state declared there stays constant.
