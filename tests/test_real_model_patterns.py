@@ -173,6 +173,29 @@ def test_state_and_rules_follow_a_path_extended_in_place():
   assert qm.product_report(v, X).counts == {"quantized": 1, "excluded": 1}
 
 
+class NestedParamsBridge(nn.Module):
+  """MaxText's ``ToLinen`` holds each NNX submodule's weights nested at the path it runs at."""
+
+  @nn.compact
+  def __call__(self, x):
+    params = self.param("decoder", lambda k: {"mlp": {"kernel": nn.initializers.normal()(
+        k, (8, 6))}})
+    old = self.scope.path
+    self.scope.path = old + ("decoder", "mlp")
+    try:
+      return jnp.einsum("bf,fo->bo", x, params["mlp"]["kernel"])
+    finally:
+      self.scope.path = old
+
+
+def test_projection_rules_find_a_weight_held_at_the_path_a_bridge_runs_at():
+  qm = fl.quantize_model(NestedParamsBridge(), rules=fl.projection_rules())
+  v = qm.init(jax.random.key(0), X)
+  # Read among the bridge's top-level params only, the kernel looked like an activation.
+  assert qm.product_report(v, X).counts == {"quantized": 1}
+  assert list(v[fl.OWG]["decoder"]["mlp"]) == ["einsum_0"]
+
+
 def test_an_elementwise_einsum_is_not_quantized():
   """MaxText's RMSNorm applies its scale as jnp.einsum('...k,k->...k'): no axis contracted."""
 

@@ -80,6 +80,10 @@ class Session:
   def operand_kinds(self, frame: Frame, op: str, lhs, rhs) -> set:
     """``{'weight', 'embedding'}``, ``{'weight'}`` or ``{'activations'}``."""
     params = frame.module.variables.get("params", {})
+    # A bridge running an NNX submodule (MaxText's ToLinen) holds its weights
+    # at the sub-path it runs at, not among its own top-level params.
+    for name in frame.live():
+      params = params.get(name, {}) if isinstance(params, Mapping) else {}
     own = [jnp.shape(v) for v in (nn.meta.unbox(v) for v in params.values()
                                   if not isinstance(v, Mapping))]
     return operand_kinds(own, (jnp.shape(lhs), jnp.shape(rhs)),
