@@ -170,7 +170,11 @@ def test_state_and_rules_follow_a_path_extended_in_place():
   v = qm.init(jax.random.key(0), X)
   assert list(v[fl.OWG]) == ["decoder"] and list(v[fl.OWG]["decoder"]) == ["head"]
   assert list(v[fl.OWG]["decoder"]["head"]) == ["einsum_0"]
-  assert qm.product_report(v, X).counts == {"quantized": 1, "excluded": 1}
+  report = qm.product_report(v, X)
+  assert report.counts == {"quantized": 1, "excluded": 1}
+  # The report names the path the rules matched, not only the bridge's own scope.
+  assert [p.status for p in report.products if "decoder/router" in p.scope] == ["excluded"]
+  assert [p.status for p in report.products if "decoder/head" in p.scope] == ["quantized"]
 
 
 class NestedParamsBridge(nn.Module):

@@ -15,6 +15,7 @@ written, with a warning (once per call site) saying why.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 
 import flax.linen as nn
@@ -80,12 +81,13 @@ class _LinenBackend(product_calls.Backend):
 
   def unquantized(self, op, status, call):
     kind, reason = status
+    sess = SESSION.get()
+    frame = sess.stack[-1] if sess and sess.stack else None
     if kind == "skipped" and reason:
-      sess = SESSION.get()
-      path = sess.stack[-1].path if sess and sess.stack else ""
+      path = frame.path if frame is not None else ""
       _warn_once((op, path, reason), f"fp8_linen.quantize_model: {op} in module "
                  f"{path or '<root>'!r} runs unquantized: {reason}")
-    with jax.named_scope(MARKERS[kind]):
+    with _named(frame.shared + frame.live() if frame is not None else (), MARKERS[kind]):
       return call()
 
   def run(self, target, op, product):
@@ -103,9 +105,20 @@ class _LinenBackend(product_calls.Backend):
     home = frame.home()
     # The call site's name before the marker: a weight's only product is told
     # from the module's other products by it (fl.convert stores it as codes).
-    with jax.named_scope(f"{op}_{i}"), jax.named_scope(MARKERS["quantized"]):
+    # Below a bridge's own scope the sub-path (MaxText's decoder/layers_0/mlp/wi_0)
+    # is named too, so the report shows the path the rules and the state use.
+    with _named(below, f"{op}_{i}", MARKERS["quantized"]):
       child = home.push(f"{op}_{i}", reuse=True)
       return _Holder(parent=child)(lambda m: product(LinenAccess(m, weights_of=home), recipe))
+
+
+@contextlib.contextmanager
+def _named(below, *names):
+  """Name scopes for a bridge's sub-path ``below`` (the path rules and state use), then ``names``."""
+  with contextlib.ExitStack() as scopes:
+    for name in (*below, *names):
+      scopes.enter_context(jax.named_scope(name))
+    yield
 
 
 class _Holder(nn.Module):
