@@ -269,8 +269,10 @@ def _stacked(module, original) -> int | None:
   """How ``module`` relates to the model's module ``original`` at its path.
 
   ``0``: it is ``original`` (or a copy a transform made: ``nnx.jit``,
-  ``nnx.remat``); ``n``: a slice of ``original``'s parameters stacked on a
-  leading axis of ``n`` (the body of ``nnx.scan`` / ``nnx.vmap`` over layers);
+  ``nnx.remat``); ``n``: a slice of ``original``'s parameters stacked on an
+  axis of ``n`` (the body of ``nnx.scan`` / ``nnx.vmap`` over layers; MaxText
+  stacks its layers' parameters on axis 1, ``param_scan_axis``, and scans the
+  rest of their state on axis 0, as :func:`_stack_state` stacks it);
   ``None``: neither.
   """
   if original is None:
@@ -283,10 +285,12 @@ def _stacked(module, original) -> int | None:
     return 0
   if not mine or [k for k, _ in mine] != [k for k, _ in theirs]:
     return None
-  n = {t[0] for (_, t) in theirs if len(t) >= 1}
-  if len(n) == 1 and all(t[1:] == s for (_, s), (_, t) in zip(mine, theirs)):
-    return n.pop()
-  return None
+  # The sizes n for which each parameter is its original with an axis of n removed.
+  common = None
+  for (_, s), (_, t) in zip(mine, theirs):
+    sizes = {t[a] for a in range(len(t)) if t[:a] + t[a + 1:] == s}
+    common = sizes if common is None else common & sizes
+  return common.pop() if common is not None and len(common) == 1 else None
 
 
 def _stack_state(site, n: int) -> None:

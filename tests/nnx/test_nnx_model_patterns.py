@@ -213,3 +213,44 @@ def test_experts_in_a_shard_map_record_the_global_amax_once():
   # The same scales on every device either way: the same weight gradient, summed once.
   np.testing.assert_allclose(w_grads[1], w_grads[0], rtol=1e-6, atol=1e-6)
   assert np.abs(w_grads[0]).max() > 0
+
+
+class _ScanLayer(nnx.Module):
+  def __init__(self, key):
+    self.kernel = nnx.Param(jax.random.normal(key, (8, 8)) * 0.3)
+
+  def __call__(self, x):
+    return jnp.tanh(jax.lax.dot_general(x, self.kernel[...], (((1,), (0,)), ((), ()))))
+
+
+class AxisOneStack(nnx.Module):
+  """MaxText's scanned NNX decoder: its layers' parameters stacked on axis 1
+  (``param_scan_axis``), the rest of their state on axis 0, moved to axis 0 and
+  run by a raw ``jax.lax.scan``."""
+
+  def __init__(self):
+    keys = jax.random.split(jax.random.key(0), 3)
+    self.layers = nnx.vmap(_ScanLayer, in_axes=0,
+                           out_axes=nnx.StateAxes({nnx.Param: 1, ...: 0}))(keys)
+
+  def __call__(self, x):
+    graphdef, params, state = nnx.split(self.layers, nnx.Param, ...)
+    params = jax.tree.map(lambda p: jnp.moveaxis(p, 1, 0), params)
+
+    def body(h, xs):
+      return nnx.merge(graphdef, *xs)(h), None
+
+    return jax.lax.scan(body, x, (params, state))[0]
+
+
+def test_layers_stacked_on_axis_one_get_a_state_each():
+  x = jax.random.normal(jax.random.key(6), (4, 8))
+  model = fl.nnx.quantize_model(AxisOneStack(), fl.delayed_scaling(history_length=4),
+                                rules=fl.projection_rules(), example=(x,))
+  report = fl.nnx.product_report(model, x)
+  assert report.counts == {"quantized": 1}, str(report)  # was skipped: axis 0 stacks only
+  (site,) = [s for _, s in nnx.iter_graph(model) if isinstance(s, fl.nnx.ProductSite)]
+  assert site.kernel_amax_history[...].shape == (3, 4)  # one history per layer
+  y_q, y_f = model(x), AxisOneStack()(x)
+  assert not np.allclose(np.asarray(y_q), np.asarray(y_f), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(y_q), np.asarray(y_f), atol=0.1)

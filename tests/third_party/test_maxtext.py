@@ -64,8 +64,8 @@ def _config(model_name, out_dir, **overrides):
       base_emb_dim=64, base_num_query_heads=2, base_num_kv_heads=1, head_dim=32,
       base_mlp_dim=128, base_num_decoder_layers=2, vocab_size=VOCAB,
       per_device_batch_size=B, max_target_length=L, attention="dot_product",
-      dtype="float32", weight_dtype="float32", scan_layers=False, enable_dropout=False,
-      **overrides)
+      dtype="float32", weight_dtype="float32", enable_dropout=False,
+      **{"scan_layers": False, **overrides})
   # MaxText's mesh on one device (every axis of size 1), as on a one-device host; the
   # test session has 8 virtual CPU devices (tests/conftest.py).
   return config, maxtext_utils.get_mesh_from_config(config, jax.devices()[:1])
@@ -238,3 +238,17 @@ def test_nnx_llama_projections_quantized_and_trains(llama):
   np.testing.assert_allclose(hist[1], np.abs(np.asarray(kernel)).max(), rtol=1e-2)
   assert hist[0] > 0 and hist[0] != hist[1]
   assert not np.array_equal(np.asarray(param[...]), np.asarray(kernel))
+
+
+def test_nnx_scanned_llama_keeps_a_state_per_layer(tmp_path):
+  """MaxText's default scan_layers: parameters stacked on axis 1 (param_scan_axis), the
+  rest of the layers' state on axis 0, run by a raw jax.lax.scan."""
+  config, mesh = _config("llama2-7b", tmp_path, scan_layers=True, param_scan_axis=1)
+  model = models.Transformer(config, mesh, quant=None, rngs=nnx.Rngs(params=1, dropout=2))
+  with pytest.warns(UserWarning, match="never reach the interception"):
+    qmodel = fl.nnx.quantize_model(model, rules=fl.projection_rules(), example=ARGS)
+  report = fl.nnx.product_report(qmodel, *ARGS)
+  # The scan body's 7 projections, traced once for both layers.
+  assert report.counts == {"quantized": 7, "excluded": 4, "unseen": 2}, str(report)
+  sites = [s for _, s in nnx.iter_graph(qmodel) if isinstance(s, fl.nnx.ProductSite)]
+  assert len(sites) == 7 and all(s.kernel_amax_history[...].shape[0] == 2 for s in sites)
