@@ -42,7 +42,6 @@ from typing import Any
 import jax
 import jax.ad_checkpoint
 import jax.numpy as jnp
-from jax import lax
 
 from fp8_linen.core import dims, lowering, mesh, owg, uses
 
@@ -188,7 +187,7 @@ def _backward(spec, res, cts):
       spec, q_l, q_r, g, states, (a_l, a_r), ct_chain,
       lambda: spec.backward(q_l, q_r, extras, states, g))
   d_l, d_r = lowering.reshard_like(d_l, q_l), lowering.reshard_like(d_r, q_r)
-  return (owg.match_varying(d_l, q_l, lax.psum), owg.match_varying(d_r, q_r, lax.psum),
+  return (owg.match_varying(d_l, q_l), owg.match_varying(d_r, q_r),
           state_cts, chain_ct)
 
 

@@ -54,7 +54,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from fp8_linen.core import (dims, grouped_kernels, int_numerics, int_ops, lowering, mesh, owg,
                             randomness, uses)
@@ -425,11 +424,11 @@ def _role_grads(op: Operand, g_hat, x, inside, params, like, dtype):
         grad_scale=op.grad_scale, with_offset=op.kind == "lsq+")
     dx = dx.reshape(x.shape).astype(dtype)
     d_params = (d_step, d_off) if op.kind == "lsq+" else (d_step,)
-    d_params = tuple(owg.match_varying(d, p, lax.psum) for d, p in zip(d_params, params))
-    return owg.match_varying(dx, like, lax.psum), d_params
+    d_params = tuple(owg.match_varying(d, p) for d, p in zip(d_params, params))
+    return owg.match_varying(dx, like), d_params
   if inside is not None:
     g_hat = jnp.where(inside.reshape(g_hat.shape), g_hat, jnp.zeros((), g_hat.dtype))
-  return owg.match_varying(g_hat.astype(dtype), like, lax.psum), None
+  return owg.match_varying(g_hat.astype(dtype), like), None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -468,8 +467,8 @@ def _int_product_bwd(spec, res, cts):
   if spec.x.kind == "observer":
     combined, chain_ct = owg.fold_chain(new, ct_chain, spec.first, like=lparams[0])
     d_range = jnp.zeros_like(new) if combined is None else combined
-    dlp = (owg.match_varying(d_range, lparams[0], lax.pmax),)
-    chain_ct = owg.match_varying(chain_ct, ct_chain, lax.pmax)
+    dlp = (owg.match_varying(d_range, lparams[0], state=True),)
+    chain_ct = owg.match_varying(chain_ct, ct_chain, state=True)
   dlp = dlp if dlp is not None else tuple(jnp.zeros_like(p) for p in lparams)
   drp = drp if drp is not None else tuple(jnp.zeros_like(p) for p in rparams)
   # The extra arrays (a grouped GEMM's group sizes) are integers: no gradient.

@@ -250,15 +250,18 @@ def _state_for_untracked_axes(ct):
   return jnp.where(first, ct, jnp.zeros_like(ct))
 
 
-def match_varying(ct, like, reduce):
+def match_varying(ct, like, *, state: bool = False):
   """Makes cotangent ``ct`` vary over exactly the mesh axes its primal ``like`` does.
 
   Inside ``shard_map`` a replicated input's cotangent must be reduced over the
-  axes the cotangent varies on: gradients are summed (``lax.psum``, what JAX's
-  own autodiff does) and fp8 state is max-reduced (``lax.pmax``); state where
-  JAX does not track variance: :func:`_state_for_untracked_axes`.
+  axes the cotangent varies on: a gradient (``state=False``) is summed
+  (``lax.psum``, what JAX's own autodiff does); quantization state
+  (``state=True``: an amax history, a scale, a chain) is max-reduced
+  (``lax.pmax``), and on axes where JAX does not track variance it is handed
+  to one device (:func:`_state_for_untracked_axes`).
   """
-  if reduce is lax.pmax:
+  reduce = lax.pmax if state else lax.psum
+  if state:
     ct = _state_for_untracked_axes(ct)
   want, have = lowering.varying_axes(like), lowering.varying_axes(ct)
   extra = tuple(sorted(have - want))
@@ -310,9 +313,9 @@ def state_cotangents(cfgs, states, observed, ct_chain, first: bool, empty: bool 
       cts = tuple(RoleState(*(jnp.where((a if jnp.ndim(a) == 0 else a[:, None]) > 0, n, o)
                               for n, o in zip(ct, st)))
                   for ct, st, a in zip(cts, states, parts))
-  cts = tuple(RoleState(*(match_varying(c, l, lax.pmax) for c, l in zip(ct, like)))
+  cts = tuple(RoleState(*(match_varying(c, l, state=True) for c, l in zip(ct, like)))
               for ct, like in zip(cts, states))
-  return cts, match_varying(chain_ct, ct_chain, lax.pmax)
+  return cts, match_varying(chain_ct, ct_chain, state=True)
 
 
 def _bits_named(q, name):

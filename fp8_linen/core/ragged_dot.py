@@ -40,7 +40,6 @@ import jax
 import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from fp8_linen.core import grouped_kernels, lowering, numerics, owg, uses
 from fp8_linen.core.fp8_vjp import Fp8Spec, backward_with_state
@@ -122,7 +121,7 @@ def _bwd(spec, grouped, res, cts):
   zero_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
   # Inside shard_map the experts closed over are replicated; each device's
   # wgrad covers its own rows, summed as JAX's own autodiff would.
-  return (owg.match_varying(d_l, q_l, lax.psum), owg.match_varying(d_r, q_r, lax.psum),
+  return (owg.match_varying(d_l, q_l), owg.match_varying(d_r, q_r),
           zero_sizes, state_cts, chain_ct)
 
 

@@ -55,10 +55,8 @@ from jax.custom_batching import custom_vmap
 from jax.extend.core import find_top_trace
 
 __all__ = ["LOOPS", "StateUseError", "transforms_between", "entering_shard_map", "constant",
-           "in_kernel",
-           "differentiated",
-           "under_vmap",
-           "fold_vmapped", "check_use", "Chains", "compiled_when_eager"]
+           "in_kernel", "differentiated", "under_vmap", "fold_vmapped", "check_use", "Chains",
+           "compiled_when_eager"]
 
 # What JAX's tracers call the transforms that run one traced body several times
 # per step (their ``traced_for``): their iterations' cotangents are summed.
