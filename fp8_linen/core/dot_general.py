@@ -51,8 +51,8 @@ class TensorDot(DotSpec):
     nd = (q_l.ndim, q_r.ndim)
     d_lhs = grad_gemm(q_g, q_r, self.dn, *nd, "lhs", self.gemm, self.lhs_dtype,
                       numerics.scale_product(s_g, s_r), like=q_l)
-    d_rhs = grad_gemm(q_g, q_l, self.dn, *nd, "rhs", self.gemm, self.rhs_dtype,
-                      numerics.scale_product(s_g, s_l), like=q_r)
+    d_rhs = grad_gemm(q_g, q_l, self.dn, *nd, "rhs", self.gemm, self.wgrad_dtype,
+                      numerics.scale_product(s_g, s_l), like=q_r).astype(self.rhs_dtype)
     return d_lhs, d_rhs, a_g
 
 
@@ -123,7 +123,8 @@ def fp8_dot_of(q_l, s_l, q_r, s_r, dn, *, recipe: Fp8Recipe, gemm: str, out_dtyp
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
                     kernel_state: owg.RoleState, output_grad_state: owg.RoleState,
-                    recipe: Fp8Recipe | None = None, out_dtype=None, chain=None):
+                    recipe: Fp8Recipe | None = None, out_dtype=None, chain=None,
+                    rhs_grad_dtype=None):
   """``lax.dot_general`` with fp8 operands and fp8 gradient GEMMs.
 
   Forward: ``lhs`` and ``rhs`` are quantized (``recipe.input`` /
@@ -175,6 +176,11 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
     out_dtype: output dtype (default: the result type of ``lhs`` and ``rhs``).
     chain: ``None`` for the first use of these states in a step, else the
       ``chain_out`` of the previous use.
+    rhs_grad_dtype: the dtype of the parameter ``rhs`` was cast from, if
+      any (the layers pass their ``param_dtype``): the weight-gradient GEMM
+      writes it, so that on a GPU the optimizer reads the GEMM's output
+      without a cast pass (:attr:`~fp8_linen.core.fp8_vjp.Fp8Spec.wgrad_dtype`).
+      The gradient returned is ``rhs``'s dtype either way.
 
   Returns:
     ``(out, chain_out)``.
@@ -208,5 +214,6 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
   spec = _SPECS[recipe.granularity](
       dn=dn, recipe=recipe, gemm=lowering.resolve_gemm(recipe), out_dtype=out_dtype,
       lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
-      frozen=owg.quantizers_frozen())
+      frozen=owg.quantizers_frozen(), rhs_grad_dtype=lowering.grad_dtype_for(rhs, rhs_grad_dtype))
   return fp8_vjp(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)
+

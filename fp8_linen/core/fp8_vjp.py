@@ -61,6 +61,9 @@ class Fp8Spec:
     first: whether this use returns the state.
     frozen: :func:`~fp8_linen.core.owg.frozen_quantizers` was on when the
       product was called: it returns its state unchanged.
+    rhs_grad_dtype: the dtype of the parameter ``rhs`` was cast from (a
+      float32 master weight of a bfloat16 layer), or ``None``: see
+      :attr:`wgrad_dtype`.
   """
 
   recipe: Any
@@ -70,11 +73,25 @@ class Fp8Spec:
   rhs_dtype: Any
   first: bool
   frozen: bool = False
+  rhs_grad_dtype: Any = None
 
   @property
   def cfgs(self):
     """The ``input``, ``kernel`` and ``output_grad`` configs."""
     return (self.recipe.input, self.recipe.kernel, self.recipe.output_grad)
+
+  @property
+  def wgrad_dtype(self):
+    """The dtype the weight-gradient GEMM writes; the product returns it cast to ``rhs_dtype``.
+
+    A bfloat16 layer over float32 parameters casts its weight gradient back
+    to float32 right after the product; writing the GEMM's float32 output
+    and casting it to bfloat16 and back lets XLA:GPU drop the pair (excess
+    precision, its default), so the optimizer reads the GEMM's output
+    instead of a bfloat16 copy cast in a pass of its own. Where the pair is
+    kept (XLA:CPU) the values are the bfloat16 ones, as before.
+    """
+    return self.rhs_grad_dtype or self.rhs_dtype
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

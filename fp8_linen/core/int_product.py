@@ -83,6 +83,12 @@ class _Spec:
   grad_bits: int | None = None
   grad_sr: bool = False  # IntRecipe.grad_stochastic_rounding
   frozen: bool = False  # owg.frozen_quantizers() when the product was called
+  rhs_grad_dtype: Any = None  # the weight's parameter dtype (lowering.grad_dtype_for)
+
+  @property
+  def wgrad_dtype(self):
+    """The dtype an STE weight gradient's GEMM writes (``Fp8Spec.wgrad_dtype``'s reason)."""
+    return self.rhs_grad_dtype or self.rhs_dtype
 
   def grad_noise(self, shape, xc: Codes, wc: Codes):
     """``noise(salt)``: the uniform [0, 1) values that round the gradient's codes.
@@ -110,7 +116,7 @@ class _DotSpec(_Spec):
     # LSQ sums the gradient into its step in float32; STE casts it to the
     # operand's dtype right away.
     lt = jnp.float32 if self.x.cfg.learned else self.lhs_dtype
-    rt = jnp.float32 if self.w.cfg.learned else self.rhs_dtype
+    rt = jnp.float32 if self.w.cfg.learned else self.wgrad_dtype
     how = "bf16" if self.grad_dtype == jnp.bfloat16 else "f32"
     if how == "bf16" and lowering.current_backend() == "gpu":
       # A GPU GEMM writes its output in the gradient's dtype straight from its
@@ -134,7 +140,7 @@ class _DotSpec(_Spec):
       return None
     nd = (len(self.lhs_shape), len(self.rhs_shape))
     lt = jnp.float32 if self.x.cfg.learned else self.lhs_dtype
-    rt = jnp.float32 if self.w.cfg.learned else self.rhs_dtype
+    rt = jnp.float32 if self.w.cfg.learned else self.wgrad_dtype
     how = "bf16" if self.grad_dtype == jnp.bfloat16 else "f32"
     if how == "bf16" and lowering.current_backend() == "gpu":
       how, g = "fp8", g.astype(jnp.bfloat16)
@@ -545,7 +551,7 @@ def _params(op: Operand, params, name: str):
 
 
 def _run(spec_cls, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params, out_dtype,
-         chain, owner, extra=(), **static):
+         chain, owner, extra=(), rhs_grad_dtype=None, **static):
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   owg.check_float("lhs", lhs)
   owg.check_float("rhs", rhs)
@@ -558,13 +564,15 @@ def _run(spec_cls, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params,
                   lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
                   lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape),
                   grad_bits=recipe.grad_bits, grad_sr=recipe.grad_stochastic_rounding,
-                  frozen=owg.quantizers_frozen(), **static)
+                  frozen=owg.quantizers_frozen(),
+                  rhs_grad_dtype=lowering.grad_dtype_for(rhs, rhs_grad_dtype), **static)
   return _int_product(spec, lhs, rhs, lp, rp, owg.chain_init(2) if first else chain, extra)
 
 
 def int_dot_general(lhs, rhs, dimension_numbers, *, recipe: IntRecipe, input_params=(),
                     kernel_params=(), input_grad_scale: float = 1.0,
-                    kernel_grad_scale: float = 1.0, out_dtype=None, chain=None):
+                    kernel_grad_scale: float = 1.0, out_dtype=None, chain=None,
+                    rhs_grad_dtype=None):
   """``dot_general`` of the integer-quantized operands, with QAT gradients.
 
   Forward: both operands quantized to int8 codes (``recipe.input`` per tensor,
@@ -592,6 +600,10 @@ def int_dot_general(lhs, rhs, dimension_numbers, *, recipe: IntRecipe, input_par
     out_dtype: output dtype (default: the result type of the operands).
     chain: ``None`` for the first use of the observer state in a step, else the
       previous use's ``chain_out``.
+    rhs_grad_dtype: the dtype of the parameter ``rhs`` was cast from, if any:
+      an STE weight gradient's GEMM writes it (see
+      :func:`~fp8_linen.fp8_dot_general`); the gradient returned is ``rhs``'s
+      dtype either way.
 
   Returns:
     ``(out, chain_out)``.
@@ -615,7 +627,7 @@ def int_dot_general(lhs, rhs, dimension_numbers, *, recipe: IntRecipe, input_par
   x_op, w_op = _operands(recipe, lc, rc, input_grad_scale, kernel_grad_scale, "int_dot_general")
   k = contracted(recipe.kernel, rhs.shape, rc)
   return _run(_DotSpec, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params, out_dtype,
-              chain, "int_dot_general", dn=dn)
+              chain, "int_dot_general", rhs_grad_dtype=rhs_grad_dtype, dn=dn)
 
 
 def int_conv_general_dilated(lhs, rhs, conv, *, recipe: IntRecipe, input_params=(),

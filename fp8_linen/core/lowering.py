@@ -71,6 +71,7 @@ __all__ = [
     "block_scaled_matmul",
     "gemm",
     "grad_gemm",
+    "grad_dtype_for",
     "is_code",
     "untracked_axes",
     "scaled",
@@ -499,3 +500,24 @@ def relayout(t, pairs, dst_ndim: int):
 def relayout_like(t, pairs, ref):
   """:func:`relayout` into ``ref``'s layout, sharded to broadcast against ``ref``."""
   return reshard_like(relayout(t, pairs, ref.ndim), ref)
+
+
+def grad_dtype_for(rhs, rhs_grad_dtype):
+  """``rhs_grad_dtype`` as a spec holds it: a floating dtype other than ``rhs``'s, or ``None``.
+
+  Only where a GPU is traced for: XLA:GPU drops the cast pair the wider GEMM
+  output makes (its excess precision); XLA:CPU keeps it (a wider output to
+  round, measured a few percent slower), and XLA:TPU already fuses the cast
+  into the GEMM's output.
+
+  Raises:
+    TypeError: if ``rhs_grad_dtype`` is not a floating dtype.
+  """
+  if rhs_grad_dtype is None:
+    return None
+  dt = jnp.dtype(rhs_grad_dtype)
+  if not jnp.issubdtype(dt, jnp.floating):
+    raise TypeError(f"rhs_grad_dtype must be a floating dtype, got {dt}")
+  if dt == jnp.dtype(rhs.dtype) or current_backend() != "gpu":
+    return None
+  return dt

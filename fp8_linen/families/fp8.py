@@ -89,9 +89,11 @@ def dot_general(access, lhs, rhs, dimension_numbers, recipe: Fp8Recipe, out_dtyp
                 key: str = "dot"):
   """:func:`~fp8_linen.fp8_dot_general` on the layer's state, chained under ``key``."""
   st = _states(access, recipe)
+  wgrad = access.weight_dtype(rhs)
   return access.chained(key, lambda chain: fp8_dot_general(
       lhs, rhs, dimension_numbers, input_state=st[0], kernel_state=st[1],
-      output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain), st[0].scale)
+      output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain,
+      rhs_grad_dtype=wgrad), st[0].scale)
 
 
 def conv(access, lhs, rhs, conv_kwargs: dict, recipe: Fp8Recipe, out_dtype=None,

@@ -5,6 +5,7 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import chex
 import ml_dtypes
 import numpy as np
 import pytest
@@ -276,3 +277,70 @@ def test_parity_with_flax_direct_fp8_op_on_representable_inputs():
   for name in ("input_scale", "kernel_scale", "output_grad_scale"):
     np.testing.assert_array_equal(gv_f[fl.OWG]["Fp8DirectDotGeneralOp_0"][name],
                                   gv_o[fl.OWG][name])
+
+
+class WeightGradientDtypeTest(chex.TestCase):
+  """``rhs_grad_dtype``: the weight-gradient GEMM writes the parameter's dtype.
+
+  Traced for a GPU (where the hint applies) and run here: XLA:GPU would drop
+  the bfloat16 round trip (the compile-only proof is in tests/gpu and
+  tests/targets/test_passes.py), XLA:CPU keeps it, so the gradient must be
+  the bfloat16 rounding of the exact product: bit for bit the old one where
+  the scales are powers of two, and never further than one bfloat16 step
+  from it otherwise.
+  """
+
+  def _grads(self, variant, x, w, ct, states, wgrad):
+    dn = (((1,), (0,)), ((), ()))
+
+    @variant
+    def grad(x, w):
+      def f(w):
+        y, _ = fl.fp8_dot_general(x, w.astype(jnp.bfloat16), dn, input_state=states[0],
+                                  kernel_state=states[1], output_grad_state=states[2],
+                                  rhs_grad_dtype=wgrad)
+        return jnp.sum(y.astype(jnp.float32) * ct)
+      return jax.grad(f)(w)
+
+    with fl.target_backend("gpu"):
+      return grad(x, w)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_the_gradient_is_the_bfloat16_rounding_of_the_exact_product(self):
+    rng = np.random.default_rng(1)
+    # Operands on the e4m3 grid, the cotangent on e5m2's, amaxes at the formats'
+    # maxima: every scale is 1 and the codes are the values.
+    x = jnp.asarray(rng.integers(-8, 9, size=(32, 16)) * 0.5, jnp.bfloat16).at[0, 0].set(448)
+    w = jnp.asarray(rng.integers(-8, 9, size=(16, 8)) * 0.25, jnp.float32).at[0, 0].set(448)
+    ct = jnp.asarray(rng.integers(-4, 5, size=(32, 8)) * 2.0, jnp.float32).at[0, 0].set(57344)
+    st = lambda a: fl.RoleState(jnp.ones((1,)), jnp.zeros((4,)).at[0].set(a))
+    states = (st(448.0), st(448.0), st(57344.0))
+    old = self._grads(self.variant, x, w, ct, states, None)
+    new = self._grads(self.variant, x, w, ct, states, jnp.float32)
+    exact = np.asarray(x, np.float64).T @ np.asarray(ct.astype(jnp.bfloat16), np.float64)
+    chex.assert_type((old, new), jnp.float32)
+    np.testing.assert_array_equal(new, exact.astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert not np.array_equal(new, exact)  # the bfloat16 rounding is there
+    chex.assert_trees_all_equal(new, old)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_other_scales_round_once(self):
+    x = jax.random.normal(jax.random.key(0), (64, 32), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (32, 16), jnp.float32)
+    ct = jax.random.normal(jax.random.key(2), (64, 16), jnp.float32)
+    st = lambda: fl.RoleState(jnp.ones((1,)), jnp.zeros((4,)))
+    states = (st(), st(), st())
+    old = np.asarray(self._grads(self.variant, x, w, ct, states, None))
+    new = np.asarray(self._grads(self.variant, x, w, ct, states, jnp.float32))
+    # The new value is rounded to bfloat16 once (after the scaling); the old
+    # one went through a bfloat16 GEMM output first: within two bfloat16 steps.
+    np.testing.assert_array_equal(new, new.astype(ml_dtypes.bfloat16).astype(np.float32))
+    np.testing.assert_allclose(new, old, rtol=2 ** -6, atol=0)
+
+
+def test_rhs_grad_dtype_must_be_floating():
+  st = fl.RoleState(jnp.ones((1,)), jnp.zeros((4,)))
+  with pytest.raises(TypeError, match="rhs_grad_dtype must be a floating dtype"):
+    fl.fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 2)), (((1,), (0,)), ((), ())),
+                       input_state=st, kernel_state=st, output_grad_state=st,
+                       rhs_grad_dtype=jnp.int32)
