@@ -177,10 +177,10 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
     chain: ``None`` for the first use of these states in a step, else the
       ``chain_out`` of the previous use.
     rhs_grad_dtype: the dtype of the parameter ``rhs`` was cast from, if
-      any (the layers pass their ``param_dtype``): the weight-gradient GEMM
-      writes it, so that on a GPU the optimizer reads the GEMM's output
-      without a cast pass (:attr:`~fp8_linen.core.fp8_vjp.Fp8Spec.wgrad_dtype`).
-      The gradient returned is ``rhs``'s dtype either way.
+      any (the layers pass their kernel's): traced for a GPU, the
+      weight-gradient GEMM writes it, so the optimizer reads the GEMM's output
+      without a cast pass (:attr:`~fp8_linen.core.fp8_vjp.Fp8Spec.wgrad_dtype`);
+      ignored elsewhere. The gradient returned is ``rhs``'s dtype either way.
 
   Returns:
     ``(out, chain_out)``.
@@ -216,4 +216,3 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
       lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
       frozen=owg.quantizers_frozen(), rhs_grad_dtype=lowering.grad_dtype_for(rhs, rhs_grad_dtype))
   return fp8_vjp(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)
-

@@ -88,8 +88,8 @@ class Fp8Spec:
     to float32 right after the product; writing the GEMM's float32 output
     and casting it to bfloat16 and back lets XLA:GPU drop the pair (excess
     precision, its default), so the optimizer reads the GEMM's output
-    instead of a bfloat16 copy cast in a pass of its own. Where the pair is
-    kept (XLA:CPU) the values are the bfloat16 ones, as before.
+    instead of a bfloat16 copy cast in a pass of its own. Set only when a GPU
+    is traced for (:func:`~fp8_linen.core.lowering.grad_dtype_for`).
     """
     return self.rhs_grad_dtype or self.rhs_dtype
 
