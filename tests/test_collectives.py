@@ -127,6 +127,10 @@ def test_h100_delayed_state_in_at_most_two_collectives(require_target, depth):
   assert col.extra_all_reduces(fp8, bf16) <= 2, (fp8.every_step, bf16.every_step)
   assert fp8.first_step_only.get("all-reduce", (0, 0))[0] >= depth
   assert fp8.gathers_in_codes and fp8.gather_bytes <= 0.25 * fp8.kernel_f32_bytes
+  # On a mesh the weight-gradient GEMM keeps bf16's output dtype, so the gradients are
+  # reduced across the devices in the bf16 step's dtype (float32 would move twice the bytes).
+  assert _gradient_reduction(fp8).dtypes == _gradient_reduction(bf16).dtypes
+  assert _gradient_reduction(fp8).nbytes <= _gradient_reduction(bf16).nbytes
 
 
 @pytest.mark.parametrize("arm", ["fp8_current", "int8"])
