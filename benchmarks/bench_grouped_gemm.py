@@ -12,6 +12,9 @@ weights, per arm:
 * ``fp8_xla`` / ``fp8``: ``fl.fp8_ragged_dot`` (delayed scaling, one scale per
   expert) with the library's Pallas grouped GEMMs off / on (``fl.pallas_kernels``);
 * ``fp8_e4m3_grads``: the same with e4m3 gradients (all three kernels fp8);
+* ``fp8_bf16_weights``: ``fp8`` with the experts cast to bfloat16 first, as a
+  bfloat16 model over float32 weights does, and told their parameters' dtype
+  (``rhs_grad_dtype``, what the layers pass): the wgrad kernel writes float32;
 * ``int8_xla`` / ``int8``: ``int_ragged_dot`` with ``grad_bits=8``.
 
 On a TPU (``--targets tpu7x tpu-v6e``) XLA runs the forward and dgrad in its own
@@ -47,7 +50,8 @@ import common  # noqa: E402
 
 DEVICE = "estimate (compile only)"
 TARGETS = ["h100", "b200"]
-ARMS = ["bf16", "bf16_kernel", "fp8_xla", "fp8", "fp8_e4m3_grads", "int8_xla", "int8"]
+ARMS = ["bf16", "bf16_kernel", "fp8_xla", "fp8", "fp8_e4m3_grads", "fp8_bf16_weights",
+        "int8_xla", "int8"]
 
 
 def _loss(arm: str, groups: int, target: str):
@@ -67,10 +71,13 @@ def _loss(arm: str, groups: int, target: str):
     recipe = fl.Fp8Recipe(gemm=gemm, output_grad=fl.ScalingConfig(dtype="float8_e4m3fn"))
   state = lambda shape: fl.RoleState(jnp.ones(shape), jnp.zeros(shape[:-1] + (16,)))
 
+  cast = arm == "fp8_bf16_weights"
+
   def loss(x, w, r, gs):
-    y, _ = fl.fp8_ragged_dot(x, w, gs, input_state=state((1,)),
-                             kernel_state=state((groups, 1)), output_grad_state=state((1,)),
-                             recipe=recipe)
+    y, _ = fl.fp8_ragged_dot(x, w.astype(jnp.bfloat16) if cast else w, gs,
+                             input_state=state((1,)), kernel_state=state((groups, 1)),
+                             output_grad_state=state((1,)), recipe=recipe,
+                             rhs_grad_dtype=w.dtype if cast else None)
     return jnp.sum(y.astype(jnp.float32) * r)
   return loss
 
@@ -103,6 +110,7 @@ def run_arm(target: str, arm: str, rows: int, k: int, n: int, groups: int) -> di
   products = [{"kind": p.kind, "operands": list(p.operands), "gflops": p.flops / 1e9}
               for p in report.product_list]
   return {"estimate_ms": est.seconds * 1e3, "product_ms": est.product_seconds * 1e3,
+          "other_bytes": est.other_bytes,
           "products": products, "classes": report.classes,
           "gflops": sum(p.flops for p in report.product_list) / 1e9,
           "compile_s": round(report.compile_seconds, 1)}

@@ -592,6 +592,35 @@ def test_a_quantized_moe_trains_in_the_gpu_grouped_kernels(require_target):
                          + [("pallas-grouped-gemm", "f16")] * 3), kinds
 
 
+class BfloatRaggedMoe(nn.Module):
+  """RaggedMoe computing in bfloat16 over float32 weights, as MaxText's MoE casts them."""
+
+  @nn.compact
+  def __call__(self, x, group_sizes):
+    w_in = self.param("w_in", nn.initializers.lecun_normal(), (4, 32, 64))
+    w_out = self.param("w_out", nn.initializers.lecun_normal(), (4, 64, 32))
+    h = jax.nn.gelu(jax.lax.ragged_dot(x, w_in.astype(jnp.bfloat16), group_sizes))
+    return jax.lax.ragged_dot(h, w_out.astype(jnp.bfloat16), group_sizes)
+
+
+def test_bfloat16_experts_write_their_weight_gradients_in_float32(require_target):
+  """The experts' wgrad kernels write the float32 parameters' dtype (H100, compile only):
+  no pass then casts each expert's gradient from bfloat16."""
+  require_target("h100")
+  from fp8_linen.testing.compile import compile_for  # pylint: disable=import-outside-toplevel
+  qm = fl.quantize_model(BfloatRaggedMoe(), fl.delayed_scaling(history_length=4))
+  x = jax.random.normal(jax.random.key(4), (64, 32), jnp.bfloat16)
+  gs = np.array([16, 0, 32, 16], np.int32)
+  v = qm.init(jax.random.key(0), x, gs)
+  step = lambda v, x: jax.value_and_grad(
+      lambda v: jnp.sum(jnp.square(qm.apply(v, x, gs).astype(jnp.float32))))(v)
+  report = compile_for("h100", step, v, x)
+  outs = sorted((p.kind, p.out) for p in report.product_list)
+  # Two forwards and one dgrad in bfloat16, the two experts' wgrads in float32.
+  assert outs == sorted([("pallas-grouped-gemm", "bf16")] * 3
+                        + [("pallas-grouped-gemm", "f32")] * 2), outs
+
+
 class OwnWeights(nn.Module):
   """Weights of a module's own code that a served product may, or may not, store as codes."""
 

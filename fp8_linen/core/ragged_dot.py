@@ -113,7 +113,7 @@ def _bwd(spec, grouped, res, cts):
                       spec.lhs_dtype, transpose_rhs=True)
     # wgrad: lhs rows^T (k, m_i) x g rows (m_i, n) per group.
     d_r = ragged_gemm(q_l, q_g, group_sizes, spec.gemm, numerics.scale_product(s_g, s_l),
-                      spec.rhs_dtype, wgrad=True)
+                      spec.wgrad_dtype, wgrad=True).astype(spec.rhs_dtype)
     return d_l, d_r, a_g
 
   (d_l, d_r), state_cts, chain_ct = backward_with_state(spec, q_l, q_r, g, states, amaxes,
@@ -131,7 +131,8 @@ _ragged_vjp = uses.compiled_when_eager(_ragged_vjp, static_argnums=(0, 1))
 
 def fp8_ragged_dot(lhs, rhs, group_sizes, *, input_state: owg.RoleState,
                    kernel_state: owg.RoleState, output_grad_state: owg.RoleState,
-                   recipe: Fp8Recipe | None = None, out_dtype=None, chain=None):
+                   recipe: Fp8Recipe | None = None, out_dtype=None, chain=None,
+                   rhs_grad_dtype=None):
   """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` with fp8 operands and fp8 gradient GEMMs.
 
   Args:
@@ -146,6 +147,9 @@ def fp8_ragged_dot(lhs, rhs, group_sizes, *, input_state: owg.RoleState,
     out_dtype: output dtype (default: the result type of ``lhs`` and ``rhs``).
     chain: ``None`` for the first use of these states in a step, else the
       previous use's ``chain_out``.
+    rhs_grad_dtype: the dtype of the parameter ``rhs`` (the experts) was cast
+      from, if any: the experts' weight-gradient GEMM writes it (see
+      :func:`~fp8_linen.fp8_dot_general`).
 
   Returns:
     ``(out (m, n), chain_out)``.
@@ -187,7 +191,8 @@ def fp8_ragged_dot(lhs, rhs, group_sizes, *, input_state: owg.RoleState,
   first = chain is None
   spec = Fp8Spec(recipe=recipe, gemm=lowering.resolve_gemm(recipe), out_dtype=out_dtype,
                  lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
-                 frozen=owg.quantizers_frozen())
+                 frozen=owg.quantizers_frozen(),
+                 rhs_grad_dtype=lowering.grad_dtype_for(rhs, rhs_grad_dtype))
   n_chain = 2 + (rhs.shape[0] if grouped else 1)
   return _ragged_vjp(spec, grouped, lhs, rhs, group_sizes.astype(jnp.int32), states,
                      owg.chain_init(n_chain) if first else chain)

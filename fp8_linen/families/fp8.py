@@ -116,9 +116,10 @@ def ragged_dot(access, lhs, rhs, group_sizes, recipe: Fp8Recipe, out_dtype=None,
   st = (role_state(access, "input", recipe.role("input")),
         role_state(access, "kernel", recipe.role("kernel"), groups=jnp.shape(rhs)[0]),
         role_state(access, "output_grad", recipe.role("output_grad")))
+  wgrad = access.weight_dtype(rhs)
   return access.chained(key, lambda chain: fp8_ragged_dot(
       lhs, rhs, group_sizes, input_state=st[0], kernel_state=st[1], output_grad_state=st[2],
-      recipe=recipe, out_dtype=out_dtype, chain=chain), st[0].scale)
+      recipe=recipe, out_dtype=out_dtype, chain=chain, rhs_grad_dtype=wgrad), st[0].scale)
 
 
 def _stored_role(access, role: str, cfg: ScalingConfig) -> RoleState:
