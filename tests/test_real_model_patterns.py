@@ -573,18 +573,23 @@ def test_served_experts_multiply_low_precision_codes(require_target, target, rec
   assert report.classes == expected, report.classes
 
 
-def test_a_quantized_moe_trains_in_the_gpu_grouped_kernels(require_target):
-  """quantize_model's experts on an H100 (compile only): every grouped GEMM of the step in
-  the library's kernels, each routed row multiplied by its own expert only."""
-  require_target("h100")
+def _h100_moe_step(moe):
+  """An expert layer's training step through quantize_model, compiled for an H100."""
   from fp8_linen.testing.compile import compile_for  # pylint: disable=import-outside-toplevel
-  qm = fl.quantize_model(RaggedMoe(d=32, f=64), fl.delayed_scaling(history_length=4))
+  qm = fl.quantize_model(moe, fl.delayed_scaling(history_length=4))
   x = jax.random.normal(jax.random.key(4), (64, 32), jnp.bfloat16)
   gs = np.array([16, 0, 32, 16], np.int32)
   v = qm.init(jax.random.key(0), x, gs)
   step = lambda v, x: jax.value_and_grad(
       lambda v: jnp.sum(jnp.square(qm.apply(v, x, gs).astype(jnp.float32))))(v)
-  report = compile_for("h100", step, v, x)
+  return compile_for("h100", step, v, x)
+
+
+def test_a_quantized_moe_trains_in_the_gpu_grouped_kernels(require_target):
+  """quantize_model's experts on an H100 (compile only): every grouped GEMM of the step in
+  the library's kernels, each routed row multiplied by its own expert only."""
+  require_target("h100")
+  report = _h100_moe_step(RaggedMoe(d=32, f=64))
   kinds = sorted((p.kind, p.operands[0]) for p in report.product_list)
   # Two forwards on e4m3 codes; two wgrads and the second expert layer's dgrad (e5m2 x
   # e4m3, float16 in the kernel); the input needs no gradient.
@@ -607,14 +612,7 @@ def test_bfloat16_experts_write_their_weight_gradients_in_float32(require_target
   """The experts' wgrad kernels write the float32 parameters' dtype (H100, compile only):
   no pass then casts each expert's gradient from bfloat16."""
   require_target("h100")
-  from fp8_linen.testing.compile import compile_for  # pylint: disable=import-outside-toplevel
-  qm = fl.quantize_model(BfloatRaggedMoe(), fl.delayed_scaling(history_length=4))
-  x = jax.random.normal(jax.random.key(4), (64, 32), jnp.bfloat16)
-  gs = np.array([16, 0, 32, 16], np.int32)
-  v = qm.init(jax.random.key(0), x, gs)
-  step = lambda v, x: jax.value_and_grad(
-      lambda v: jnp.sum(jnp.square(qm.apply(v, x, gs).astype(jnp.float32))))(v)
-  report = compile_for("h100", step, v, x)
+  report = _h100_moe_step(BfloatRaggedMoe())
   outs = sorted((p.kind, p.out) for p in report.product_list)
   # Two forwards and one dgrad in bfloat16, the two experts' wgrads in float32.
   assert outs == sorted([("pallas-grouped-gemm", "bf16")] * 3
