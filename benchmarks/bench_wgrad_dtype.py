@@ -1,0 +1,85 @@
+"""The weight-gradient GEMM's output dtype, timed: ``rhs_grad_dtype`` on and off, one run.
+
+A bfloat16 layer over float32 weights (TransformerEngine's dense example:
+x (16384, 8192) bf16 -> 32768, float32 kernel) runs its training step
+(forward, dgrad, wgrad; loss ``sum(y * r)``) three ways, interleaved in one
+process (``common.time_interleaved``): bf16 (``x @ w.astype(bf16)``), fp8
+delayed scaling with the weight's gradient written in bfloat16 and cast to
+float32 in a pass of its own (``rhs_grad_dtype=None``), and the same with the
+GEMM writing float32 (``rhs_grad_dtype=jnp.float32``, what the layers pass on
+a GPU). On a GPU it times them; elsewhere the hint does nothing (only a GPU
+drops the cast pair) and the script says so. Writes
+``<device>-wgrad-dtype.json``.
+
+  python benchmarks/bench_wgrad_dtype.py                 # on a GPU
+  python benchmarks/bench_wgrad_dtype.py --m 256 --k 256 --n 512 --reps 3   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import common  # noqa: E402  pylint: disable=wrong-import-position
+
+import fp8_linen as fl  # noqa: E402  pylint: disable=wrong-import-position
+
+DN = (((1,), (0,)), ((), ()))
+
+
+def _loss(arm: str):
+  state = lambda: fl.RoleState(jnp.ones((1,)), jnp.zeros((16,)))
+  if arm == "bf16":
+    return lambda w, x, r: jnp.sum((x @ w.astype(jnp.bfloat16)).astype(jnp.float32) * r)
+  hint = jnp.float32 if arm == "fp8_f32_wgrad" else None
+
+  def loss(w, x, r, states):
+    y, _ = fl.fp8_dot_general(x, w.astype(jnp.bfloat16), DN, input_state=states[0],
+                              kernel_state=states[1], output_grad_state=states[2],
+                              rhs_grad_dtype=hint)
+    return jnp.sum(y.astype(jnp.float32) * r)
+  return lambda w, x, r: loss(w, x, r, (state(), state(), state()))
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--m", type=int, default=8 * 2048)
+  p.add_argument("--k", type=int, default=8192)
+  p.add_argument("--n", type=int, default=32768)
+  p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--out-dir", default=None)
+  args = p.parse_args(argv)
+  keys = jax.random.split(jax.random.key(0), 3)
+  w = jax.random.normal(keys[0], (args.k, args.n), jnp.float32) * 0.02
+  x = jax.random.normal(keys[1], (args.m, args.k), jnp.bfloat16)
+  r = jax.random.normal(keys[2], (args.m, args.n), jnp.float32)
+  arms, outs = {}, {}
+  for arm in ("bf16", "fp8_bf16_wgrad", "fp8_f32_wgrad"):
+    step = jax.jit(jax.value_and_grad(_loss(arm), argnums=(0, 1)))
+    compiled = step.lower(w, x, r).compile()
+    outs[arm] = sorted(common.gpu_products(compiled.as_text()).items())
+    arms[arm] = (lambda c: lambda: c(w, x, r))(compiled)
+  times = common.time_interleaved(arms, reps=args.reps, warmup=3)
+  base = times["bf16"]["median_ms"]
+  device = common.device_name()
+  print(f"{device}: x ({args.m}, {args.k}) bf16 -> {args.n}, float32 weight")
+  if jax.default_backend() != "gpu":
+    print("not a GPU: rhs_grad_dtype does nothing here, the two fp8 arms are one program")
+  for arm, t in times.items():
+    print(f"  {arm:16s} {t['median_ms']:8.2f} ms  x{t['median_ms'] / base:.3f} bf16")
+  payload = {"device": device, "env": common.environment(),
+             "shape": {"m": args.m, "k": args.k, "n": args.n}, "reps": args.reps,
+             "results": {a: {**t, "vs_bf16": t["median_ms"] / base} for a, t in times.items()},
+             "gpu_products": {a: [list(kv) for kv in o] for a, o in outs.items()}}
+  common.write_json("wgrad-dtype", payload, out_dir=args.out_dir)
+  return payload
+
+
+if __name__ == "__main__":
+  main()
