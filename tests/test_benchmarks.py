@@ -506,3 +506,14 @@ def test_ptq_qwix_quick(tmp_path):
   assert set(arms["w8a8_dynamic"]["qwix"]["cpu_dots"]) == {"s8 x s8 -> s32"}
   assert set(arms["w8a8_static"]["fp8_linen"]["cpu_dots"]) <= {"s8 x s8 -> s32",
                                                                 "bf16 x bf16 -> f32"}
+
+
+def test_bench_wgrad_dtype_tiny(tmp_path, capsys):
+  bw = _load("bench_wgrad_dtype")
+  payload = bw.main(["--m", "64", "--k", "32", "--n", "64", "--reps", "2", "--out-dir",
+                     str(tmp_path)])
+  assert set(payload["results"]) == {"bf16", "fp8_bf16_wgrad", "fp8_f32_wgrad"}
+  assert payload["results"]["bf16"]["vs_bf16"] == 1.0
+  # Off a GPU the hint does nothing, and the script says so rather than report a gain.
+  assert "rhs_grad_dtype does nothing here" in capsys.readouterr().out
+  assert list(tmp_path.glob("*-wgrad-dtype.json"))
