@@ -172,13 +172,18 @@ class LinenAccess(VariableAccess):
     if self.weights_of is not None:
       params = self.weights_of.variables().get("params", {})
       return shared_dtype([nn.meta.unbox(v) for _, v in weights(params)], rhs)
-    for owner in (self.module, getattr(self.module, "parent", None)):
+    for _, kernel in self._kernels():
+      dt = shared_dtype([nn.meta.unbox(kernel)], rhs)
+      if dt is not None:
+        return dt
+    return None
+
+  def _kernels(self):
+    """``(at, kernel)`` of the module (0) and its parent (1), those that hold a ``kernel``."""
+    for at, owner in ((0, self.module), (1, getattr(self.module, "parent", None))):
       if isinstance(owner, nn.Module) and owner.scope is not None and \
           owner.has_variable("params", "kernel"):
-        dt = shared_dtype([nn.meta.unbox(owner.get_variable("params", "kernel"))], rhs)
-        if dt is not None:
-          return dt
-    return None
+        yield at, owner.get_variable("params", "kernel")
 
   def kernel_for(self, rhs):
     """The ``kernel`` parameter of the module (0) or its parent (1) of ``rhs``'s size.
@@ -194,12 +199,9 @@ class LinenAccess(VariableAccess):
       return serve.match_weight(
           [v for _, v in weights(self.weights_of.variables().get("params", {}))], rhs)
     size = jnp.size(rhs)
-    for at, owner in ((0, self.module), (1, getattr(self.module, "parent", None))):
-      if isinstance(owner, nn.Module) and owner.scope is not None and \
-          owner.has_variable("params", "kernel"):
-        p = owner.get_variable("params", "kernel")
-        if getattr(p, "size", None) == size:
-          return at, p
+    for at, p in self._kernels():
+      if getattr(p, "size", None) == size:
+        return at, p
     return None, None
 
 
