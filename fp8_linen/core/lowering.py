@@ -521,8 +521,26 @@ def grad_dtype_for(rhs, rhs_grad_dtype):
   dt = jnp.dtype(rhs_grad_dtype)
   if not jnp.issubdtype(dt, jnp.floating):
     raise TypeError(f"rhs_grad_dtype must be a floating dtype, got {dt}")
-  mesh = getattr(getattr(jax.typeof(rhs), "sharding", None), "mesh", None)
-  if (dt == jnp.dtype(rhs.dtype) or current_backend() != "gpu"
-      or getattr(mesh, "size", 1) > 1):
+  if dt == jnp.dtype(rhs.dtype) or current_backend() != "gpu" or on_mesh(rhs):
     return None
   return dt
+
+
+def on_mesh(x) -> bool:
+  """Whether ``x`` is traced over more than one device (``jit`` over a mesh, ``shard_map``).
+
+  Read from ``x``'s type (its sharding's mesh) and from the mesh in context,
+  so that a value traced on one device is told apart from a sharded one at
+  trace time, before XLA partitions the program.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import lowering
+    >>> lowering.on_mesh(jnp.ones(3))
+    False
+  """
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  if getattr(mesh, "size", 1) > 1:
+    return True
+  abstract = jax.sharding.get_abstract_mesh()
+  return not abstract.empty and abstract.size > 1

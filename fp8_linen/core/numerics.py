@@ -517,12 +517,21 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
   How the step is shaped, for the passes around the GEMMs (the codes are
   the same either way):
 
-  * ``weight=True`` (an operand whole when the step starts) on GPU: the
-    delayed scale is ``select_scale`` of ``a``, not a ``lax.cond`` on the
-    history. A conditional's operand is a buffer, so the cond makes XLA:GPU
-    write a copy of the cast weight every step only for the first-step
-    branch to read; waiting for a weight's amax costs nothing (every
-    weight's amax can be taken as the step starts). XLA:TPU fuses the cast
+  * On GPU, a scale waits for its tensor's amax (``select_scale`` of ``a``,
+    not a ``lax.cond`` on the history) for a weight, and for an activation
+    or a gradient traced on one device. A conditional's operand is a
+    buffer, so the cond makes XLA:GPU write a copy of the tensor every step
+    only for the first-step branch to read, where the producer would
+    otherwise fuse into the cast; waiting for the amax instead costs a
+    second read of the producer's inputs, which the amax shares with the
+    bias gradient's sum (decoder block, H100, compile only: 1.16 / 1.22 /
+    1.19x bf16's non-GEMM bytes at d_model 1024 / 4096 / 8192 with the
+    cond, 1.09 / 1.16 / 1.12x with the select). Where the producer is a
+    cast from float32 (a loss's cotangent), XLA writes a bfloat16 copy for
+    the amax and the cast reads the float32 again (a dense layer alone
+    under such a loss moves more: docs/accelerators.md). Activations and gradients
+    on a mesh keep the cond: there the amax is an all-reduce that would
+    sit between the cast and its GEMM in every step. XLA:TPU fuses the cast
     into the GEMM's operand instead, and there the cond is the cheaper form.
   * A weight whose scale waits for ``a`` (current scaling, or delayed on
     GPU) is cast by :func:`quantize_measured`: no finite check per element
@@ -544,9 +553,11 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
     >>> float(a), s.tolist()
     (896.0, [2.0])
   """
+  gpu = lowering.current_backend() == "gpu"
+  waits = cfg.scaling == "current" or (gpu and (weight or not lowering.on_mesh(x)))
   # Inside shard_map every device must pick the scale one device would.
   a = lowering.global_max(amax(x, columns_first=gradient))
-  if cfg.scaling == "current" or (weight and lowering.current_backend() == "gpu"):
+  if waits:
     s = select_scale(cfg, scale, history, a)
     # A weight's NaN poisons every output anyway; an activation's must stay in
     # its own row, as in a float layer, so activations keep the per-element check.

@@ -175,23 +175,59 @@ def test_amax_over_any_rank_is_the_largest_magnitude(shape):
 @pytest.mark.parametrize("backend", ["gpu", "cpu", "tpu"])
 @pytest.mark.parametrize("scaling", ["delayed", "current"])
 @pytest.mark.parametrize("history", ["empty", "seen"])
-def test_quantize_with_a_weights_shape_of_step_gives_the_same_codes(backend, scaling, history):
-  """``weight=True`` changes how the step is shaped (no first-step cond on GPU), not the codes."""
+@pytest.mark.parametrize("role", ["activation", "weight", "gradient"])
+def test_quantize_with_gives_the_same_codes_however_the_step_is_shaped(
+    backend, scaling, history, role):
+  """The role and the backend change how the step is shaped, not the codes.
+
+  The reference is an activation traced for the CPU (delayed scaling's
+  first step a ``lax.cond`` on the history). On GPU every role's scale
+  waits for its amax on one device (a select: no conditional in the
+  program); on CPU and TPU a delayed scale does not wait.
+  """
   from fp8_linen.core import lowering
   cfg = ScalingConfig(scaling=scaling)
   x = jnp.asarray(np.random.default_rng(3).normal(size=(64, 48)) * 700, jnp.bfloat16)
   h = jnp.zeros((8,)) if history == "empty" else jnp.zeros((8,)).at[0].set(300.0)
+  flags = {"activation": {}, "weight": {"weight": True}, "gradient": {"gradient": True}}[role]
+  with lowering.target_backend("cpu"):
+    ref = jax.jit(lambda x, s, h: numerics.quantize_with(cfg, s, h, x))(x, jnp.ones((1,)), h)
   with lowering.target_backend(backend):
-    plain = jax.jit(lambda x, s, h: numerics.quantize_with(cfg, s, h, x))(x, jnp.ones((1,)), h)
-    weight = jax.jit(lambda x, s, h: numerics.quantize_with(cfg, s, h, x, weight=True))(
-        x, jnp.ones((1,)), h)
-  np.testing.assert_array_equal(np.asarray(plain[0]).view(np.uint8),
-                                np.asarray(weight[0]).view(np.uint8))
-  np.testing.assert_array_equal(plain[1], weight[1])
-  assert float(plain[2]) == float(weight[2]) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+    fn = lambda x, s, h: numerics.quantize_with(cfg, s, h, x, **flags)
+    got = jax.jit(fn)(x, jnp.ones((1,)), h)
+    conds = str(jax.make_jaxpr(fn)(x, jnp.ones((1,)), h)).count("cond[")
+  np.testing.assert_array_equal(np.asarray(ref[0]).view(np.uint8),
+                                np.asarray(got[0]).view(np.uint8))
+  np.testing.assert_array_equal(ref[1], got[1])
+  assert float(ref[2]) == float(got[2]) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+  assert conds == (0 if scaling == "current" or backend == "gpu" else 1)
   # The first step takes its scale from the tensor: nothing clips (700 sigma > 448).
   if history == "empty" or scaling == "current":
-    assert float(jnp.max(jnp.abs(plain[0].astype(jnp.float32)))) == 448.0
+    assert float(jnp.max(jnp.abs(ref[0].astype(jnp.float32)))) == 448.0
+
+
+@pytest.mark.parametrize("role", ["activation", "gradient"])
+def test_quantize_with_keeps_the_first_step_branch_on_a_mesh(role):
+  """On a mesh an amax is an all-reduce: an activation's or gradient's delayed scale
+  does not wait for it in every step (a ``lax.cond`` on the history), on GPU too."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from fp8_linen.core import lowering
+  cfg = ScalingConfig()
+  mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:2])
+  x = jax.device_put(jnp.asarray(np.random.default_rng(4).normal(size=(64, 48)) * 700,
+                                 jnp.bfloat16), NamedSharding(mesh, P("d")))
+  s, h = jnp.ones((1,)), jnp.zeros((8,))
+  fn = lambda x, s, h: numerics.quantize_with(cfg, s, h, x, gradient=role == "gradient")
+  with lowering.target_backend("gpu"):
+    assert lowering.on_mesh(x)
+    assert str(jax.make_jaxpr(fn)(x, s, h)).count("cond[") == 1
+    got = jax.jit(fn)(x, s, h)
+  with lowering.target_backend("gpu"):
+    one = jax.jit(fn)(np.asarray(x), s, h)
+  np.testing.assert_array_equal(np.asarray(one[0]).view(np.uint8),
+                                np.asarray(got[0]).view(np.uint8))
+  np.testing.assert_array_equal(one[1], got[1])
 
 
 # XLA:GPU (excess precision allowed, its default) compiles `x.astype(f8).astype(f32)`

@@ -24,10 +24,10 @@ SLACK = 1.05
 # Recorded on jax 0.10.2 (compile only): non-GEMM bytes / the bf16 step's, same target.
 # (At this shape XLA:GPU lays the codes out as at the TE layer's; at 512 x 256 it does not.)
 RECORD = {
-    ("h100", "fp8_delayed"): 1.39,  # the weight gradient written in float32: -0.17
+    ("h100", "fp8_delayed"): 1.28,  # no first-step cond on one GPU: -0.11
     ("h100", "fp8_current"): 1.28,
     ("h100", "fp8_rowwise"): 1.82,
-    ("b200", "fp8_delayed"): 1.01,
+    ("b200", "fp8_delayed"): 0.93,  # no first-step cond on one GPU: -0.08
     ("b200", "mxfp8"): 1.41,        # one Pallas kernel per operand
     ("b200", "mxfp8_jnp"): 2.27,    # the same step with the kernels off
     ("b200", "nvfp4"): 1.77,        # two Pallas kernels per operand
@@ -74,15 +74,20 @@ def test_non_gemm_bytes_match_the_record(target, arm, require_target):
   assert step.total >= passes.dense_minimum_bytes(M, K, N, low_precision=True) * 0.5
 
 
-@pytest.mark.xdist_group("h100")
+@pytest.mark.xdist_group("tpu-v5e")
 def test_first_step_work_is_counted_apart(require_target):
-  """Delayed scaling's first-step branch (its amaxes from the batch) runs once, not every step."""
-  require_target("h100")
-  step = _step("h100", "fp8_delayed")
+  """Delayed scaling's first-step branch (its amaxes from the batch) runs once, not every step.
+
+  On TPU the step keeps a ``lax.cond`` per activation and gradient (on one
+  GPU their scales wait for their amaxes: no conditional, see below).
+  """
+  require_target("tpu-v5e")
+  step = _step("tpu-v5e", "fp8_delayed")
   first = [p for p in step.passes if not p.every_step]
   assert first and all(p.branch is not None for p in first)
-  assert all("amax" in p.purpose or "transpose" in p.purpose or
-             "finite check" in p.purpose for p in first)
+  # What the branch is for: measuring the batch (its scalars aside).
+  large = [p for p in first if p.bytes > 1024]
+  assert large and all("amax" in p.purpose for p in large), [p.purpose for p in large]
   every = sum(p.bytes for p in step.passes if p.every_step)
   assert step.total == pytest.approx(every)
   # The branch left out is the one with the work: the other runs no pass this large.
@@ -104,7 +109,7 @@ def test_first_step_branch_is_found_by_cost_on_tpu_too(require_target):
 def test_h100_delayed_step_has_none_of_the_known_extra_passes(require_target):
   """The passes DESIGN.md 3c lists, each gone from the H100 fp8 delayed step.
 
-  No copy of the weight for the first-step branch (a conditional's operand
+  No copy of a tensor for the first-step branch (a conditional's operand
   is a buffer); no finite check as a pass of its own; the gradient's amax in
   the bias gradient's pass.
   """
@@ -112,11 +117,11 @@ def test_h100_delayed_step_has_none_of_the_known_extra_passes(require_target):
   step = _step("h100", "fp8_delayed")
   module = hlo.parse(step.report.hlo)
   entry = module.entry
-  kernel_shapes = {(K, N), (N, K)}
-  for inst in module.computations[entry]:
-    if inst.opcode == "conditional":
-      shapes = {tuple(a.shape) for arrays in module.operand_arrays(entry, inst) for a in arrays}
-      assert not shapes & kernel_shapes, f"{inst.name} takes a copy of the weight: {shapes}"
+  # No conditional at all on one GPU: every scale waits for its amax, so no
+  # tensor is copied for a first-step branch to read.
+  conds = [i.name for i in module.computations[entry] if i.opcode == "conditional"]
+  assert not conds, conds
+  assert all(p.every_step for p in step.passes)
   every = [p for p in step.passes if p.every_step and p.bytes > 1 << 16]
   assert not [p for p in every if p.purpose in ("finite check", "finite check + transpose")]
   assert any("amax" in p.purpose and "sum" in p.purpose for p in every), \
