@@ -526,10 +526,10 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
     second read of the producer's inputs, which the amax shares with the
     bias gradient's sum (decoder block, H100, compile only: 1.16 / 1.22 /
     1.19x bf16's non-GEMM bytes at d_model 1024 / 4096 / 8192 with the
-    cond, 1.09 / 1.16 / 1.12x with the select). Where the producer is a
-    cast from float32 (a loss's cotangent), XLA writes a bfloat16 copy for
-    the amax and the cast reads the float32 again (a dense layer alone
-    under such a loss moves more: docs/accelerators.md). Activations and gradients
+    cond, 1.09 / 1.16 / 1.12x with the select). A producer that is a cast
+    from float32 (a loss's cotangent) is the exception: XLA:GPU writes a
+    bfloat16 copy for the amax and the cast reads the float32 again
+    (docs/accelerators.md). Activations and gradients
     on a mesh keep the cond: there the amax is an all-reduce that would
     sit between the cast and its GEMM in every step. XLA:TPU fuses the cast
     into the GEMM's operand instead, and there the cond is the cheaper form.
