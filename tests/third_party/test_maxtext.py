@@ -123,6 +123,22 @@ def test_mixtral_experts_quantized_and_training_tracks_float(mixtral):
   # Two layers, each three grouped GEMMs (wi_0, wi_1, wo), every one quantized.
   assert len(experts) == 6 and all(p.status == "quantized" for p in experts), str(report)
   assert not report.unquantized or all(p.status == "excluded" for p in report.unquantized)
+  # The attention around the experts: each layer's query, key, value and out
+  # projections (MaxText's DenseGeneral) are one product each at their own module
+  # path, all quantized; the attention math between them (attention_op's two
+  # einsums) is not a projection and stays in float.
+  attention = sorted(p for p in _projection_paths() if "/self_attention/" in p)
+  # (A float product's scope ends at the module's path, a quantized one's goes on
+  # into its call site.)
+  projections = {path: [p for p in report.products if f"/{path}/" in p.scope + "/"]
+                 for path in attention}
+  assert len(attention) == 8 and all(
+      [(p.primitive, p.status) for p in ps] == [("dot_general", "quantized")]
+      for ps in projections.values()), str(report)
+  # Per layer those 4, the router's gate and the 3 grouped GEMMs, and the head; kept:
+  # the attention math (2 per layer), the RMSNorm scales (2 per layer and the final
+  # one) and the MoE's weighted sum of the experts' outputs (1 per layer).
+  assert report.counts == {"quantized": 17, "excluded": 11}, str(report)
   # One state per call site at the MoE block's path inside MaxText's bridge, each
   # expert's weight with a scale of its own.
   flat = traverse_util.flatten_dict(qv[fl.OWG])
@@ -130,6 +146,11 @@ def test_mixtral_experts_quantized_and_training_tracks_float(mixtral):
             if k[-1] == "kernel_scale" and k[-2].startswith("ragged_dot")}
   assert scales == {f"decoder/layers_{i}/MoeBlock_0/ragged_dot_{j}": (4, 1)
                     for i in range(2) for j in range(3)}, scales
+  # And one per attention projection, at the projection's own path (as in the Llama
+  # tests), its weight with a single scale.
+  scales = {"/".join(k[:-1]): a.shape for k, a in flat.items()
+            if k[-1] == "kernel_scale" and "self_attention" in k}
+  assert scales == {f"{path}/dot_general_0": (1,) for path in attention}, scales
 
   float_losses, _ = _train(model.apply, {"params": qv["params"]}, steps=3)
   q_losses, first = _train(qm.apply, qv, steps=3)
