@@ -529,10 +529,10 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
     cond, 1.09 / 1.16 / 1.12x with the select). A producer that is a cast
     from float32 (a loss's cotangent) is the exception: XLA:GPU writes a
     bfloat16 copy for the amax and the cast reads the float32 again
-    (docs/accelerators.md). Activations and gradients
-    on a mesh keep the cond: there the amax is an all-reduce that would
-    sit between the cast and its GEMM in every step. XLA:TPU fuses the cast
-    into the GEMM's operand instead, and there the cond is the cheaper form.
+    (docs/accelerators.md). Activations and gradients on a mesh keep the
+    cond: there the amax is an all-reduce that would sit between the cast
+    and its GEMM in every step. XLA:TPU fuses the cast into the GEMM's
+    operand instead, and there the cond is the cheaper form.
   * A weight whose scale waits for ``a`` (current scaling, or delayed on
     GPU) is cast by :func:`quantize_measured`: no finite check per element
     (a non-finite weight gives NaN codes). Activations and gradients keep
