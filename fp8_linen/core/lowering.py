@@ -529,9 +529,9 @@ def grad_dtype_for(rhs, rhs_grad_dtype):
 def on_mesh(x) -> bool:
   """Whether ``x`` is traced over more than one device (``jit`` over a mesh, ``shard_map``).
 
-  Read from ``x``'s type (its sharding's mesh) and from the mesh in context,
-  so that a value traced on one device is told apart from a sharded one at
-  trace time, before XLA partitions the program.
+  Read from ``x``'s type (its sharding's mesh), else from the mesh in
+  context (``mesh.mesh_of``), so that a value traced on one device is told
+  apart from a sharded one at trace time, before XLA partitions the program.
 
   Example:
     >>> import jax.numpy as jnp
@@ -539,8 +539,5 @@ def on_mesh(x) -> bool:
     >>> lowering.on_mesh(jnp.ones(3))
     False
   """
-  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-  if getattr(mesh, "size", 1) > 1:
-    return True
-  abstract = jax.sharding.get_abstract_mesh()
-  return not abstract.empty and abstract.size > 1
+  m = mesh.mesh_of(x)
+  return m is not None and math.prod(m.axis_sizes) > 1

@@ -53,7 +53,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 __all__ = ["Roles", "dot_roles", "conv_roles", "plan", "multiply_codes", "sharded_zeros",
-           "as_bytes", "from_bytes", "sharing_bytes", "one_device_of", "placed_on"]
+           "as_bytes", "from_bytes", "sharing_bytes", "one_device_of", "placed_on", "mesh_of"]
 
 
 class Roles(NamedTuple):
@@ -278,7 +278,7 @@ def from_bytes(b, dtype):
   return x
 
 
-def _mesh_of(*xs):
+def mesh_of(*xs):
   """The (abstract) mesh of the first operand that has one, else the current mesh (or None)."""
   for x in xs:
     sharding = getattr(jax.typeof(x), "sharding", None)
@@ -382,7 +382,7 @@ def multiply_codes(lhs, rhs, roles: Roles, local: Callable, *, lhs_params: Seque
     The product.
   """
   lhs_params, rhs_params = tuple(lhs_params), tuple(rhs_params)
-  mesh = _mesh_of(lhs, rhs)
+  mesh = mesh_of(lhs, rhs)
   if _explicit_mesh(mesh):
     want = None if out_sharding is None else tuple(out_sharding.spec)
     ta, tb, _, _ = plan(roles, _spec_of(lhs), _spec_of(rhs), want)
