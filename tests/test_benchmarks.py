@@ -354,6 +354,29 @@ def test_estimate_vs_published_quick(tmp_path, require_target):
   assert te["mxfp8"]["products"] == {"fp8": 3}  # cuDNN block-scaled dots of fp8 codes
 
 
+def test_estimate_vs_published_takes_the_latest_run_of_a_shape(tmp_path):
+  """A shape timed again in a later session replaces its earlier row (one row per arm)."""
+  ev = _load("estimate_vs_published")
+
+  def arm(ms, cls):
+    return {"median_ms": ms, "estimate": {"ms": ms / 2, "product_ms": ms / 4,
+                                          "flops_by_class": {cls: 1}}}
+
+  def run(delayed_ms):
+    return {"shape_MKN": [8, 8, 8], "arms": {
+        "bf16_dense": arm(40.0, "bf16"), "flax_fp8_direct": arm(24.0, "fp8"),
+        "qdense_delayed": arm(delayed_ms, "fp8")}}
+
+  path = tmp_path / "h200.json"
+  path.write_text(json.dumps({"results": [run(24.5), run(25.3)]}))
+  rows, etas = ev.h200_rows(str(path))
+  assert sorted(r["arm"] for r in rows) == ["bf16", "flax fp8 op", "fp8 delayed"]
+  (delayed,) = [r for r in rows if r["arm"] == "fp8 delayed"]
+  assert delayed["measured_ms"] == 25.3
+  assert delayed["measured_ratio"] == pytest.approx(25.3 / 40.0)
+  assert list(etas) == [(8, 8, 8)]
+
+
 def test_bench_targets_quick(tmp_path, capsys, require_target):
   require_target("b200")
   bt = _load("bench_targets")
@@ -511,9 +534,20 @@ def test_ptq_qwix_quick(tmp_path):
 def test_bench_wgrad_dtype_tiny(tmp_path, capsys):
   bw = _load("bench_wgrad_dtype")
   payload = bw.main(["--m", "64", "--k", "32", "--n", "64", "--reps", "2", "--out-dir",
-                     str(tmp_path)])
-  assert set(payload["results"]) == {"bf16", "fp8_bf16_wgrad", "fp8_f32_wgrad"}
-  assert payload["results"]["bf16"]["vs_bf16"] == 1.0
+                     str(tmp_path), "--optimizers", "none", "adam", "--loss", "mse"])
+  arms = ("bf16", "fp8_bf16_wgrad", "fp8_f32_wgrad")
+  assert set(payload["results"]) == {*arms, *(f"{a}+adam" for a in arms)}
+  assert payload["results"]["bf16"]["vs_bf16"] == payload["results"]["bf16+adam"]["vs_bf16"] == 1.0
+  assert payload["loss"] == "mse"
+  # An optimizer arm trains: each call updates the donated weight, and the loss falls.
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  w = jax.random.normal(jax.random.key(0), (32, 64), jnp.float32) * 0.1
+  x = jax.random.normal(jax.random.key(1), (64, 32), jnp.bfloat16)
+  r = jnp.zeros((64, 64), jnp.float32)
+  run, _ = bw._step("fp8_f32_wgrad", "sgd", "mse", w, x, r)  # pylint: disable=protected-access
+  losses = [float(run()[1]) for _ in range(3)]
+  assert losses[2] < losses[1] < losses[0], losses
   # Off a GPU the hint does nothing, and the script says so rather than report a gain.
   assert "rhs_grad_dtype does nothing here" in capsys.readouterr().out
   assert list(tmp_path.glob("*-wgrad-dtype.json"))
