@@ -40,9 +40,15 @@ rewritten after every shape, so even a killed run keeps what it measured.
 Writes ``<out-dir>/<device>-gpu.json`` (``<device>-gpu-smoke.json`` with
 ``--smoke``) and prints one line per arm and shape, then a summary table.
 
+``--loss mse`` times the step with ``0.5 * sum((y - r)^2)`` instead of
+``sum(y * r)``: with the linear loss nothing orders the forward before the
+backward, and XLA may fuse a weight's amax (the forward's) into the SGD update
+and then copy the weight (docs/accelerators.md).
+
 Usage:
   python benchmarks/bench_gpu.py --out-dir /tmp/gpu          # on the GPU (~3-5 min)
   python benchmarks/bench_gpu.py --smoke --out-dir /tmp/gpu  # tiny shapes, any machine
+  python benchmarks/bench_gpu.py --shapes te_dense_example --loss mse --out-dir /tmp/gpu
 """
 
 from __future__ import annotations
@@ -146,7 +152,8 @@ def estimate_row(text: str, peaks: estimate.Peaks) -> dict:
 
 
 def run_shape(label: str, shape: tuple[int, int, int], reps: int, warmup: int,
-              peaks: estimate.Peaks, arms: tuple[str, ...] = ARMS) -> dict:
+              peaks: estimate.Peaks, arms: tuple[str, ...] = ARMS,
+              loss: str = "linear") -> dict:
   """Builds, counts, estimates and times every arm on one shape; returns its JSON row.
 
   An arm that fails to build or compile is recorded with its error and left
@@ -159,7 +166,7 @@ def run_shape(label: str, shape: tuple[int, int, int], reps: int, warmup: int,
   built, rows = {}, {}
   for arm in arms:
     try:
-      a = common.build_train_arm(make_layer(arm, n), x, seed=0)
+      a = common.build_train_arm(make_layer(arm, n), x, seed=0, loss=loss)
       text = a.compiled.as_text()
       rows[arm] = {"compile_s": a.compile_seconds, "memory": a.memory,
                    "products": product_summary(text), "estimate": estimate_row(text, peaks)}
@@ -205,7 +212,7 @@ def run_shape(label: str, shape: tuple[int, int, int], reps: int, warmup: int,
     row["estimate"]["measured_over_estimate"] = t["median_ms"] / row["estimate"]["ms"]
   for arm in arms:
     print(arm_line(label, arm, rows[arm]), flush=True)
-  return {"label": label, "shape_MKN": list(shape), "reps": reps, "warmup": warmup,
+  return {"label": label, "shape_MKN": list(shape), "reps": reps, "warmup": warmup, "loss": loss,
           **({"timing_error": timing_error} if timing_error else {}),
           "products_flops_per_step": flops, "compile_s": compile_s,
           "seconds": time.perf_counter() - t0, "arms": rows}
@@ -305,6 +312,10 @@ def main(argv=None) -> dict:
                       "the caller's timeout)")
   p.add_argument("--peaks", choices=sorted(estimate.PEAKS),
                  help="published peaks for the estimate (default: from the device kind)")
+  p.add_argument("--loss", choices=("linear", "mse"), default="linear",
+                 help="the step's loss: 'linear' (sum(y * r), the recorded runs) or 'mse' "
+                      "(0.5 * sum((y - r)^2), whose cotangent depends on the forward as a "
+                      "real loss's does)")
   p.add_argument("--smoke", action="store_true",
                  help="tiny shapes, 2 reps, 1 warm-up: proves the script runs (any machine)")
   args = p.parse_args(argv)
@@ -321,9 +332,10 @@ def main(argv=None) -> dict:
   name = "gpu-smoke" if args.smoke else "gpu"
   payload = {
       "benchmark": "gpu_dense_train_step", "env": env, "complete": False,
-      "step": "jit(loss = sum(y * r) with random r; returns new state, loss and dL/dx: "
-              "fwd + dgrad + wgrad + SGD update + fp8 state merge), donated state, arms "
-              "interleaved",
+      "step": ("jit(loss = sum(y * r)" if args.loss == "linear" else
+               "jit(loss = 0.5 * sum((y - r)^2)") + " with random r; returns new state, loss "
+              "and dL/dx: fwd + dgrad + wgrad + SGD update + fp8 state merge), donated state, "
+              "arms interleaved",
       "dtypes": {"x": "bfloat16", "params": "float32", "compute": "bfloat16 (fp8 arms: "
                  "e4m3 forward operands, e5m2 output gradient)"},
       "arms": {a: make_layer(a, 1).__class__.__name__ + ("" if a == BASELINE else f" ({a})")
@@ -353,7 +365,7 @@ def main(argv=None) -> dict:
         n = args.late_reps
         print(f"{elapsed:.0f} s elapsed (budget {args.budget_s:.0f} s): {label} gets {n} reps",
               flush=True)
-      payload["results"].append(run_shape(label, shape, n, warmup, peaks, arms))
+      payload["results"].append(run_shape(label, shape, n, warmup, peaks, arms, args.loss))
       slowest = max(slowest, payload["results"][-1]["seconds"])
       payload["seconds"] = time.perf_counter() - t_start
       common.write_json(name, payload, args.out_dir)  # keep what is done so far

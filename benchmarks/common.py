@@ -200,7 +200,7 @@ def compile_report_row(report: CompileReport) -> dict:
 # ----------------------------------------------------------------------------
 
 
-def make_train_step(model) -> Callable:
+def make_train_step(model, *, loss: str = "linear") -> Callable:
   """``step(state, x, r) -> (new state, loss, dL/dx)`` for a ``fl.TrainState``.
 
   The loss is ``sum(y * r)`` with ``r`` a random cotangent passed as an
@@ -215,8 +215,10 @@ def make_train_step(model) -> Callable:
   Args:
     model: anything with ``apply(variables, x)``; ``state.params`` holds its
       whole variables dict.
+    loss: ``'linear'`` (``sum(y * r)``) or ``'mse'`` (``0.5 * sum((y - r)^2)``:
+      the cotangent depends on the forward, as a real loss's does).
   """
-  grads_step = make_grads_step(model)
+  grads_step = make_grads_step(model, loss=loss)
 
   def step(state, x, r):
     loss, dx, grads = grads_step(state.params, x, r)
@@ -251,18 +253,20 @@ class TrainArm:
   compile_seconds: float | None = None
 
 
-def build_train_arm(model, x, *, seed: int = 0, tx=None) -> TrainArm:
+def build_train_arm(model, x, *, seed: int = 0, tx=None, loss: str = "linear") -> TrainArm:
   """Initializes ``model`` on ``x`` and compiles its train step (:func:`make_train_step`).
 
   The variables (params, fp8 scales and histories) live in a ``fl.TrainState``
-  passed to the jitted step as an argument and donated; the cotangent is random
-  (normal, the output's dtype), drawn from ``seed``.
+  passed to the jitted step as an argument and donated; ``r`` (the cotangent of
+  the linear loss, the target of the mse one) is random (normal, the output's
+  dtype), drawn from ``seed``.
 
   Args:
     model: a Linen module.
     x: its input (random, never zeros: the caller draws it).
     seed: seeds the initialization and the cotangent.
     tx: the optax optimizer (default SGD, learning rate 1e-3).
+    loss: the step's loss (:func:`make_train_step`).
   """
   k_init, k_r = jax.random.split(jax.random.key(seed))
   variables = model.init(k_init, x)
@@ -272,7 +276,8 @@ def build_train_arm(model, x, *, seed: int = 0, tx=None) -> TrainArm:
   state = fl.TrainState.create(apply_fn=model.apply, params=jax.tree.map(jnp.copy, variables),
                                tx=tx if tx is not None else optax.sgd(1e-3))
   t0 = time.perf_counter()
-  compiled = jax.jit(make_train_step(model), donate_argnums=0).lower(state, x, r).compile()
+  compiled = jax.jit(make_train_step(model, loss=loss),
+                     donate_argnums=0).lower(state, x, r).compile()
   compile_seconds = time.perf_counter() - t0
   holder = {"state": state}
 

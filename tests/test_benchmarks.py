@@ -403,9 +403,11 @@ def test_bench_targets_quick(tmp_path, capsys, require_target):
 def test_bench_gpu_smoke(tmp_path):
   # The script a lent GPU runs: here (CPU) it must run end to end with its tiny shapes.
   bg = _load("bench_gpu")
-  payload = bg.main(["--smoke", "--out-dir", str(tmp_path)])
+  payload = bg.main(["--smoke", "--loss", "mse", "--out-dir", str(tmp_path)])
   saved = json.loads((tmp_path / f"{bg.common.device_name()}-gpu-smoke.json").read_text())
   assert saved["complete"] and not saved["skipped"]
+  assert saved["step"].startswith("jit(loss = 0.5 * sum((y - r)^2)")
+  assert {r["loss"] for r in saved["results"]} == {"mse"}
   assert [r["label"] for r in saved["results"]] == [s for s, _ in bg.SMOKE_SHAPES]
   for res in saved["results"]:
     assert set(res["arms"]) == set(bg.ARMS)

@@ -32,10 +32,17 @@ import jax.numpy as jnp
 
 from fp8_linen.core.lowering import target_backend
 
-__all__ = ["make_train_step", "train_step_inputs"]
+__all__ = ["LOSSES", "make_train_step", "train_step_inputs"]
 
 
-def make_train_step(model) -> Callable:
+LOSSES = {
+    "linear": lambda y, r: jnp.sum(y * r),
+    "mse": lambda y, r: 0.5 * jnp.sum(jnp.square(y - r)),
+}
+"""The losses :func:`make_train_step` offers, of float32 ``y`` (output) and ``r`` (target)."""
+
+
+def make_train_step(model, *, loss: str = "linear") -> Callable:
   """The step that proves a model's products: ``step(variables, x, r) -> (loss, dx, grads)``.
 
   ``loss = sum(y * r)`` over the output leaves with ``r`` a random cotangent
@@ -44,16 +51,30 @@ def make_train_step(model) -> Callable:
   params' gradients and the new fp8 state) the wgrad. For a non-floating ``x``
   (e.g. tokens) ``dx`` is None.
 
+  With the linear loss the cotangent is ``r`` itself, so nothing orders the
+  forward before the backward, which no real loss allows: a step that also
+  updates the weights may then have XLA fuse forward work (a weight's amax)
+  into the update. ``loss='mse'`` (``0.5 * sum((y - r)^2)``, cotangent
+  ``y - r``) keeps the order a real loss imposes.
+
   Args:
     model: anything with ``apply(variables, x)`` (a Linen module or
       :func:`fp8_linen.quantize_model`'s wrapper).
+    loss: ``'linear'`` or ``'mse'`` (:data:`LOSSES`).
 
   Returns:
     The (unjitted) step function.
+
+  Raises:
+    ValueError: for an unknown ``loss``.
   """
+  if loss not in LOSSES:
+    raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {loss!r}")
+  loss_of = LOSSES[loss]
+
   def loss_fn(variables, x, r):
     y = model.apply(variables, x)
-    return sum(jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32))
+    return sum(loss_of(a.astype(jnp.float32), b.astype(jnp.float32))
                for a, b in zip(jax.tree.leaves(y), jax.tree.leaves(r)))
 
   def step(variables, x, r):
