@@ -32,6 +32,10 @@ and prints the estimates.
 Writes ``benchmarks/results/estimate-targets.json`` (device "estimate
 (compile only)"); a measured run also writes ``<device>-targets.json``.
 
+``--loss mse`` compiles the step with ``0.5 * sum((y - r)^2)`` instead of
+``sum(y * r)``, so that the forward is ordered before the backward as in a
+real model (``fp8_linen.testing.train_step``).
+
 Usage:
   python benchmarks/bench_targets.py                       # all widths, targets, arms (~40 min)
   python benchmarks/bench_targets.py --widths 1024 --targets h100 tpu-v6e
@@ -98,22 +102,23 @@ def row_of(report, est) -> dict:
           "compile_s": report.compile_seconds}
 
 
-def child(target: str, d: int, arms: list[str], quick: bool) -> None:
+def child(target: str, d: int, arms: list[str], quick: bool, loss: str = "linear") -> None:
   """Compiles the arms for one target and width; one JSON line per arm on stdout."""
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from fp8_linen.testing.compile import compile_train_step  # pylint: disable=import-outside-toplevel
   shape, heads = _shape(d, quick)
   for arm in arms:
-    r = compile_train_step(model(arm, d, heads), shape, jnp.bfloat16, target=target)
+    r = compile_train_step(model(arm, d, heads), shape, jnp.bfloat16, target=target, loss=loss)
     print("ROW " + json.dumps({"arm": arm, **row_of(r, r.estimate())}), flush=True)
 
 
-def _run_child(target: str, d: int, arms: list[str], quick: bool, timeout: float) -> dict:
+def _run_child(target: str, d: int, arms: list[str], quick: bool, timeout: float,
+               loss: str = "linear") -> dict:
   """``{arm: row}``; an arm whose compile crashed the process, or did not finish within
   ``timeout`` seconds, gets ``{"error": ...}``."""
   cmd = [sys.executable, os.path.abspath(__file__), "--child", target, str(d), *arms]
-  cmd += ["--quick"] if quick else []
+  cmd += (["--quick"] if quick else []) + ["--loss", loss]
   try:
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout)
   except subprocess.TimeoutExpired as e:
@@ -135,7 +140,7 @@ def _run_child(target: str, d: int, arms: list[str], quick: bool, timeout: float
   if missing and out.returncode != 0:
     if len(arms) > 1:  # find the arm that crashed; the others still get their row
       for arm in missing:
-        rows.update(_run_child(target, d, [arm], quick, timeout))
+        rows.update(_run_child(target, d, [arm], quick, timeout, loss))
     else:
       tail = [l for l in out.stderr.splitlines() if "SIGSEGV" in l or "Error" in l]
       rows[arms[0]] = {"error": (tail[-1] if tail else f"exit {out.returncode}")[:200]}
@@ -158,7 +163,7 @@ def probe_device(env) -> tuple[str, str]:
   return (out[-2], out[-1]) if len(out) >= 2 else ("cpu", "cpu")
 
 
-def measure(widths, arms, reps: int, quick: bool) -> dict:
+def measure(widths, arms, reps: int, quick: bool, loss: str = "linear") -> dict:
   """Times each arm's step on the local GPU/TPU; estimates it with that device's peaks."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -179,7 +184,7 @@ def measure(widths, arms, reps: int, quick: bool) -> dict:
       # Jitted: an eager init of the wide blocks spends minutes dispatching op by op.
       v = jax.jit(m.init)(jax.random.key(0), x)
       r = jax.random.normal(jax.random.key(1), shape, jnp.float32)
-      step = jax.jit(make_train_step(m))
+      step = jax.jit(make_train_step(m, loss=loss))
       compiled = step.lower(v, x, r).compile()
       rows[arm] = {"compile_s": time.perf_counter() - t0}
       print(f"{kind} d={d} {arm:12s} initialized and compiled in {rows[arm]['compile_s']:.1f} s",
@@ -210,10 +215,11 @@ def measure_only(args, arms) -> dict:
   t0 = time.perf_counter()
   payload = {"device": None, "env": common.environment(), "arms": arms, "reps": args.reps,
              "widths": {}, "complete": False,
-             "model": "pre-LN decoder block as in estimate-targets.json, 4 x 2048 tokens"}
+             "model": "pre-LN decoder block as in estimate-targets.json, 4 x 2048 tokens",
+             "loss": args.loss}
   out_dir = os.path.dirname(args.out)
   for d in args.widths:
-    result = measure([d], arms, args.reps, args.quick)
+    result = measure([d], arms, args.reps, args.quick, args.loss)
     payload["device"] = result["device_kind"]
     payload["estimated_with"] = result["estimated_with"]
     payload["widths"].update(result["widths"])
@@ -273,6 +279,7 @@ def _payload(args, results, t0, measured, *, complete: bool) -> dict:
       "device": DEVICE, "env": common.environment(), "seconds": time.perf_counter() - t0,
       "model": {"what": "pre-LN decoder block (attention + GELU MLP), quantize_model with "
                         "projection_rules(); train step returns loss, dL/dx and gradients",
+                "loss": "sum(y * r)" if args.loss == "linear" else "0.5 * sum((y - r)^2)",
                 "tokens": "2 x 64 (quick)" if args.quick else "4 x 2048",
                 "heads": "d/64 (quick)" if args.quick else "d/128", "mlp": "4 d",
                 "activations": "bfloat16", "params": "float32"},
@@ -291,6 +298,10 @@ def main(argv=None) -> dict:
   p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
   p.add_argument("--reps", type=int, default=20, help="timed runs on a real device")
   p.add_argument("--quick", action="store_true", help="a tiny block (smoke run)")
+  p.add_argument("--loss", choices=("linear", "mse"), default="linear",
+                 help="the step's loss (fp8_linen.testing.train_step.LOSSES): 'linear' "
+                      "(sum(y * r), the recorded runs) or 'mse', whose cotangent depends on "
+                      "the forward as a real loss's does"),
   p.add_argument("--out", default=os.path.join(HERE, "results", "estimate-targets.json"))
   p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
   p.add_argument("--child-timeout", type=float, default=1200,
@@ -306,7 +317,7 @@ def main(argv=None) -> dict:
       print(tables(json.load(f)))
     return {}
   if args.child:
-    child(args.child[0], int(args.child[1]), args.child[2:], args.quick)
+    child(args.child[0], int(args.child[1]), args.child[2:], args.quick, args.loss)
     return {}
   arms = ["bf16"] + [a for a in args.arms if a != "bf16"]
   if args.measure_only:
@@ -322,7 +333,7 @@ def main(argv=None) -> dict:
   for target in args.targets:
     results[target] = {}
     for d in args.widths:
-      rows = _run_child(target, d, arms, args.quick, args.child_timeout)
+      rows = _run_child(target, d, arms, args.quick, args.child_timeout, args.loss)
       _ratios(rows)
       results[target][str(d)] = rows
       # What has compiled so far, so a long run that is stopped keeps its rows.
@@ -342,7 +353,7 @@ def main(argv=None) -> dict:
   if backend in ("gpu", "tpu"):
     code = (f"import sys; sys.path.insert(0, {HERE!r}); import bench_targets as b, json; "
             f"print('MEASURED ' + json.dumps(b.measure({args.widths!r}, {arms!r}, "
-            f"{args.reps}, {args.quick})))")
+            f"{args.reps}, {args.quick}, {args.loss!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=False, env=env)
     print(out.stdout, end="")

@@ -382,10 +382,10 @@ def test_bench_targets_quick(tmp_path, capsys, require_target):
   bt = _load("bench_targets")
   out = tmp_path / "estimate-targets.json"
   payload = bt.main(["--quick", "--widths", "256", "--targets", "b200",
-                     "--arms", "bf16", "nvfp4", "--out", str(out)])
+                     "--arms", "bf16", "nvfp4", "--loss", "mse", "--out", str(out)])
   saved = json.loads(out.read_text())
   assert saved["device"] == "estimate (compile only)" and saved["measured"] is None
-  assert saved["complete"]
+  assert saved["complete"] and saved["model"]["loss"] == "0.5 * sum((y - r)^2)"
   rows = saved["results"]["b200"]["256"]
   assert set(rows) == {"bf16", "nvfp4"}
   assert rows["bf16"]["ratio_vs_bf16"] == 1.0 and rows["bf16"]["low_precision_products"] == 0
@@ -470,10 +470,10 @@ def test_bench_targets_measure_only_times_on_this_machine(tmp_path):
   bt = _load("bench_targets")
   # One cheap arm: the compiles are the estimate's tests' business; this is the plumbing.
   payload = bt.main(["--measure-only", "--quick", "--widths", "64", "--arms", "bf16",
-                     "--reps", "1", "--out", str(tmp_path / "x.json")])
+                     "--reps", "1", "--loss", "mse", "--out", str(tmp_path / "x.json")])
   (path,) = tmp_path.glob("*-targets-measured.json")
   saved = json.loads(path.read_text())
-  assert saved["complete"] and payload["complete"]
+  assert saved["complete"] and payload["complete"] and saved["loss"] == "mse"
   rows = saved["widths"]["64"]
   assert set(rows) == {"bf16"}
   assert all(r["measured_ms"] > 0 for r in rows.values())

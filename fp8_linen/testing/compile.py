@@ -282,7 +282,7 @@ def _report(t: Target, text: str, mem, seconds: float, options) -> CompileReport
 
 
 def compile_train_step(model, x, dtype=None, *, target: str | Target = "h100",
-                       **kwargs) -> CompileReport:
+                       loss: str = "linear", **kwargs) -> CompileReport:
   """:func:`compile_for` of the step that proves ``model`` (:mod:`.train_step`).
 
   Args:
@@ -290,6 +290,7 @@ def compile_train_step(model, x, dtype=None, *, target: str | Target = "h100",
     x: the input (shape tuple, array or ``ShapeDtypeStruct``).
     dtype: the input dtype when ``x`` is a shape (default bfloat16).
     target: the target name or :class:`~fp8_linen.testing.targets.Target`.
+    loss: the step's loss (:data:`fp8_linen.testing.train_step.LOSSES`).
     **kwargs: passed to :func:`compile_for` (``compiler_options``).
 
   Returns:
@@ -297,5 +298,5 @@ def compile_train_step(model, x, dtype=None, *, target: str | Target = "h100",
   """
   t = get_target(target)
   use_cpu_platform()
-  return compile_for(t, make_train_step(model),
+  return compile_for(t, make_train_step(model, loss=loss),
                      *train_step_inputs(model, x, dtype, t.platform), **kwargs)
