@@ -70,6 +70,7 @@ import common  # noqa: E402
 
 import fp8_linen as fl  # noqa: E402
 from fp8_linen.testing import estimate, hlo, hlo_kernels, hlo_products  # noqa: E402
+from fp8_linen.testing.train_step import LOSSES  # noqa: E402
 
 BASELINE = "bf16_dense"
 FLAX_FP8 = "flax_fp8_direct"
@@ -312,7 +313,7 @@ def main(argv=None) -> dict:
                       "the caller's timeout)")
   p.add_argument("--peaks", choices=sorted(estimate.PEAKS),
                  help="published peaks for the estimate (default: from the device kind)")
-  p.add_argument("--loss", choices=("linear", "mse"), default="linear",
+  p.add_argument("--loss", choices=sorted(LOSSES), default="linear",
                  help="the step's loss: 'linear' (sum(y * r), the recorded runs) or 'mse' "
                       "(0.5 * sum((y - r)^2), whose cotangent depends on the forward as a "
                       "real loss's does)")

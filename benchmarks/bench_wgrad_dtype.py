@@ -40,13 +40,12 @@ sys.path.insert(0, HERE)
 import common  # noqa: E402  pylint: disable=wrong-import-position
 
 import fp8_linen as fl  # noqa: E402  pylint: disable=wrong-import-position
+from fp8_linen.testing.train_step import LOSSES  # noqa: E402  pylint: disable=wrong-import-position
 
 DN = (((1,), (0,)), ((), ()))
 
 
 OPTIMIZERS = {"none": None, "sgd": lambda: optax.sgd(1e-3), "adam": lambda: optax.adam(1e-3)}
-LOSSES = {"linear": lambda y, r: jnp.sum(y * r),
-          "mse": lambda y, r: 0.5 * jnp.sum(jnp.square(y - r))}
 
 
 def _loss(arm: str, loss_of=LOSSES["linear"]):
