@@ -76,6 +76,33 @@ def test_estimate_tables_are_the_benchmark_output():
   assert payload["device"] == "estimate (compile only)"
 
 
+def test_mse_loss_table_is_the_benchmark_output():
+  """The linear -> mse table and the README's sentence are the two recorded runs' figures."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import bench_targets  # pylint: disable=import-outside-toplevel
+  lin = json.loads((ROOT / "benchmarks/results/estimate-targets.json").read_text())["results"]
+  mse_payload = json.loads((ROOT / "benchmarks/results/estimate-targets-mse.json").read_text())
+  assert mse_payload["model"]["loss"] == "0.5 * sum((y - r)^2)"
+  mse = mse_payload["results"]
+  widths = ("1024", "4096", "8192")
+  cells = lambda res, t, a, key: " / ".join(f"{res[t][w][a][key]:.2f}" for w in widths)
+  want = [["target", "recipe", "step vs bf16", "non-GEMM bytes vs bf16"], ["---"] * 4]
+  for t in ("h100", "b200"):
+    for a in ("fp8_delayed", "fp8_current"):
+      want.append([bench_targets.NAMES[t], bench_targets.LABELS[a]] + [
+          f"{cells(lin, t, a, key)} -> {cells(mse, t, a, key)}"
+          for key in ("ratio_vs_bf16", "other_bytes_vs_bf16")])
+  doc = ROOT.joinpath("docs/accelerators.md").read_text()
+  assert _table_after(doc, "<!-- estimate mse table") == want
+  readme = ROOT.joinpath("README.md").read_text()
+  assert f"H100 fp8 delayed {cells(mse, 'h100', 'fp8_delayed', 'ratio_vs_bf16')};" in readme
+  # The same products with either loss: only the passes around them differ.
+  for t in ("h100", "b200"):
+    for w in widths:
+      for a in ("bf16", "fp8_delayed", "fp8_current"):
+        assert mse[t][w][a]["products"] == lin[t][w][a]["products"], (t, w, a)
+
+
 def test_estimate_vs_measured_table_is_the_benchmark_output():
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import estimate_vs_published as ev  # pylint: disable=import-outside-toplevel
