@@ -5,11 +5,11 @@ x (16384, 8192) bf16 -> 32768, float32 kernel) runs its training step
 (forward, dgrad, wgrad; loss ``sum(y * r)``) three ways, interleaved in one
 process (``common.time_interleaved``): bf16 (``x @ w.astype(bf16)``), fp8
 delayed scaling with the weight's gradient written in bfloat16 and cast to
-float32 in a pass of its own (``rhs_grad_dtype=None``), and the same with the
-GEMM writing float32 (``rhs_grad_dtype=jnp.float32``, what the layers pass on
-a GPU). On a GPU it times them; elsewhere the hint does nothing (only a GPU
-drops the cast pair) and the script says so. Writes
-``<device>-wgrad-dtype.json``.
+float32 in a pass of its own (``rhs_grad_dtype=None``, what the layers do),
+and the same with the GEMM writing float32 (``rhs_grad_dtype=jnp.float32``).
+On a GPU it times them; elsewhere the hint does nothing (only a GPU drops the
+cast pair) and the script says so. Writes ``<device>-wgrad-dtype.json`` with
+each arm's first compile in seconds.
 
 ``--optimizers`` adds the optimizer's update to the step (the weight and the
 optimizer's state donated), because what the wgrad GEMM's output dtype costs
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -103,23 +104,27 @@ def main(argv=None) -> dict:
   print(f"{device}: x ({args.m}, {args.k}) bf16 -> {args.n}, float32 weight, {args.loss} loss")
   if jax.default_backend() != "gpu":
     print("not a GPU: rhs_grad_dtype does nothing here, the two fp8 arms are one program")
-  results, outs = {}, {}
+  results, outs, compile_s = {}, {}, {}
+  payload = {"device": device, "env": common.environment(),
+             "shape": {"m": args.m, "k": args.k, "n": args.n}, "reps": args.reps,
+             "loss": args.loss, "results": results, "compile_s": compile_s, "gpu_products": {}}
   for optimizer in args.optimizers:
     arms = {}
     for arm in ("bf16", "fp8_bf16_wgrad", "fp8_f32_wgrad"):
       key = arm if optimizer == "none" else f"{arm}+{optimizer}"
+      t0 = time.perf_counter()
       arms[key], compiled = _step(arm, optimizer, args.loss, w, x, r)
+      compile_s[key] = time.perf_counter() - t0
       outs[key] = sorted(common.gpu_products(compiled.as_text()).items())
+      print(f"  {key:22s} compiled in {compile_s[key]:.1f} s", flush=True)
     times = common.time_interleaved(arms, reps=args.reps, warmup=3)
     base = times["bf16" if optimizer == "none" else f"bf16+{optimizer}"]["median_ms"]
     for arm, t in times.items():
       results[arm] = {**t, "vs_bf16": t["median_ms"] / base}
-      print(f"  {arm:22s} {t['median_ms']:8.2f} ms  x{t['median_ms'] / base:.3f} bf16")
-  payload = {"device": device, "env": common.environment(),
-             "shape": {"m": args.m, "k": args.k, "n": args.n}, "reps": args.reps,
-             "loss": args.loss, "results": results,
-             "gpu_products": {a: [list(kv) for kv in o] for a, o in outs.items()}}
-  common.write_json("wgrad-dtype", payload, out_dir=args.out_dir)
+      print(f"  {arm:22s} {t['median_ms']:8.2f} ms  x{t['median_ms'] / base:.3f} bf16", flush=True)
+    # Written after every optimizer, so a run stopped by its caller keeps what it timed.
+    payload["gpu_products"] = {a: [list(kv) for kv in o] for a, o in outs.items()}
+    common.write_json("wgrad-dtype", payload, out_dir=args.out_dir)
   return payload
 
 

@@ -53,7 +53,8 @@ def environment() -> dict:
   return {"device_kind": d.device_kind, "platform": d.platform, "device_count": jax.device_count(),
           "cpu_count": os.cpu_count(), "machine": platform.machine(), "jax": jax.__version__,
           "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else jax.__version__,
-          "flax": flax.__version__, "optax": optax.__version__}
+          "flax": flax.__version__, "optax": optax.__version__,
+          "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def _block(tree):

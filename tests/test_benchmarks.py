@@ -553,3 +553,32 @@ def test_bench_wgrad_dtype_tiny(tmp_path, capsys):
   # Off a GPU the hint does nothing, and the script says so rather than report a gain.
   assert "rhs_grad_dtype does nothing here" in capsys.readouterr().out
   assert list(tmp_path.glob("*-wgrad-dtype.json"))
+  assert set(payload["compile_s"]) == set(payload["results"])  # every arm's first compile
+
+
+def test_bench_compile_child_and_best_flags(tmp_path):
+  """The child builds, traces and times the arms; ``best_flags`` keeps ``default``'s kernels."""
+  bc = _load("bench_compile")
+  assert bc.fold("fusion.12 (cublas-gemm.3)") == "fusion.# (cublas-gemm.#)"
+  out = tmp_path / "child.json"
+  bc.child("default", ["bf16_dense", "qdense_delayed"], bc.SHAPES["smoke"], reps=1, trace=True,
+           out=str(out))
+  row = json.loads(out.read_text())
+  assert set(row["arms"]) == {"bf16_dense", "qdense_delayed"}
+  for arm in row["arms"].values():
+    assert arm["compile_s"] > 0 and arm["median_ms"] > 0
+    names = [n for n, _, _ in arm["trace"]["by_name"]]
+    assert names and not any(n.startswith("$") for n in names), names  # XLA's, not Python's
+  assert row["arms"]["bf16_dense"]["ratio_vs_first"] == 1.0
+
+  def run(flags, compile_s, ms, fp8_gemms=3):
+    arms = {a: {"compile_s": compile_s if a != "bf16_dense" else 1.0, "median_ms": ms,
+                "products": {"fp8_gemms": 0 if a == "bf16_dense" else fp8_gemms}}
+            for a in bc.ARMS}
+    return {"xla_flags": flags, "arms": arms}
+
+  runs = {"default": run("", 100.0, 25.0), "autotune0": run("--a", 1.0, 250.0),
+          "no_triton_gemm": run("--b", 20.0, 25.2)}
+  assert bc.best_flags({"variants": runs}) == "--b"  # faster to compile, same kernels and speed
+  runs["no_triton_gemm"] = run("--b", 20.0, 25.2, fp8_gemms=0)  # other kernels: not taken
+  assert bc.best_flags({"variants": runs}) == ""
