@@ -14,7 +14,7 @@ weights, per arm:
 * ``fp8_e4m3_grads``: the same with e4m3 gradients (all three kernels fp8);
 * ``fp8_bf16_weights``: ``fp8`` with the experts cast to bfloat16 first, as a
   bfloat16 model over float32 weights does, and told their parameters' dtype
-  (``rhs_grad_dtype``, what the layers pass): the wgrad kernel writes float32;
+  (``rhs_grad_dtype``; the layers leave it unset): the wgrad kernel writes float32;
 * ``int8_xla`` / ``int8``: ``int_ragged_dot`` with ``grad_bits=8``.
 
 On a TPU (``--targets tpu7x tpu-v6e``) XLA runs the forward and dgrad in its own

@@ -177,10 +177,14 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
     chain: ``None`` for the first use of these states in a step, else the
       ``chain_out`` of the previous use.
     rhs_grad_dtype: the dtype of the parameter ``rhs`` was cast from, if
-      any (the layers pass their kernel's): traced for a GPU, the
-      weight-gradient GEMM writes it, so the optimizer reads the GEMM's output
-      without a cast pass (:attr:`~fp8_linen.core.fp8_vjp.Fp8Spec.wgrad_dtype`);
-      ignored elsewhere. The gradient returned is ``rhs``'s dtype either way.
+      any: traced for a GPU, the weight-gradient GEMM writes it, so a step
+      that returns the gradient needs no pass to cast it
+      (:attr:`~fp8_linen.core.fp8_vjp.Fp8Spec.wgrad_dtype`); ignored
+      elsewhere. The layers leave it unset: a step that updates the weight
+      fuses that cast into the update, which then reads half the bytes, and
+      on an H200 the float32 output made the first compile of a delayed
+      step several times slower (docs/accelerators.md). The gradient
+      returned is ``rhs``'s dtype either way.
 
   Returns:
     ``(out, chain_out)``.

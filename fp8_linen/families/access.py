@@ -34,11 +34,10 @@ import abc
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
 from fp8_linen.core.serve import ServedRecord
 
-__all__ = ["VariableAccess", "shared_dtype"]
+__all__ = ["VariableAccess"]
 
 
 class VariableAccess(abc.ABC):
@@ -109,18 +108,6 @@ class VariableAccess(abc.ABC):
   def served_arrays(self) -> dict:
     """The arrays conversion stored for this layer (``'serve'`` mode), by name."""
 
-  def weight_dtype(self, rhs):
-    """The dtype of the layer's parameter ``rhs`` was cast from, or ``None``.
-
-    A layer's parameters of ``rhs``'s size, when they share one dtype other
-    than ``rhs``'s (a bfloat16 layer over float32 parameters): the product's
-    weight-gradient GEMM writes that dtype (``rhs_grad_dtype`` of
-    :func:`~fp8_linen.fp8_dot_general`). ``None`` (the default) keeps
-    ``rhs``'s dtype.
-    """
-    del rhs
-    return None
-
   @abc.abstractmethod
   def kernel_for(self, rhs) -> tuple[int | None, jax.Array | None]:
     """``(at, kernel)``: the layer's ``kernel`` parameter of ``rhs``'s size, and where it lives.
@@ -130,12 +117,3 @@ class VariableAccess(abc.ABC):
     no weight of the layer.
     """
 
-
-def shared_dtype(candidates, rhs):
-  """The one dtype of the ``candidates`` of ``rhs``'s size, if it differs from ``rhs``'s."""
-  size = jnp.size(rhs)
-  dtypes = {jnp.dtype(jnp.result_type(c)) for c in candidates if jnp.size(c) == size}
-  if len(dtypes) != 1:
-    return None
-  dt = dtypes.pop()
-  return dt if dt != jnp.dtype(jnp.result_type(rhs)) else None

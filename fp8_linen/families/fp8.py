@@ -89,11 +89,9 @@ def dot_general(access, lhs, rhs, dimension_numbers, recipe: Fp8Recipe, out_dtyp
                 key: str = "dot"):
   """:func:`~fp8_linen.fp8_dot_general` on the layer's state, chained under ``key``."""
   st = _states(access, recipe)
-  wgrad = access.weight_dtype(rhs)
   return access.chained(key, lambda chain: fp8_dot_general(
       lhs, rhs, dimension_numbers, input_state=st[0], kernel_state=st[1],
-      output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain,
-      rhs_grad_dtype=wgrad), st[0].scale)
+      output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain), st[0].scale)
 
 
 def conv(access, lhs, rhs, conv_kwargs: dict, recipe: Fp8Recipe, out_dtype=None,
@@ -116,10 +114,9 @@ def ragged_dot(access, lhs, rhs, group_sizes, recipe: Fp8Recipe, out_dtype=None,
   st = (role_state(access, "input", recipe.role("input")),
         role_state(access, "kernel", recipe.role("kernel"), groups=jnp.shape(rhs)[0]),
         role_state(access, "output_grad", recipe.role("output_grad")))
-  wgrad = access.weight_dtype(rhs)
   return access.chained(key, lambda chain: fp8_ragged_dot(
       lhs, rhs, group_sizes, input_state=st[0], kernel_state=st[1], output_grad_state=st[2],
-      recipe=recipe, out_dtype=out_dtype, chain=chain, rhs_grad_dtype=wgrad), st[0].scale)
+      recipe=recipe, out_dtype=out_dtype, chain=chain), st[0].scale)
 
 
 def _stored_role(access, role: str, cfg: ScalingConfig) -> RoleState:

@@ -220,7 +220,7 @@ def dot_general(access, lhs, rhs, dimension_numbers, recipe: IntRecipe, out_dtyp
     return _int_product(access, lhs, rhs, lc, rc, recipe, key,
                         lambda **kw: int_product.int_dot_general(
                             lhs, rhs, dimension_numbers, recipe=recipe, out_dtype=out_dtype,
-                            rhs_grad_dtype=access.weight_dtype(rhs), **kw))
+                            **kw))
   xq, wq = _fake_quantized(access, lhs, rhs, lc, rc, recipe, key)
   y = lowering.lax_dot_general(xq, wq, dimension_numbers, preferred_element_type=jnp.float32,
                                out_sharding=lowering.dot_out_sharding(xq, wq, dimension_numbers))

@@ -36,7 +36,7 @@ from fp8_linen.core import lowering, serve, uses
 from fp8_linen.core.owg import OWG
 from fp8_linen.core.serve import ServedRecord
 from fp8_linen.families import dispatch
-from fp8_linen.families.access import VariableAccess, shared_dtype
+from fp8_linen.families.access import VariableAccess
 from fp8_linen.families.conversion import finds_weights
 
 __all__ = ["SERVED", "RECORD", "records", "LinenAccess", "weights", "quantized_dot_general_on",
@@ -167,16 +167,6 @@ class LinenAccess(VariableAccess):
     """The arrays of the module's own ``params`` scope (its children excluded)."""
     params = self.module.variables.get("params", {})
     return {k: v for k, v in params.items() if not isinstance(v, Mapping)}
-
-  def weight_dtype(self, rhs):
-    if self.weights_of is not None:
-      params = self.weights_of.variables().get("params", {})
-      return shared_dtype([nn.meta.unbox(v) for _, v in weights(params)], rhs)
-    for _, kernel in self._kernels():
-      dt = shared_dtype([nn.meta.unbox(kernel)], rhs)
-      if dt is not None:
-        return dt
-    return None
 
   def _kernels(self):
     """``(at, kernel)`` of the module (0) and its parent (1), those that hold a ``kernel``."""

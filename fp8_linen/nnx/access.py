@@ -43,7 +43,7 @@ from flax import nnx
 from fp8_linen.core import lowering, serve, settings, uses
 from fp8_linen.core.serve import ServedRecord
 from fp8_linen.families import dispatch, modes
-from fp8_linen.families.access import VariableAccess, shared_dtype
+from fp8_linen.families.access import VariableAccess
 from fp8_linen.families.conversion import finds_weights
 from fp8_linen.nnx.state import QuantState
 
@@ -165,12 +165,6 @@ class NnxAccess(VariableAccess):
   def served_arrays(self) -> dict:
     serving = getattr(self.module, "serving", None)
     return {} if serving is None else serving.arrays_of(self.module)
-
-  def weight_dtype(self, rhs):
-    if self.weights_of is not None:
-      return shared_dtype([v[...] for _, v in weights(self.weights_of)], rhs)
-    var = getattr(self.module, "kernel", None)
-    return shared_dtype([var[...]], rhs) if isinstance(var, nnx.Param) else None
 
   def kernel_for(self, rhs):
     if self.weights_of is not None:
