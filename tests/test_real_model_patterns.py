@@ -608,15 +608,31 @@ class BfloatRaggedMoe(nn.Module):
     return jax.lax.ragged_dot(h, w_out.astype(jnp.bfloat16), group_sizes)
 
 
-def test_bfloat16_experts_write_their_weight_gradients_in_float32(require_target):
-  """The experts' wgrad kernels write the float32 parameters' dtype (H100, compile only):
-  no pass then casts each expert's gradient from bfloat16."""
+def test_bfloat16_experts_write_their_weight_gradients_in_bfloat16(require_target):
+  """The experts' wgrad kernels write the model's bfloat16, as its dense layers' GEMMs do
+  (H100, compile only): an optimizer's update fuses the cast to the float32 parameters.
+  ``rhs_grad_dtype`` of ``fl.fp8_ragged_dot`` is what writes float32 there."""
   require_target("h100")
   report = _h100_moe_step(BfloatRaggedMoe())
   outs = sorted((p.kind, p.out) for p in report.product_list)
-  # Two forwards and one dgrad in bfloat16, the two experts' wgrads in float32.
-  assert outs == sorted([("pallas-grouped-gemm", "bf16")] * 3
-                        + [("pallas-grouped-gemm", "f32")] * 2), outs
+  # Two forwards, one dgrad and the two experts' wgrads, all five in the library's kernels.
+  assert outs == [("pallas-grouped-gemm", "bf16")] * 5, outs
+  # Told the parameters' dtype, the op's wgrad kernel writes it and no pass casts.
+  from fp8_linen.testing.compile import compile_for  # pylint: disable=import-outside-toplevel
+  st = lambda shape: fl.RoleState(jnp.ones(shape), jnp.zeros(shape[:-1] + (4,)))
+  x = jax.random.normal(jax.random.key(4), (64, 32), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(5), (4, 32, 64), jnp.float32)
+  gs = np.array([16, 0, 32, 16], np.int32)
+
+  def loss(w, x):
+    y, _ = fl.fp8_ragged_dot(x, w.astype(jnp.bfloat16), gs, input_state=st((1,)),
+                             kernel_state=st((4, 1)), output_grad_state=st((1,)),
+                             rhs_grad_dtype=jnp.float32)
+    return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+  report = compile_for("h100", jax.value_and_grad(loss, argnums=(0, 1)), w, x)
+  outs = sorted(p.out for p in report.product_list)
+  assert outs == ["bf16", "bf16", "f32"], outs
 
 
 class OwnWeights(nn.Module):
