@@ -34,7 +34,10 @@ Writes ``benchmarks/results/estimate-targets.json`` (device "estimate
 
 ``--loss mse`` compiles the step with ``0.5 * sum((y - r)^2)`` instead of
 ``sum(y * r)``, so that the forward is ordered before the backward as in a
-real model (``fp8_linen.testing.train_step``).
+real model (``fp8_linen.testing.train_step``). ``--optimizer sgd|adam`` has
+the step update the parameters (variables and optimizer state donated)
+instead of returning their gradients, as a training loop's step does: then
+XLA fuses the cast of each bfloat16 weight gradient into the update.
 
 Usage:
   python benchmarks/bench_targets.py                       # all widths, targets, arms (~40 min)
@@ -102,23 +105,30 @@ def row_of(report, est) -> dict:
           "compile_s": report.compile_seconds}
 
 
-def child(target: str, d: int, arms: list[str], quick: bool, loss: str = "linear") -> None:
+def _optimizer(name: str):
+  """The step's optimizer for ``compile_train_step``: ``None`` for ``'none'``."""
+  return None if name == "none" else name
+
+
+def child(target: str, d: int, arms: list[str], quick: bool, loss: str = "linear",
+          optimizer: str = "none") -> None:
   """Compiles the arms for one target and width; one JSON line per arm on stdout."""
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from fp8_linen.testing.compile import compile_train_step  # pylint: disable=import-outside-toplevel
   shape, heads = _shape(d, quick)
   for arm in arms:
-    r = compile_train_step(model(arm, d, heads), shape, jnp.bfloat16, target=target, loss=loss)
+    r = compile_train_step(model(arm, d, heads), shape, jnp.bfloat16, target=target, loss=loss,
+                           optimizer=_optimizer(optimizer))
     print("ROW " + json.dumps({"arm": arm, **row_of(r, r.estimate())}), flush=True)
 
 
 def _run_child(target: str, d: int, arms: list[str], quick: bool, timeout: float,
-               loss: str = "linear") -> dict:
+               loss: str = "linear", optimizer: str = "none") -> dict:
   """``{arm: row}``; an arm whose compile crashed the process, or did not finish within
   ``timeout`` seconds, gets ``{"error": ...}``."""
   cmd = [sys.executable, os.path.abspath(__file__), "--child", target, str(d), *arms]
-  cmd += (["--quick"] if quick else []) + ["--loss", loss]
+  cmd += (["--quick"] if quick else []) + ["--loss", loss, "--optimizer", optimizer]
   try:
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout)
   except subprocess.TimeoutExpired as e:
@@ -140,7 +150,7 @@ def _run_child(target: str, d: int, arms: list[str], quick: bool, timeout: float
   if missing and out.returncode != 0:
     if len(arms) > 1:  # find the arm that crashed; the others still get their row
       for arm in missing:
-        rows.update(_run_child(target, d, [arm], quick, timeout, loss))
+        rows.update(_run_child(target, d, [arm], quick, timeout, loss, optimizer))
     else:
       tail = [l for l in out.stderr.splitlines() if "SIGSEGV" in l or "Error" in l]
       rows[arms[0]] = {"error": (tail[-1] if tail else f"exit {out.returncode}")[:200]}
@@ -163,14 +173,15 @@ def probe_device(env) -> tuple[str, str]:
   return (out[-2], out[-1]) if len(out) >= 2 else ("cpu", "cpu")
 
 
-def measure(widths, arms, reps: int, quick: bool, loss: str = "linear") -> dict:
+def measure(widths, arms, reps: int, quick: bool, loss: str = "linear",
+            optimizer: str = "none") -> dict:
   """Times each arm's step on the local GPU/TPU; estimates it with that device's peaks."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   sys.path.insert(0, HERE)
   import common  # pylint: disable=import-outside-toplevel
   from fp8_linen.testing import estimate, hlo, hlo_kernels  # pylint: disable=import-outside-toplevel
-  from fp8_linen.testing.train_step import make_train_step  # pylint: disable=import-outside-toplevel
+  from fp8_linen.testing.train_step import make_train_step, optimizer_of  # pylint: disable=import-outside-toplevel
   kind = jax.devices()[0].device_kind
   peaks = estimate.PEAKS.get(KINDS.get(kind, ""))
   result = {"device_kind": kind, "estimated_with": KINDS.get(kind), "widths": {}}
@@ -184,8 +195,14 @@ def measure(widths, arms, reps: int, quick: bool, loss: str = "linear") -> dict:
       # Jitted: an eager init of the wide blocks spends minutes dispatching op by op.
       v = jax.jit(m.init)(jax.random.key(0), x)
       r = jax.random.normal(jax.random.key(1), shape, jnp.float32)
-      step = jax.jit(make_train_step(m, loss=loss))
-      compiled = step.lower(v, x, r).compile()
+      tx = optimizer_of(_optimizer(optimizer))
+      if tx is None:
+        compiled = jax.jit(make_train_step(m, loss=loss)).lower(v, x, r).compile()
+        fns[arm] = (lambda s, v, x, r: lambda: s(v, x, r))(compiled, v, x, r)
+      else:  # the update writes into the donated variables and optimizer state
+        compiled = jax.jit(make_train_step(m, loss=loss, optimizer=tx),
+                           donate_argnums=(0, 1)).lower(v, tx.init(v["params"]), x, r).compile()
+        fns[arm] = _donating_run(compiled, v, tx.init(v["params"]), x, r)
       rows[arm] = {"compile_s": time.perf_counter() - t0}
       print(f"{kind} d={d} {arm:12s} initialized and compiled in {rows[arm]['compile_s']:.1f} s",
             flush=True)
@@ -193,7 +210,6 @@ def measure(widths, arms, reps: int, quick: bool, loss: str = "linear") -> dict:
         module = hlo.parse(compiled.as_text())
         est = estimate.estimate(hlo_kernels.kernels(module), peaks)
         rows[arm]["estimate_ms"] = est.seconds * 1e3
-      fns[arm] = (lambda s, v, x, r: lambda: s(v, x, r))(step, v, x, r)
     times = common.time_interleaved(fns, reps=reps, warmup=3)
     for arm in arms:
       rows[arm].update(measured_ms=times[arm]["median_ms"], min_ms=times[arm]["min_ms"],
@@ -208,6 +224,16 @@ def measure(widths, arms, reps: int, quick: bool, loss: str = "linear") -> dict:
   return result
 
 
+def _donating_run(compiled, variables, opt_state, x, r):
+  """One training step per call, each on the state the previous one returned."""
+  held = [variables, opt_state]
+
+  def run():
+    loss, dx, held[0], held[1] = compiled(held[0], held[1], x, r)
+    return loss, dx, held[0]
+  return run
+
+
 def measure_only(args, arms) -> dict:
   """``--measure-only``: each width timed on the local device, the JSON rewritten after each."""
   sys.path.insert(0, HERE)
@@ -216,10 +242,10 @@ def measure_only(args, arms) -> dict:
   payload = {"device": None, "env": common.environment(), "arms": arms, "reps": args.reps,
              "widths": {}, "complete": False,
              "model": "pre-LN decoder block as in estimate-targets.json, 4 x 2048 tokens",
-             "loss": args.loss}
+             "loss": args.loss, "optimizer": args.optimizer}
   out_dir = os.path.dirname(args.out)
   for d in args.widths:
-    result = measure([d], arms, args.reps, args.quick, args.loss)
+    result = measure([d], arms, args.reps, args.quick, args.loss, args.optimizer)
     payload["device"] = result["device_kind"]
     payload["estimated_with"] = result["estimated_with"]
     payload["widths"].update(result["widths"])
@@ -278,7 +304,10 @@ def _payload(args, results, t0, measured, *, complete: bool) -> dict:
   return {
       "device": DEVICE, "env": common.environment(), "seconds": time.perf_counter() - t0,
       "model": {"what": "pre-LN decoder block (attention + GELU MLP), quantize_model with "
-                        "projection_rules(); train step returns loss, dL/dx and gradients",
+                        "projection_rules(); train step returns loss, dL/dx and " + (
+                            "gradients" if args.optimizer == "none" else
+                            f"the variables updated by {args.optimizer} (donated)"),
+                "optimizer": args.optimizer,
                 "loss": "sum(y * r)" if args.loss == "linear" else "0.5 * sum((y - r)^2)",
                 "tokens": "2 x 64 (quick)" if args.quick else "4 x 2048",
                 "heads": "d/64 (quick)" if args.quick else "d/128", "mlp": "4 d",
@@ -302,6 +331,10 @@ def main(argv=None) -> dict:
                  help="the step's loss (fp8_linen.testing.train_step.LOSSES): 'linear' "
                       "(sum(y * r), the recorded runs) or 'mse', whose cotangent depends on "
                       "the forward as a real loss's does"),
+  p.add_argument("--optimizer", choices=("none", "sgd", "adam"), default="none",
+                 help="what follows the gradients in the step (fp8_linen.testing.train_step."
+                      "OPTIMIZERS): 'none' (they are returned, the recorded runs) or the "
+                      "optimizer whose update the step runs, as a training loop's does")
   p.add_argument("--out", default=os.path.join(HERE, "results", "estimate-targets.json"))
   p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
   p.add_argument("--child-timeout", type=float, default=1200,
@@ -317,7 +350,8 @@ def main(argv=None) -> dict:
       print(tables(json.load(f)))
     return {}
   if args.child:
-    child(args.child[0], int(args.child[1]), args.child[2:], args.quick, args.loss)
+    child(args.child[0], int(args.child[1]), args.child[2:], args.quick, args.loss,
+          args.optimizer)
     return {}
   arms = ["bf16"] + [a for a in args.arms if a != "bf16"]
   if args.measure_only:
@@ -333,7 +367,8 @@ def main(argv=None) -> dict:
   for target in args.targets:
     results[target] = {}
     for d in args.widths:
-      rows = _run_child(target, d, arms, args.quick, args.child_timeout, args.loss)
+      rows = _run_child(target, d, arms, args.quick, args.child_timeout, args.loss,
+                        args.optimizer)
       _ratios(rows)
       results[target][str(d)] = rows
       # What has compiled so far, so a long run that is stopped keeps its rows.
@@ -353,7 +388,7 @@ def main(argv=None) -> dict:
   if backend in ("gpu", "tpu"):
     code = (f"import sys; sys.path.insert(0, {HERE!r}); import bench_targets as b, json; "
             f"print('MEASURED ' + json.dumps(b.measure({args.widths!r}, {arms!r}, "
-            f"{args.reps}, {args.quick}, {args.loss!r})))")
+            f"{args.reps}, {args.quick}, {args.loss!r}, {args.optimizer!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=False, env=env)
     print(out.stdout, end="")

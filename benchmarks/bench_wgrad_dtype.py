@@ -41,12 +41,13 @@ sys.path.insert(0, HERE)
 import common  # noqa: E402  pylint: disable=wrong-import-position
 
 import fp8_linen as fl  # noqa: E402  pylint: disable=wrong-import-position
+from fp8_linen.testing import train_step  # noqa: E402  pylint: disable=wrong-import-position
 from fp8_linen.testing.train_step import LOSSES  # noqa: E402  pylint: disable=wrong-import-position
 
 DN = (((1,), (0,)), ((), ()))
 
 
-OPTIMIZERS = {"none": None, "sgd": lambda: optax.sgd(1e-3), "adam": lambda: optax.adam(1e-3)}
+OPTIMIZERS = {"none": None, **train_step.OPTIMIZERS}
 
 
 def _loss(arm: str, loss_of=LOSSES["linear"]):

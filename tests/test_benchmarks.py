@@ -4,8 +4,10 @@ The scripts under benchmarks/ are not a package; they are loaded from their
 files. Speed figures come from running the scripts, never from these tests.
 """
 
+import contextlib
 import copy
 import importlib.util
+import io
 import json
 import math
 import os
@@ -470,13 +472,31 @@ def test_bench_targets_measure_only_times_on_this_machine(tmp_path):
   bt = _load("bench_targets")
   # One cheap arm: the compiles are the estimate's tests' business; this is the plumbing.
   payload = bt.main(["--measure-only", "--quick", "--widths", "64", "--arms", "bf16",
-                     "--reps", "1", "--loss", "mse", "--out", str(tmp_path / "x.json")])
+                     "--reps", "1", "--loss", "mse", "--optimizer", "adam",
+                     "--out", str(tmp_path / "x.json")])
   (path,) = tmp_path.glob("*-targets-measured.json")
   saved = json.loads(path.read_text())
   assert saved["complete"] and payload["complete"] and saved["loss"] == "mse"
+  assert saved["optimizer"] == "adam"  # each timed call updates the donated state
   rows = saved["widths"]["64"]
   assert set(rows) == {"bf16"}
   assert all(r["measured_ms"] > 0 for r in rows.values())
+
+
+def test_bench_targets_optimizer_step_keeps_the_products(require_target):
+  """``--optimizer``: the step updates the parameters; it multiplies what the gradient step does."""
+  require_target("h100")
+  bt = _load("bench_targets")
+  rows = {}
+  for optimizer in ("none", "sgd"):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+      bt.child("h100", 256, ["fp8_delayed"], True, "mse", optimizer)
+    (rows[optimizer],) = [json.loads(l[4:]) for l in buf.getvalue().splitlines()
+                          if l.startswith("ROW ")]
+  assert rows["sgd"]["products"] == rows["none"]["products"] == {"bf16": 6, "fp8": 18}
+  # The update reads the weights and writes them back: more bytes than returning gradients.
+  assert rows["sgd"]["other_bytes"] != rows["none"]["other_bytes"]
 
 
 def test_bench_gpu_peaks_follow_the_device_kind():

@@ -59,7 +59,7 @@ from fp8_linen.core.lowering import target_backend
 from fp8_linen.testing import estimate as estimate_lib
 from fp8_linen.testing import hlo, hlo_collectives, hlo_kernels, hlo_products
 from fp8_linen.testing.targets import Target, get_target, target_mesh, use_cpu_platform
-from fp8_linen.testing.train_step import make_train_step, train_step_inputs
+from fp8_linen.testing.train_step import make_train_step, optimizer_of, train_step_inputs
 
 __all__ = [
     "GPU_COMPILER_OPTIONS",
@@ -223,7 +223,7 @@ def _traced_for(t: Target):
 
 def compile_for(target: str | Target, fn: Callable, *args,
                 compiler_options: Mapping[str, Any] | None = None,
-                trace_as_target: bool = True) -> CompileReport:
+                trace_as_target: bool = True, donate_argnums=()) -> CompileReport:
   """Compiles ``jax.jit(fn)(*args)`` for ``target`` and reads what XLA chose.
 
   Args:
@@ -238,6 +238,8 @@ def compile_for(target: str | Target, fn: Callable, *args,
     trace_as_target: trace under ``fl.target_backend(target.platform,
       block_scaled=target.block_scaled_gemms)`` (the forms fp8_linen traces
       on that hardware).
+    donate_argnums: arguments whose buffers the program may reuse (``jax.jit``'s),
+      as a training loop donates its state.
 
   Returns:
     A :class:`CompileReport`.
@@ -258,7 +260,7 @@ def compile_for(target: str | Target, fn: Callable, *args,
   # machine's CPU devices.
   with (_traced_for(t) if trace_as_target else contextlib.nullcontext()), \
        (jax.set_mesh(mesh) if mesh.size == 1 else contextlib.nullcontext()):
-    lowered = jax.jit(fn).lower(*abstract_on(args, mesh))
+    lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*abstract_on(args, mesh))
   with _kept_out_of_persistent_cache():
     compiled = lowered.compile(compiler_options=options or None)
   seconds = time.perf_counter() - t0
@@ -282,7 +284,7 @@ def _report(t: Target, text: str, mem, seconds: float, options) -> CompileReport
 
 
 def compile_train_step(model, x, dtype=None, *, target: str | Target = "h100",
-                       loss: str = "linear", **kwargs) -> CompileReport:
+                       loss: str = "linear", optimizer=None, **kwargs) -> CompileReport:
   """:func:`compile_for` of the step that proves ``model`` (:mod:`.train_step`).
 
   Args:
@@ -291,12 +293,24 @@ def compile_train_step(model, x, dtype=None, *, target: str | Target = "h100",
     dtype: the input dtype when ``x`` is a shape (default bfloat16).
     target: the target name or :class:`~fp8_linen.testing.targets.Target`.
     loss: the step's loss (:data:`fp8_linen.testing.train_step.LOSSES`).
+    optimizer: ``None`` (the step returns its gradients) or the optimizer whose
+      update follows them in the step (a name in
+      :data:`~fp8_linen.testing.train_step.OPTIMIZERS` or an optax
+      transformation); the variables and the optimizer's state are donated.
     **kwargs: passed to :func:`compile_for` (``compiler_options``).
 
   Returns:
     The step's :class:`CompileReport`.
+
+  Raises:
+    ValueError: for an unknown ``loss`` or ``optimizer``.
   """
   t = get_target(target)
   use_cpu_platform()
-  return compile_for(t, make_train_step(model, loss=loss),
-                     *train_step_inputs(model, x, dtype, t.platform), **kwargs)
+  tx = optimizer_of(optimizer)
+  variables, x, r = train_step_inputs(model, x, dtype, t.platform)
+  step = make_train_step(model, loss=loss, optimizer=tx)
+  if tx is None:
+    return compile_for(t, step, variables, x, r, **kwargs)
+  opt_state = jax.eval_shape(tx.init, variables["params"])
+  return compile_for(t, step, variables, opt_state, x, r, donate_argnums=(0, 1), **kwargs)

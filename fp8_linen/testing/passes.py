@@ -147,9 +147,13 @@ class StepPasses:
   report: Any = dataclasses.field(repr=False, default=None)
 
 
-def step_passes(model, x, dtype=None, *, target: str = "h100") -> StepPasses:
-  """Compiles ``model``'s training step for ``target`` and sums its non-GEMM kernels."""
-  report = compile_train_step(model, x, dtype, target=target)
+def step_passes(model, x, dtype=None, *, target: str = "h100", optimizer=None) -> StepPasses:
+  """Compiles ``model``'s training step for ``target`` and sums its non-GEMM kernels.
+
+  ``optimizer`` (:func:`~fp8_linen.testing.compile.compile_train_step`'s):
+  the step updates the parameters too, instead of returning their gradients.
+  """
+  report = compile_train_step(model, x, dtype, target=target, optimizer=optimizer)
   ps = tuple(passes(report))
   by = collections.Counter()
   for p in ps:

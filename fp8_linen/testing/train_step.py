@@ -8,7 +8,10 @@ returns the loss, ``dL/dx`` and the gradients of all variables, its loss is
 ``sum()`` makes the cotangent all ones, and XLA folds the gradient's fp8 cast
 away), and the variables (parameters, fp8 scales, amax histories) are
 arguments, never constants. :func:`train_step_inputs` gives its arguments as
-``ShapeDtypeStruct`` s, so nothing is run to build them.
+``ShapeDtypeStruct`` s, so nothing is run to build them. With ``optimizer``
+the step also updates the parameters and merges the new fp8 state, as a
+training loop's step does, so a compiled program shows what the update fuses
+(the cast of a bfloat16 weight gradient to its float32 parameter, say).
 
 Example:
   >>> import jax
@@ -29,10 +32,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from fp8_linen.core.lowering import target_backend
+from fp8_linen.training import merge_owg
 
-__all__ = ["LOSSES", "make_train_step", "train_step_inputs"]
+__all__ = ["LOSSES", "OPTIMIZERS", "make_train_step", "optimizer_of", "train_step_inputs"]
 
 
 LOSSES = {
@@ -41,8 +46,29 @@ LOSSES = {
 }
 """The losses :func:`make_train_step` offers, of float32 ``y`` (output) and ``r`` (target)."""
 
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(1e-3),
+    "adam": lambda: optax.adam(1e-3),
+}
+"""Optimizers :func:`make_train_step` can update the parameters with, by name (factories)."""
 
-def make_train_step(model, *, loss: str = "linear") -> Callable:
+
+def optimizer_of(optimizer) -> optax.GradientTransformation | None:
+  """``optimizer`` as an optax transformation: a name in :data:`OPTIMIZERS`, one, or ``None``.
+
+  Raises:
+    ValueError: for a name not in :data:`OPTIMIZERS` or anything else that is
+      not an optax ``GradientTransformation``.
+  """
+  if optimizer is None or isinstance(optimizer, optax.GradientTransformation):
+    return optimizer
+  if isinstance(optimizer, str) and optimizer in OPTIMIZERS:
+    return OPTIMIZERS[optimizer]()
+  raise ValueError(f"optimizer must be None, one of {sorted(OPTIMIZERS)} or an optax "
+                   f"GradientTransformation, got {optimizer!r}")
+
+
+def make_train_step(model, *, loss: str = "linear", optimizer=None) -> Callable:
   """The step that proves a model's products: ``step(variables, x, r) -> (loss, dx, grads)``.
 
   ``loss = sum(y * r)`` over the output leaves with ``r`` a random cotangent
@@ -57,20 +83,29 @@ def make_train_step(model, *, loss: str = "linear") -> Callable:
   into the update. ``loss='mse'`` (``0.5 * sum((y - r)^2)``, cotangent
   ``y - r``) keeps the order a real loss imposes.
 
+  With ``optimizer`` the step is ``step(variables, opt_state, x, r) -> (loss,
+  dx, new_variables, new_opt_state)``: the optimizer updates ``params`` from
+  their gradients and the fp8 state is merged (:func:`fp8_linen.merge_owg`),
+  as ``fl.TrainState.apply_gradients`` does; ``opt_state`` is the optimizer's
+  ``init`` of ``variables['params']``.
+
   Args:
     model: anything with ``apply(variables, x)`` (a Linen module or
       :func:`fp8_linen.quantize_model`'s wrapper).
     loss: ``'linear'`` or ``'mse'`` (:data:`LOSSES`).
+    optimizer: ``None`` (the step returns the gradients), a name in
+      :data:`OPTIMIZERS` or an optax ``GradientTransformation``.
 
   Returns:
     The (unjitted) step function.
 
   Raises:
-    ValueError: for an unknown ``loss``.
+    ValueError: for an unknown ``loss`` or ``optimizer``.
   """
   if loss not in LOSSES:
     raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {loss!r}")
   loss_of = LOSSES[loss]
+  tx = optimizer_of(optimizer)
 
   def loss_fn(variables, x, r):
     y = model.apply(variables, x)
@@ -84,7 +119,16 @@ def make_train_step(model, *, loss: str = "linear") -> Callable:
       (loss, grads), dx = jax.value_and_grad(loss_fn)(variables, x, r), None
     return loss, dx, grads
 
-  return step
+  if tx is None:
+    return step
+
+  def train(variables, opt_state, x, r):
+    loss, dx, grads = step(variables, x, r)
+    updates, opt_state = tx.update(grads["params"], opt_state, variables["params"])
+    params = optax.apply_updates(variables["params"], updates)
+    return loss, dx, merge_owg({**variables, "params": params}, grads), opt_state
+
+  return train
 
 
 def train_step_inputs(model, x, dtype=None, platform: str = "gpu"):

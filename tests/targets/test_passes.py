@@ -146,22 +146,26 @@ class _OpDense(nn.Module):
 
 
 @pytest.mark.xdist_group("h100")
-@pytest.mark.parametrize("wgrad", ["layer", "op_f32"])
+@pytest.mark.parametrize("wgrad", ["layer", "layer_sgd", "op_f32"])
 def test_where_the_weight_gradient_is_cast(wgrad, require_target):
-  """Who casts the weight's gradient to its float32 parameter, in a step that returns it.
+  """Who casts the weight's gradient to its float32 parameter.
 
   The layers' wgrad GEMM writes bfloat16, as bf16's own step (flax's
-  ``nn.Dense``) does, and a pass casts it (fused into the update when the
-  step has one). ``fp8_dot_general(..., rhs_grad_dtype=jnp.float32)`` has the
+  ``nn.Dense``) does: a step that returns the gradient casts it in a pass of
+  its own, and a step that updates the weight (SGD here) fuses the cast into
+  the update. ``fp8_dot_general(..., rhs_grad_dtype=jnp.float32)`` has the
   GEMM write float32 and no pass casts it: what a step that returns its
   gradients saves.
   """
   require_target("h100")
   if wgrad == "layer":
     step = _step("h100", "fp8_delayed")
+  elif wgrad == "layer_sgd":
+    step = passes.step_passes(fl.QDense(N, dtype=jnp.bfloat16), (M, K), target="h100",
+                              optimizer="sgd")
   else:
     step = passes.step_passes(_OpDense(jnp.float32), (M, K), target="h100")
-  want = {"layer": "bf16", "op_f32": "f32"}[wgrad]
+  want = {"layer": "bf16", "layer_sgd": "bf16", "op_f32": "f32"}[wgrad]
   assert sorted(p.out for p in step.report.product_list) == sorted(["bf16", "bf16", want])
   casts = [p for p in step.passes if p.purpose == "cast to f32" and p.bytes >= K * N * 2]
   assert bool(casts) == (wgrad == "layer"), [(p.purpose, p.bytes) for p in step.passes]

@@ -50,3 +50,32 @@ def test_the_mse_cotangent_depends_on_the_forward():
 def test_unknown_loss_is_named():
   with pytest.raises(ValueError, match=r"loss must be one of \['linear', 'mse'\], got 'l2'"):
     train_step.make_train_step(nn.Dense(2), loss="l2")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_an_optimizer_step_updates_the_params_and_merges_the_fp8_state(optimizer):
+  """``optimizer``: the params take the optax update of their gradients; the fp8 state the new one."""
+  import optax  # pylint: disable=import-outside-toplevel
+  import fp8_linen as fl  # pylint: disable=import-outside-toplevel
+  model = fl.QDense(5)
+  x = jax.random.normal(jax.random.key(0), (3, 4), jnp.float32)
+  r = jax.random.normal(jax.random.key(1), (3, 5), jnp.float32)
+  variables = model.init(jax.random.key(2), x)
+  tx = train_step.OPTIMIZERS[optimizer]()
+  opt_state = tx.init(variables["params"])
+  loss, dx, new, new_opt = jax.jit(train_step.make_train_step(model, optimizer=optimizer))(
+      variables, opt_state, x, r)
+  want_loss, want_dx, grads = train_step.make_train_step(model)(variables, x, r)
+  updates, want_opt = tx.update(grads["params"], opt_state, variables["params"])
+  chex.assert_trees_all_close((loss, dx), (want_loss, want_dx), rtol=1e-6)
+  chex.assert_trees_all_close(new["params"], optax.apply_updates(variables["params"], updates),
+                              rtol=1e-6)
+  chex.assert_trees_all_close(new[fl.OWG], grads[fl.OWG])  # the state the step produced
+  assert not np.allclose(new[fl.OWG]["input_amax_history"],
+                         variables[fl.OWG]["input_amax_history"])
+  chex.assert_trees_all_close(new_opt, want_opt, rtol=1e-6)
+
+
+def test_unknown_optimizer_is_named():
+  with pytest.raises(ValueError, match=r"optimizer must be None, one of \['adam', 'sgd'\]"):
+    train_step.make_train_step(nn.Dense(2), optimizer="lion")
