@@ -103,6 +103,30 @@ def test_mse_loss_table_is_the_benchmark_output():
         assert mse[t][w][a]["products"] == lin[t][w][a]["products"], (t, w, a)
 
 
+def test_adam_step_table_is_the_benchmark_output():
+  """The training step's table (mse loss, Adam's update) and the README's figures are the run's."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import bench_targets  # pylint: disable=import-outside-toplevel
+  payload = json.loads((ROOT / "benchmarks/results/estimate-targets-adam.json").read_text())
+  assert payload["model"]["optimizer"] == "adam"
+  assert payload["model"]["loss"] == "0.5 * sum((y - r)^2)"
+  res = payload["results"]
+  cells = lambda t, a, key: " / ".join(f"{res[t][w][a][key]:.2f}" for w in ("1024", "4096", "8192"))
+  arms = {"h100": ("fp8_delayed", "fp8_current", "fp8_rowwise"),
+          "b200": ("fp8_delayed", "fp8_current", "fp8_rowwise", "mx_block", "nvfp4")}
+  want = [["target", "recipe", "step vs bf16", "non-GEMM bytes vs bf16"], ["---"] * 4]
+  for t, names in arms.items():
+    for a in names:
+      want.append([bench_targets.NAMES[t], bench_targets.LABELS[a],
+                   cells(t, a, "ratio_vs_bf16"), cells(t, a, "other_bytes_vs_bf16")])
+  doc = ROOT.joinpath("docs/accelerators.md").read_text()
+  assert _table_after(doc, "<!-- estimate adam table") == want
+  readme = " ".join(ROOT.joinpath("README.md").read_text().split())
+  for t, a, label in (("h100", "fp8_delayed", "H100 fp8 delayed"), ("b200", "mx_block", "B200 MXFP8"),
+                      ("b200", "nvfp4", "NVFP4")):
+    assert f"{label} {cells(t, a, 'ratio_vs_bf16')}" in readme, label
+
+
 def test_estimate_vs_measured_table_is_the_benchmark_output():
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import estimate_vs_published as ev  # pylint: disable=import-outside-toplevel
