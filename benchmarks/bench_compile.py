@@ -176,7 +176,7 @@ def main(argv=None) -> dict | None:
   t_start = time.perf_counter()
   payload = {"benchmark": "gpu_first_compile", "shape_MKN": list(shape),
              "step": "common.build_train_arm (bench_gpu.py's step: SGD, linear loss)",
-             "variants": {}, "timed_out": []}
+             "variants": {}, "failed": []}
   with tempfile.TemporaryDirectory() as tmp:
     for i, variant in enumerate(args.variants):
       # Each variant still to come keeps a minute; this one may use the rest.
@@ -191,7 +191,7 @@ def main(argv=None) -> dict | None:
       try:
         subprocess.run(cmd, env=env, timeout=max(share, 30.0), check=True)
       except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as e:
-        payload["timed_out"].append(variant)
+        payload["failed"].append(variant)  # timed out or crashed
         print(f"{variant}: {type(e).__name__} after {time.perf_counter() - t_start:.0f} s; "
               "keeping what it wrote", flush=True)
       if os.path.exists(out):
