@@ -90,12 +90,14 @@ from fp8_linen.training import (
     accumulate_gradients,
     all_finite,
     finalize_accumulated,
+    histories_ready,
     load_float_state,
     switch_precision,
     merge_owg,
     owg_max,
     reduce_gradients,
     resize_histories,
+    split_first_step,
     split_owg,
 )
 
@@ -220,6 +222,8 @@ __all__ = [
     "resize_histories",
     "load_float_state",
     "switch_precision",
+    "split_first_step",
+    "histories_ready",
     # coming from flax's own fp8 ops (flax.linen.fp8_ops)
     "from_flax_fp8",
     "flax_fp8_recipe",

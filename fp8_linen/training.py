@@ -41,7 +41,9 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import functools
+import sys
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +52,7 @@ import optax
 from flax import struct
 from flax.training import train_state as flax_train_state
 
-from fp8_linen.core import mesh
+from fp8_linen.core import mesh, numerics, owg
 from fp8_linen.core.lowering import varying_axes
 from fp8_linen.core.owg import OWG
 
@@ -66,9 +68,11 @@ __all__ = [
     "resize_histories",
     "load_float_state",
     "switch_precision",
+    "histories_ready",
+    "split_first_step",
 ]
 
-_HISTORY = "_amax_history"
+_HISTORY = owg.HISTORY_SUFFIX
 
 
 def _is_variables(tree: Any) -> bool:
@@ -92,6 +96,132 @@ def _name(key) -> str:
 
 def _path(path) -> str:
   return "/".join(_name(k) for k in path)
+
+
+def _histories(tree: Any, under: str | None = OWG) -> list:
+  """The ``<role>_amax_history`` leaves of ``tree`` (those below an ``under`` key only)."""
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    names = [_name(k) for k in path]
+    named = any(n.endswith(_HISTORY) for n in names[-2:])
+    if named and (under is None or under in names) and jnp.ndim(leaf) >= 1:
+      out.append(leaf)
+  return out
+
+
+def histories_ready(tree: Any, *, under: str | None = OWG) -> jax.Array:
+  """Whether every amax history in ``tree`` holds an observation: :func:`split_first_step`'s test.
+
+  True when the most recent entry (index 0 of the last axis) of every
+  ``<role>_amax_history`` leaf below an ``under`` key (the OWG collection;
+  ``None``: anywhere) is positive. A history whose last observation was 0
+  (a zero or non-finite tensor) counts as empty.
+
+  Args:
+    tree: any pytree (variables, a ``TrainState``, the step's arguments).
+    under: the path key the histories must lie below.
+
+  Returns:
+    A boolean scalar.
+
+  Raises:
+    ValueError: when ``tree`` holds no history.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> v = fl.QDense(2).init(jax.random.key(0), jnp.ones((4, 3)))
+    >>> bool(fl.histories_ready(v))
+    False
+  """
+  where = f" below a {under!r} key" if under else ""
+  return owg.all_observed(_histories(tree, under), where)
+
+
+def _graph_nodes(tree: Any) -> bool:
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return False
+  is_node = nnx.graph.is_graph_node
+  return any(is_node(x) for x in jax.tree.leaves(tree, is_leaf=is_node))
+
+
+def split_first_step(step: Callable) -> Callable:
+  """Compiles a train step's first steps apart, so that the others' casts wait for nothing.
+
+  Delayed scaling takes a scale from the amax history, except while a
+  history holds no observation (the first step), when it uses this step's
+  amax so that nothing clips. Inside one program that fallback costs every
+  step: each cast waits for its tensor's amax (a second read of the tensor)
+  or reads the tensor in a conditional (a copy of it). The wrapped step is
+  one ``lax.cond`` over the whole step: while some ``<role>_amax_history`` of
+  its arguments (below the OWG collection) has no observation
+  (:func:`histories_ready`) it runs ``step`` as traced by default; then a
+  second trace of ``step`` in which every delayed scale is its history's
+  (:func:`fp8_linen.core.numerics.histories_observed`). Both give the same
+  values, so the split changes only the program: the conditional's operands
+  are the step's arguments (buffers already), and its steady branch lets XLA
+  take each amax in its cast's pass (compile only, TE's dense layer: B200
+  0.96x bf16's non-GEMM bytes instead of 1.32x, H100 1.45x instead of
+  1.67x; docs/accelerators.md).
+
+  The cost: ``step`` is traced and compiled twice (one program holds both).
+  The fp8 state must reach ``step`` through its arguments (a variables dict
+  or a ``TrainState``), not a closure. Wrap the step before ``jax.jit``; for
+  NNX modules use :func:`fp8_linen.nnx.split_first_step`.
+
+  Args:
+    step: the train step, ``step(*args, **kwargs)``.
+
+  Returns:
+    The wrapped step, same arguments and results.
+
+  Raises:
+    ValueError: (when called) no history in the arguments, or an NNX module
+      among them.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import fp8_linen as fl
+    >>> m = fl.QDense(2)
+    >>> state = fl.TrainState.create(apply_fn=m.apply, tx=optax.sgd(0.1),
+    ...                              params=m.init(jax.random.key(0), jnp.ones((4, 3))))
+    >>> @jax.jit
+    ... @fl.split_first_step
+    ... def train_step(state, x):
+    ...   grads = jax.grad(lambda v: m.apply(v, x).sum())(state.params)
+    ...   return state.apply_gradients(grads=grads)
+    >>> state = train_step(train_step(state, jnp.ones((4, 3))), jnp.ones((4, 3)))
+    >>> state.params[fl.OWG]['input_amax_history'][:2].tolist()
+    [1.0, 1.0]
+  """
+
+  @functools.wraps(step)
+  def wrapped(*args, **kwargs):
+    if _graph_nodes((args, kwargs)):
+      raise ValueError("split_first_step: an NNX module is among the step's arguments; use "
+                       "fl.nnx.split_first_step, which carries the module's updates out of "
+                       "the conditional")
+    ready = histories_ready((args, kwargs))
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    # Arrays go through the conditional; anything else (a Python number a step
+    # may read as static) stays as it is.
+    traced = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+
+    def call(observed: bool, operands):
+      full = list(leaves)
+      for i, x in zip(traced, operands):
+        full[i] = x
+      a, k = jax.tree.unflatten(treedef, full)
+      if observed:
+        with numerics.histories_observed():
+          return step(*a, **k)
+      return step(*a, **k)
+
+    return jax.lax.cond(ready, functools.partial(call, True), functools.partial(call, False),
+                        [leaves[i] for i in traced])
+
+  return wrapped
 
 
 def split_owg(variables: Mapping) -> tuple[dict, dict]:

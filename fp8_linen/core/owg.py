@@ -68,6 +68,8 @@ __all__ = [
     "name_fp8_residual",
     "frozen_quantizers",
     "quantizers_frozen",
+    "HISTORY_SUFFIX",
+    "all_observed",
 ]
 
 # The same string as flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT (a test keeps
@@ -83,6 +85,40 @@ CHECKPOINT_NAME = "fp8_linen.fp8_residual"
 
 
 _FROZEN = settings.TraceSetting("frozen_quantizers", default=False)
+
+
+# The name every role's amax history ends with (``input_amax_history``, ...).
+HISTORY_SUFFIX = "_amax_history"
+
+
+def all_observed(histories, where: str = "") -> jax.Array:
+  """Whether the most recent entry of every history is positive (a boolean scalar).
+
+  The test of :func:`fp8_linen.split_first_step` (and its NNX twin): the
+  last axis of each history holds the steps, index 0 the latest; a history
+  whose latest observation was 0 (a zero or non-finite tensor) counts as
+  holding none.
+
+  Args:
+    histories: the ``<role>_amax_history`` arrays found.
+    where: where they were looked for, for the error.
+
+  Raises:
+    ValueError: when ``histories`` is empty.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import owg
+    >>> bool(owg.all_observed([jnp.array([2.0, 0.0]), jnp.array([[1.0], [3.0]])]))
+    True
+  """
+  histories = list(histories)
+  if not histories:
+    raise ValueError(f"split_first_step: no fp8 amax history (a leaf named '<role>"
+                     f"{HISTORY_SUFFIX}'{where}) in the step's arguments: pass the fp8 state "
+                     "as an argument, not in a closure; a model without delayed-scaling state "
+                     "needs no split_first_step")
+  return jnp.all(jnp.stack([jnp.all(jnp.asarray(h)[..., 0] > 0) for h in histories]))
 
 
 @contextlib.contextmanager

@@ -24,16 +24,18 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from fp8_linen.core import numerics, owg
 from fp8_linen.nnx.state import DIFF, QuantState
 
-__all__ = ["DIFF", "Optimizer", "value_and_grad", "grad", "update_state"]
+__all__ = ["DIFF", "Optimizer", "value_and_grad", "grad", "update_state", "split_first_step"]
 
 
 def value_and_grad(f, argnums: int = 0, *, has_aux: bool = False):
@@ -145,3 +147,68 @@ class Optimizer(nnx.Optimizer):
     nnx.update(model, jax.tree.map(lambda o, a: jnp.where(stepped, a, o), old, acc))
     nnx.update(self.quant_acc, acc)
     return updates
+
+
+def _module_histories(tree) -> list:
+  """The ``<role>_amax_history`` QuantState values of every NNX object in ``tree``."""
+  is_node = nnx.graph.is_graph_node
+  out = []
+  for node in jax.tree.leaves(tree, is_leaf=is_node):
+    if not is_node(node):
+      continue
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(node, QuantState))[0]:
+      names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+      if any(n.endswith(owg.HISTORY_SUFFIX) for n in names[-2:]) and jnp.ndim(leaf) >= 1:
+        out.append(leaf)
+  return out
+
+
+def split_first_step(step: Callable) -> Callable:
+  """:func:`fp8_linen.split_first_step` for NNX steps: modules among the arguments.
+
+  The step's first steps (while some ``<role>_amax_history``
+  :class:`~fp8_linen.nnx.QuantState` of its module arguments has no
+  observation) run ``step`` as traced by default, the others a trace in
+  which every delayed scale is its history's, so that no cast waits for its
+  tensor's amax. One ``nnx.cond`` holds both, so the modules' updates
+  (parameters, optimizer, fp8 state) come out of whichever branch ran. Wrap
+  the step before ``nnx.jit``.
+
+  Args:
+    step: ``step(*args, **kwargs)``, modules (and optimizers) among ``args``.
+
+  Returns:
+    The wrapped step.
+
+  Raises:
+    ValueError: (when called) no module argument holds an amax history.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import fp8_linen as fl
+    >>> model = fl.nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    >>> opt = fl.nnx.Optimizer(model, optax.sgd(0.1))
+    >>> @nnx.jit
+    ... @fl.nnx.split_first_step
+    ... def train_step(model, opt, x):
+    ...   loss, grads = fl.nnx.value_and_grad(lambda m: m(x).sum())(model)
+    ...   opt.update(model, grads)
+    ...   return loss
+    >>> _ = train_step(model, opt, jnp.ones((4, 3)))
+    >>> _ = train_step(model, opt, jnp.ones((4, 3)))
+    >>> model.input_amax_history[...][:2].tolist()
+    [1.0, 1.0]
+  """
+
+  @functools.wraps(step)
+  def wrapped(*args, **kwargs):
+    ready = owg.all_observed(_module_histories((args, kwargs)), " in a module's QuantState")
+
+    def steady(a, k):
+      with numerics.histories_observed():
+        return step(*a, **k)
+
+    return nnx.cond(ready, steady, lambda a, k: step(*a, **k), args, kwargs)
+
+  return wrapped

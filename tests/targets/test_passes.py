@@ -9,6 +9,7 @@ record is lowered and the gain kept. ``benchmarks/bench_passes.py`` prints the
 same figures for the large shapes of docs/accelerators.md.
 """
 
+import contextlib
 import functools
 
 import flax.linen as nn
@@ -16,7 +17,9 @@ import jax.numpy as jnp
 import pytest
 
 import fp8_linen as fl
-from fp8_linen.testing import hlo, passes
+from fp8_linen.core import numerics
+from fp8_linen.testing import compile as compile_lib
+from fp8_linen.testing import hlo, passes, train_step
 
 M, K, N = 2048, 1024, 4096
 SLACK = 1.05
@@ -31,6 +34,11 @@ RECORD = {
     ("h100", "fp8_current"): 1.45,
     ("h100", "fp8_rowwise"): 1.82,
     ("b200", "fp8_delayed"): 1.10,
+    # fl.split_first_step's steady branch: every delayed scale the history's, so no cast
+    # waits for its amax. On the B200 XLA takes each amax in its cast's pass; on the H100
+    # the transposed casts join no reduction and the program is the default's size.
+    ("h100", "fp8_delayed_steady"): 1.45,
+    ("b200", "fp8_delayed_steady"): 0.96,
     ("b200", "mxfp8"): 1.41,        # one Pallas kernel per operand
     ("b200", "mxfp8_jnp"): 2.27,    # the same step with the kernels off
     ("b200", "nvfp4"): 1.77,        # two Pallas kernels per operand
@@ -40,8 +48,8 @@ RECORD = {
 RECIPES = {"fp8_delayed": fl.delayed_scaling(), "fp8_current": fl.current_scaling(),
            "fp8_rowwise": fl.rowwise_scaling(), "mxfp8": fl.mx_block_scaling(),
            "mxfp8_jnp": fl.mx_block_scaling(), "nvfp4": fl.nvfp4(), "nvfp4_jnp": fl.nvfp4(),
-           "int8_ste": fl.IntRecipe()}
-CODES = {"fp8_delayed": "cast to fp8 e4m3", "fp8_current": "cast to fp8 e4m3",
+           "int8_ste": fl.IntRecipe(), "fp8_delayed_steady": fl.delayed_scaling()}
+CODES = {"fp8_delayed": "cast to fp8 e4m3", "fp8_delayed_steady": "cast to fp8 e4m3", "fp8_current": "cast to fp8 e4m3",
          "fp8_rowwise": "cast to fp8 e4m3", "mxfp8": "Pallas kernel mx_codes_both",
          "mxfp8_jnp": "cast to fp8 e4m3", "nvfp4": "Pallas kernel nvfp4_codes_both",
          "nvfp4_jnp": "cast to fp4 e2m1", "int8_ste": "cast to int8"}
@@ -51,7 +59,8 @@ CODES = {"fp8_delayed": "cast to fp8 e4m3", "fp8_current": "cast to fp8 e4m3",
 def _step(target: str, arm: str) -> passes.StepPasses:
   model = (nn.Dense(N, dtype=jnp.bfloat16) if arm == "bf16"
            else fl.QDense(N, dtype=jnp.bfloat16, recipe=RECIPES[arm]))
-  with fl.pallas_kernels("off" if arm.endswith("_jnp") else "auto"):
+  steady = numerics.histories_observed() if arm.endswith("_steady") else contextlib.nullcontext()
+  with fl.pallas_kernels("off" if arm.endswith("_jnp") else "auto"), steady:
     return passes.step_passes(model, (M, K), target=target)
 
 
@@ -170,3 +179,34 @@ def test_where_the_weight_gradient_is_cast(wgrad, require_target):
   casts = [p for p in step.passes if p.purpose == "cast to f32" and p.bytes >= K * N * 2]
   assert bool(casts) == (wgrad == "layer"), [(p.purpose, p.bytes) for p in step.passes]
   assert any(p.purpose == "cast to f32" for p in _step("h100", "bf16").passes)
+
+
+@pytest.mark.xdist_group("b200")
+def test_split_first_step_runs_the_steady_program_every_step(require_target):
+  """``fl.split_first_step``'s program: both traces under one conditional, the cheap one every step.
+
+  Compiled for the B200, the wrapped step's every-step kernels (the
+  conditional's cheaper branch) move what the steady trace alone moves, and
+  the other branch is the default step, whose casts wait for their amaxes.
+  """
+  require_target("b200")
+  model = fl.QDense(N, dtype=jnp.bfloat16, recipe=fl.delayed_scaling())
+  variables, x, r = train_step.train_step_inputs(model, (M, K))
+  report = compile_lib.compile_for("b200", fl.split_first_step(train_step.make_train_step(model)),
+                                   variables, x, r)
+  ps = passes.passes(report)
+  by_branch = {}
+  for p in ps:
+    by_branch.setdefault(p.branch, 0.0)
+    by_branch[p.branch] += p.bytes
+  conds = {b[0] for b in by_branch if b is not None}
+  assert len(conds) == 1, by_branch
+  every = sum(p.bytes for p in ps if p.every_step)
+  first = sum(p.bytes for p in ps if not p.every_step)
+  steady, default = _step("b200", "fp8_delayed_steady"), _step("b200", "fp8_delayed")
+  assert every == pytest.approx(steady.total, rel=0.02)
+  assert first == pytest.approx(default.total, rel=0.02)
+  assert every < 0.92 * first
+  # Both branches multiply in fp8: three GEMMs each, all low precision.
+  assert len(report.product_list) == 6, report.product_list
+  assert all(p.low_precision for p in report.product_list), report.product_list
