@@ -18,6 +18,7 @@ purpose. Figures read from compiled programs: estimates, not measurements.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -26,6 +27,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 import fp8_linen as fl
+from fp8_linen.core import numerics
 from fp8_linen.testing import estimate, passes, targets
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -33,26 +35,31 @@ import common  # noqa: E402
 
 DEVICE = "estimate (compile only)"
 TARGETS = ["h100", "b200", "tpu-v5e", "tpu-v6e", "tpu7x"]
-ARMS = ["bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "mxfp8", "mxfp8_jnp", "nvfp4",
-        "nvfp4_jnp", "int8_ste"]
+ARMS = ["bf16", "fp8_delayed", "fp8_delayed_split", "fp8_current", "fp8_rowwise", "mxfp8",
+        "mxfp8_jnp", "nvfp4", "nvfp4_jnp", "int8_ste"]
 # Arms compiled with the library's Pallas kernels off: the jnp path they replace.
 NO_KERNELS = {"mxfp8_jnp", "nvfp4_jnp"}
+# fp8 delayed under fl.split_first_step: the branch it runs once every history holds an
+# observation (every step but the first), compiled alone.
+SPLIT = {"fp8_delayed_split"}
 
 
 def arms(target: str) -> dict:
   """``{name: (model factory, low precision?)}`` of the recipes ``target`` runs.
 
   ``mxfp8_jnp`` and ``nvfp4_jnp`` run with ``fl.pallas_kernels('off')``
-  (:data:`NO_KERNELS`).
+  (:data:`NO_KERNELS`); ``fp8_delayed_split`` is traced as ``fl.split_first_step``'s
+  steady branch (:data:`SPLIT`).
   """
   out = {"bf16": (lambda n: nn.Dense(n, dtype=jnp.bfloat16), False)}
-  gpu = {"fp8_delayed": fl.delayed_scaling(), "fp8_current": fl.current_scaling(),
-         "fp8_rowwise": fl.rowwise_scaling()}
+  gpu = {"fp8_delayed": fl.delayed_scaling(), "fp8_delayed_split": fl.delayed_scaling(),
+         "fp8_current": fl.current_scaling(), "fp8_rowwise": fl.rowwise_scaling()}
   if target == "b200":
     gpu.update({"mxfp8": fl.mx_block_scaling(), "mxfp8_jnp": fl.mx_block_scaling(),
                 "nvfp4": fl.nvfp4(), "nvfp4_jnp": fl.nvfp4()})
   recipes = gpu if targets.get_target(target).platform == "gpu" else {
-      "fp8_delayed": fl.delayed_scaling(), "int8_ste": fl.IntRecipe()}
+      "fp8_delayed": fl.delayed_scaling(), "fp8_delayed_split": fl.delayed_scaling(),
+      "int8_ste": fl.IntRecipe()}
   for name, recipe in recipes.items():
     out[name] = (lambda n, r=recipe: fl.QDense(n, dtype=jnp.bfloat16, recipe=r), True)
   return out
@@ -66,7 +73,8 @@ def run(m: int, k: int, n: int, target_names) -> dict:
       continue
     table = {}
     for name, (make, low) in arms(target).items():
-      with fl.pallas_kernels("off" if name in NO_KERNELS else "auto"):
+      steady = numerics.histories_observed() if name in SPLIT else contextlib.nullcontext()
+      with fl.pallas_kernels("off" if name in NO_KERNELS else "auto"), steady:
         sp = passes.step_passes(make(n), (m, k), target=target)
       est = estimate.estimate(sp.report.kernel_list, estimate.PEAKS[target])
       table[name] = {"non_gemm_bytes": sp.total, "by_purpose": sp.by_purpose,

@@ -49,6 +49,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -60,6 +61,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEVICE = "estimate (compile only)"
 ARMS = ("bf16", "fp8_delayed", "fp8_current", "fp8_rowwise", "mx_block", "nvfp4", "int8_ste",
         "int8_lsq", "int8_grad8", "int8_grad8_sr")
+# Arms compiled only when asked for (--arms): not cells of the README table.
+# ``fp8_delayed_split``: fp8 delayed under ``fl.split_first_step``, compiled as the
+# branch it runs once every history holds an observation (every step but the
+# first); timed on a device through the wrapped step itself.
+EXTRA_ARMS = ("fp8_delayed_split",)
 WIDTHS = (1024, 4096, 8192)
 TARGETS = ("h100", "b200", "tpu-v5e", "tpu-v6e", "tpu7x")
 # device_kind of a real device -> the target whose peaks its estimate uses.
@@ -70,7 +76,8 @@ KINDS = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H100": "h100", "NVIDIA H200": 
 
 def recipe(arm: str):
   import fp8_linen as fl  # pylint: disable=import-outside-toplevel
-  return {"bf16": None, "fp8_delayed": fl.delayed_scaling(), "fp8_current": fl.current_scaling(),
+  return {"bf16": None, "fp8_delayed": fl.delayed_scaling(),
+          "fp8_delayed_split": fl.delayed_scaling(), "fp8_current": fl.current_scaling(),
           "fp8_rowwise": fl.rowwise_scaling(), "mx_block": fl.mx_block_scaling(),
           "nvfp4": fl.nvfp4(),
           "int8_ste": fl.IntRecipe(kernel=fl.IntQuantConfig(granularity="channel")),
@@ -116,10 +123,13 @@ def child(target: str, d: int, arms: list[str], quick: bool, loss: str = "linear
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from fp8_linen.testing.compile import compile_train_step  # pylint: disable=import-outside-toplevel
+  from fp8_linen.core import numerics  # pylint: disable=import-outside-toplevel
   shape, heads = _shape(d, quick)
   for arm in arms:
-    r = compile_train_step(model(arm, d, heads), shape, jnp.bfloat16, target=target, loss=loss,
-                           optimizer=_optimizer(optimizer))
+    steady = numerics.histories_observed() if arm.endswith("_split") else contextlib.nullcontext()
+    with steady:
+      r = compile_train_step(model(arm, d, heads), shape, jnp.bfloat16, target=target,
+                             loss=loss, optimizer=_optimizer(optimizer))
     print("ROW " + json.dumps({"arm": arm, **row_of(r, r.estimate())}), flush=True)
 
 
@@ -178,6 +188,7 @@ def measure(widths, arms, reps: int, quick: bool, loss: str = "linear",
   """Times each arm's step on the local GPU/TPU; estimates it with that device's peaks."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import fp8_linen as fl  # pylint: disable=import-outside-toplevel
   sys.path.insert(0, HERE)
   import common  # pylint: disable=import-outside-toplevel
   from fp8_linen.testing import estimate, hlo, hlo_kernels  # pylint: disable=import-outside-toplevel
@@ -196,11 +207,19 @@ def measure(widths, arms, reps: int, quick: bool, loss: str = "linear",
       v = jax.jit(m.init)(jax.random.key(0), x)
       r = jax.random.normal(jax.random.key(1), shape, jnp.float32)
       tx = optimizer_of(_optimizer(optimizer))
+      split = fl.split_first_step if arm.endswith("_split") else (lambda f: f)
+      if not arm.endswith("_split"):
+        pass
+      elif tx is None:
+        # Its steady branch runs once every history holds an observation: one step first.
+        v = fl.merge_owg(v, jax.jit(make_train_step(m, loss=loss))(v, x, r)[2])
+      else:
+        v = jax.jit(make_train_step(m, loss=loss, optimizer=tx))(v, tx.init(v["params"]), x, r)[2]
       if tx is None:
-        compiled = jax.jit(make_train_step(m, loss=loss)).lower(v, x, r).compile()
+        compiled = jax.jit(split(make_train_step(m, loss=loss))).lower(v, x, r).compile()
         fns[arm] = (lambda s, v, x, r: lambda: s(v, x, r))(compiled, v, x, r)
       else:  # the update writes into the donated variables and optimizer state
-        compiled = jax.jit(make_train_step(m, loss=loss, optimizer=tx),
+        compiled = jax.jit(split(make_train_step(m, loss=loss, optimizer=tx)),
                            donate_argnums=(0, 1)).lower(v, tx.init(v["params"]), x, r).compile()
         fns[arm] = _donating_run(compiled, v, tx.init(v["params"]), x, r)
       rows[arm] = {"compile_s": time.perf_counter() - t0}
@@ -257,7 +276,7 @@ def measure_only(args, arms) -> dict:
   return payload
 
 
-LABELS = {"fp8_delayed": "fp8 delayed", "fp8_current": "fp8 current", "fp8_rowwise": "fp8 row-wise",
+LABELS = {"fp8_delayed": "fp8 delayed", "fp8_delayed_split": "fp8 delayed, split first step", "fp8_current": "fp8 current", "fp8_rowwise": "fp8 row-wise",
           "mx_block": "MXFP8", "nvfp4": "NVFP4", "int8_ste": "int8 STE", "int8_lsq": "int8 LSQ",
           "int8_grad8": "int8 STE, grad_bits=8",
           "int8_grad8_sr": "int8 STE, grad_bits=8, stochastic rounding"}
@@ -277,7 +296,10 @@ def tables(payload: dict) -> str:
   widths = sorted({int(w) for t in targets for w in results[t]})
   out.append("| recipe | " + " | ".join(NAMES[t] for t in targets) + " |")
   out.append("| --- |" + " ---: |" * len(targets))
+  present = {a for t in targets for r in results[t].values() for a in r}
   for arm, label in LABELS.items():
+    if arm in EXTRA_ARMS and arm not in present:
+      continue
     cells = [ratio_cell([results[t].get(str(w), {}).get(arm, {}) for w in widths])
              for t in targets]
     out.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -324,7 +346,7 @@ def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--widths", nargs="+", type=int, default=list(WIDTHS))
   p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
-  p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+  p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS + EXTRA_ARMS)
   p.add_argument("--reps", type=int, default=20, help="timed runs on a real device")
   p.add_argument("--quick", action="store_true", help="a tiny block (smoke run)")
   p.add_argument("--loss", choices=("linear", "mse"), default="linear",

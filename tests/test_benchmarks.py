@@ -483,6 +483,19 @@ def test_bench_targets_measure_only_times_on_this_machine(tmp_path):
   assert all(r["measured_ms"] > 0 for r in rows.values())
 
 
+@pytest.mark.parametrize("optimizer", ["none", "adam"])
+def test_bench_targets_times_the_split_step(tmp_path, optimizer):
+  """``fp8_delayed_split`` is timed through ``fl.split_first_step`` after one step has filled
+  the histories (so the timed calls run its steady branch)."""
+  bt = _load("bench_targets")
+  bt.main(["--measure-only", "--quick", "--widths", "64", "--arms", "fp8_delayed_split",
+           "--reps", "1", "--optimizer", optimizer, "--out", str(tmp_path / "x.json")])
+  (path,) = tmp_path.glob("*-targets-measured.json")
+  rows = json.loads(path.read_text())["widths"]["64"]
+  assert set(rows) == {"bf16", "fp8_delayed_split"}
+  assert all(r["measured_ms"] > 0 for r in rows.values())
+
+
 def test_bench_targets_optimizer_step_keeps_the_products(require_target):
   """``--optimizer``: the step updates the parameters; it multiplies what the gradient step does."""
   require_target("h100")

@@ -127,6 +127,33 @@ def test_adam_step_table_is_the_benchmark_output():
     assert f"{label} {cells(t, a, 'ratio_vs_bf16')}" in readme, label
 
 
+def test_split_first_step_table_is_the_benchmark_output():
+  """The decoder block under ``fl.split_first_step`` (its steady branch): docs table and README."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import bench_targets  # pylint: disable=import-outside-toplevel
+  payload = json.loads((ROOT / "benchmarks/results/estimate-targets-split.json").read_text())
+  res = payload["results"]
+  cells = lambda t, a, key: " / ".join(f"{res[t][w][a][key]:.2f}" for w in ("1024", "4096", "8192"))
+  want = [["target", "recipe", "step vs bf16", "non-GEMM bytes vs bf16"], ["---"] * 4]
+  for t in ("h100", "b200"):
+    for a in ("fp8_delayed", "fp8_delayed_split"):
+      want.append([bench_targets.NAMES[t], bench_targets.LABELS[a],
+                   cells(t, a, "ratio_vs_bf16"), cells(t, a, "other_bytes_vs_bf16")])
+  doc = ROOT.joinpath("docs/accelerators.md").read_text()
+  assert _table_after(doc, "<!-- estimate split table") == want
+  # The unsplit arm is the README table's cell, compiled again in the same run.
+  main = json.loads((ROOT / "benchmarks/results/estimate-targets.json").read_text())["results"]
+  for t in ("h100", "b200"):
+    for w in ("1024", "4096", "8192"):
+      assert res[t][w]["fp8_delayed"]["estimate_ms"] == pytest.approx(
+          main[t][w]["fp8_delayed"]["estimate_ms"], rel=1e-6)
+  # The split arm multiplies what the unsplit one does.
+  assert all(res[t][w]["fp8_delayed_split"]["products"] == res[t][w]["fp8_delayed"]["products"]
+             for t in ("h100", "b200") for w in ("1024", "4096", "8192"))
+  readme = " ".join(ROOT.joinpath("README.md").read_text().split())
+  assert f"B200 fp8 delayed {cells('b200', 'fp8_delayed_split', 'ratio_vs_bf16')}" in readme
+
+
 def test_estimate_vs_measured_table_is_the_benchmark_output():
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import estimate_vs_published as ev  # pylint: disable=import-outside-toplevel
