@@ -118,7 +118,13 @@ def all_observed(histories, where: str = "") -> jax.Array:
                      f"{HISTORY_SUFFIX}'{where}) in the step's arguments: pass the fp8 state "
                      "as an argument, not in a closure; a model without delayed-scaling state "
                      "needs no split_first_step")
-  return jnp.all(jnp.stack([jnp.all(jnp.asarray(h)[..., 0] > 0) for h in histories]))
+  ready = jnp.all(jnp.stack([jnp.all(jnp.asarray(h)[..., 0] > 0) for h in histories]))
+  axes = lowering.varying_axes(ready)
+  if axes:
+    # Per-device histories inside shard_map: every device must take the same branch (a
+    # branch holds collectives), so the steady one only where all devices' are observed.
+    ready = lax.pmin(ready.astype(jnp.int32), tuple(sorted(axes))) > 0
+  return ready
 
 
 @contextlib.contextmanager
