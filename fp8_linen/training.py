@@ -86,27 +86,11 @@ def _is_variables(tree: Any) -> bool:
           and all(isinstance(tree[k], Mapping) for k in ("params", OWG) if k in tree))
 
 
-def _name(key) -> str:
-  """A path entry as a plain string (dict key, attribute or index alike)."""
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
+_name = owg.key_name
 
 
 def _path(path) -> str:
   return "/".join(_name(k) for k in path)
-
-
-def _histories(tree: Any, under: str | None = OWG) -> list:
-  """The ``<role>_amax_history`` leaves of ``tree`` (those below an ``under`` key only)."""
-  out = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    names = [_name(k) for k in path]
-    named = any(n.endswith(_HISTORY) for n in names[-2:])
-    if named and (under is None or under in names) and jnp.ndim(leaf) >= 1:
-      out.append(leaf)
-  return out
 
 
 def histories_ready(tree: Any, *, under: str | None = OWG) -> jax.Array:
@@ -135,7 +119,7 @@ def histories_ready(tree: Any, *, under: str | None = OWG) -> jax.Array:
     False
   """
   where = f" below a {under!r} key" if under else ""
-  return owg.all_observed(_histories(tree, under), where)
+  return owg.all_observed(owg.history_leaves(tree, under), where)
 
 
 def _graph_nodes(tree: Any) -> bool:

@@ -69,6 +69,8 @@ __all__ = [
     "frozen_quantizers",
     "quantizers_frozen",
     "HISTORY_SUFFIX",
+    "key_name",
+    "history_leaves",
     "all_observed",
 ]
 
@@ -89,6 +91,36 @@ _FROZEN = settings.TraceSetting("frozen_quantizers", default=False)
 
 # The name every role's amax history ends with (``input_amax_history``, ...).
 HISTORY_SUFFIX = "_amax_history"
+
+
+def key_name(key) -> str:
+  """A pytree path entry as a plain string (dict key, attribute or index alike)."""
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def history_leaves(tree, under: str | None = None) -> list:
+  """The ``<role>_amax_history`` arrays of a pytree (those below an ``under`` path key only).
+
+  A leaf counts when its last path entry, or the one before it (an NNX
+  variable's ``.value``), ends with :data:`HISTORY_SUFFIX`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import owg
+    >>> tree = {owg.OWG: {"input_amax_history": jnp.zeros(4)}, "input_amax_history": jnp.ones(4)}
+    >>> len(owg.history_leaves(tree)), len(owg.history_leaves(tree, owg.OWG))
+    (2, 1)
+  """
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    names = [key_name(k) for k in path]
+    if (any(n.endswith(HISTORY_SUFFIX) for n in names[-2:])
+        and (under is None or under in names) and jnp.ndim(leaf) >= 1):
+      out.append(leaf)
+  return out
 
 
 def all_observed(histories, where: str = "") -> jax.Array:

@@ -152,15 +152,8 @@ class Optimizer(nnx.Optimizer):
 def _module_histories(tree) -> list:
   """The ``<role>_amax_history`` QuantState values of every NNX object in ``tree``."""
   is_node = nnx.graph.is_graph_node
-  out = []
-  for node in jax.tree.leaves(tree, is_leaf=is_node):
-    if not is_node(node):
-      continue
-    for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(node, QuantState))[0]:
-      names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-      if any(n.endswith(owg.HISTORY_SUFFIX) for n in names[-2:]) and jnp.ndim(leaf) >= 1:
-        out.append(leaf)
-  return out
+  return owg.history_leaves([nnx.state(n, QuantState)
+                             for n in jax.tree.leaves(tree, is_leaf=is_node) if is_node(n)])
 
 
 def split_first_step(step: Callable) -> Callable:
