@@ -27,8 +27,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 import fp8_linen as fl
-from fp8_linen.core import numerics
-from fp8_linen.testing import estimate, passes, targets
+from fp8_linen.testing import estimate, passes, targets, train_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -73,7 +72,7 @@ def run(m: int, k: int, n: int, target_names) -> dict:
       continue
     table = {}
     for name, (make, low) in arms(target).items():
-      steady = numerics.histories_observed() if name in SPLIT else contextlib.nullcontext()
+      steady = train_step.steady_branch() if name in SPLIT else contextlib.nullcontext()
       with fl.pallas_kernels("off" if name in NO_KERNELS else "auto"), steady:
         sp = passes.step_passes(make(n), (m, k), target=target)
       est = estimate.estimate(sp.report.kernel_list, estimate.PEAKS[target])

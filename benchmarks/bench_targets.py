@@ -123,10 +123,10 @@ def child(target: str, d: int, arms: list[str], quick: bool, loss: str = "linear
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from fp8_linen.testing.compile import compile_train_step  # pylint: disable=import-outside-toplevel
-  from fp8_linen.core import numerics  # pylint: disable=import-outside-toplevel
+  from fp8_linen.testing import train_step  # pylint: disable=import-outside-toplevel
   shape, heads = _shape(d, quick)
   for arm in arms:
-    steady = numerics.histories_observed() if arm.endswith("_split") else contextlib.nullcontext()
+    steady = train_step.steady_branch() if arm.endswith("_split") else contextlib.nullcontext()
     with steady:
       r = compile_train_step(model(arm, d, heads), shape, jnp.bfloat16, target=target,
                              loss=loss, optimizer=_optimizer(optimizer))

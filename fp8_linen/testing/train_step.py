@@ -34,10 +34,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fp8_linen.core import numerics
 from fp8_linen.core.lowering import target_backend
 from fp8_linen.training import merge_owg
 
-__all__ = ["LOSSES", "OPTIMIZERS", "make_train_step", "optimizer_of", "train_step_inputs"]
+__all__ = ["LOSSES", "OPTIMIZERS", "make_train_step", "optimizer_of", "train_step_inputs",
+           "steady_branch"]
 
 
 LOSSES = {
@@ -66,6 +68,29 @@ def optimizer_of(optimizer) -> optax.GradientTransformation | None:
     return OPTIMIZERS[optimizer]()
   raise ValueError(f"optimizer must be None, one of {sorted(OPTIMIZERS)} or an optax "
                    f"GradientTransformation, got {optimizer!r}")
+
+
+def steady_branch():
+  """Traces a step as :func:`fp8_linen.split_first_step`'s steady branch (a context manager).
+
+  The branch a wrapped step runs once every amax history holds an
+  observation, compiled alone: what it moves every step but the first.
+  For compile-only measurement only; inside it a history without an
+  observation gives the stored scale (the wrapper never runs it then).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> from fp8_linen.testing import train_step
+    >>> st = fl.RoleState(jnp.ones((1,)), jnp.zeros((4,)))  # an empty history
+    >>> with train_step.steady_branch():
+    ...   y, _ = fl.fp8_dot_general(jnp.full((1, 2), 900.0), jnp.ones((2, 1)),
+    ...                             (((1,), (0,)), ((), ())), input_state=st,
+    ...                             kernel_state=st, output_grad_state=st)
+    >>> y.tolist()  # the stored scale 1: 900 saturates at e4m3's 448
+    [[896.0]]
+  """
+  return numerics.histories_observed()
 
 
 def make_train_step(model, *, loss: str = "linear", optimizer=None) -> Callable:

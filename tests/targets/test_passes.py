@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import pytest
 
 import fp8_linen as fl
-from fp8_linen.core import numerics
 from fp8_linen.testing import compile as compile_lib
 from fp8_linen.testing import hlo, passes, train_step
 
@@ -59,7 +58,7 @@ CODES = {"fp8_delayed": "cast to fp8 e4m3", "fp8_delayed_steady": "cast to fp8 e
 def _step(target: str, arm: str) -> passes.StepPasses:
   model = (nn.Dense(N, dtype=jnp.bfloat16) if arm == "bf16"
            else fl.QDense(N, dtype=jnp.bfloat16, recipe=RECIPES[arm]))
-  steady = numerics.histories_observed() if arm.endswith("_steady") else contextlib.nullcontext()
+  steady = train_step.steady_branch() if arm.endswith("_steady") else contextlib.nullcontext()
   with fl.pallas_kernels("off" if arm.endswith("_jnp") else "auto"), steady:
     return passes.step_passes(model, (M, K), target=target)
 
