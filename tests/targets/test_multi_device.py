@@ -14,8 +14,9 @@ from fp8_linen.testing.train_step import make_train_step, train_step_inputs
 D = 1024
 
 
-def _fsdp_step(target):
-  """Two QDense layers, kernels sharded P('fsdp', None), the batch over 'fsdp'."""
+def _fsdp_step(target, split=False):
+  """Two QDense layers, kernels sharded P('fsdp', None), the batch over 'fsdp'
+  (``split``: the step wrapped in ``fl.split_first_step``)."""
   t = targets.get_target(target)
   mesh = targets.target_mesh(t, axis_names=("fsdp",))
   model = nn.Sequential([fl.QDense(D, dtype=jnp.bfloat16), fl.QDense(D, dtype=jnp.bfloat16)])
@@ -28,7 +29,8 @@ def _fsdp_step(target):
   v = jax.tree_util.tree_map_with_path(place, v)
   x, r = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P("fsdp")))
           for a in (x, r))
-  return compile_for(t, make_train_step(model), v, x, r)
+  step = make_train_step(model)
+  return compile_for(t, fl.split_first_step(step) if split else step, v, x, r)
 
 
 @pytest.mark.parametrize("target", ["h100x8", "tpu-v6e-2x2"])
@@ -43,3 +45,11 @@ def test_sharded_step_reports_its_collectives(require_target, target):
   assert max(b for _, b in totals.values()) >= kernel_bytes, totals
   assert all(c.nbytes > 0 and c.dtypes for c in report.collective_list)
   assert "collectives" in report.summary()
+
+
+@pytest.mark.parametrize("target", ["h100x8", "tpu-v6e-2x2"])
+def test_split_first_step_on_a_mesh_multiplies_in_fp8(require_target, target):
+  """Both branches of a sharded ``fl.split_first_step`` step: 6 fp8 products each."""
+  require_target(target)
+  report = _fsdp_step(target, split=True)
+  assert report.classes == {"fp8": 12}, report.summary()
