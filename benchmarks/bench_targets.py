@@ -207,20 +207,20 @@ def measure(widths, arms, reps: int, quick: bool, loss: str = "linear",
       v = jax.jit(m.init)(jax.random.key(0), x)
       r = jax.random.normal(jax.random.key(1), shape, jnp.float32)
       tx = optimizer_of(_optimizer(optimizer))
-      split = fl.split_first_step if arm.endswith("_split") else (lambda f: f)
-      if not arm.endswith("_split"):
-        pass
-      elif tx is None:
+      step = make_train_step(m, loss=loss, optimizer=tx)
+      if arm.endswith("_split"):
         # Its steady branch runs once every history holds an observation: one step first.
-        v = fl.merge_owg(v, jax.jit(make_train_step(m, loss=loss))(v, x, r)[2])
-      else:
-        v = jax.jit(make_train_step(m, loss=loss, optimizer=tx))(v, tx.init(v["params"]), x, r)[2]
+        if tx is None:
+          v = fl.merge_owg(v, jax.jit(step)(v, x, r)[2])
+        else:
+          v = jax.jit(step)(v, tx.init(v["params"]), x, r)[2]
+        step = fl.split_first_step(step)
       if tx is None:
-        compiled = jax.jit(split(make_train_step(m, loss=loss))).lower(v, x, r).compile()
+        compiled = jax.jit(step).lower(v, x, r).compile()
         fns[arm] = (lambda s, v, x, r: lambda: s(v, x, r))(compiled, v, x, r)
       else:  # the update writes into the donated variables and optimizer state
-        compiled = jax.jit(split(make_train_step(m, loss=loss, optimizer=tx)),
-                           donate_argnums=(0, 1)).lower(v, tx.init(v["params"]), x, r).compile()
+        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+            v, tx.init(v["params"]), x, r).compile()
         fns[arm] = _donating_run(compiled, v, tx.init(v["params"]), x, r)
       rows[arm] = {"compile_s": time.perf_counter() - t0}
       print(f"{kind} d={d} {arm:12s} initialized and compiled in {rows[arm]['compile_s']:.1f} s",
