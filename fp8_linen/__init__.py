@@ -88,6 +88,7 @@ from fp8_linen.recipes import (
 from fp8_linen.training import (
     TrainState,
     accumulate_gradients,
+    accumulate_microbatches,
     all_finite,
     finalize_accumulated,
     histories_ready,
@@ -216,6 +217,7 @@ __all__ = [
     "merge_owg",
     "owg_max",
     "accumulate_gradients",
+    "accumulate_microbatches",
     "finalize_accumulated",
     "reduce_gradients",
     "all_finite",

@@ -52,6 +52,7 @@ import optax
 from flax import struct
 from flax.training import train_state as flax_train_state
 
+from fp8_linen.core import hoist as hoist_lib
 from fp8_linen.core import mesh, numerics, owg
 from fp8_linen.core.lowering import varying_axes
 from fp8_linen.core.owg import OWG
@@ -62,6 +63,7 @@ __all__ = [
     "merge_owg",
     "owg_max",
     "accumulate_gradients",
+    "accumulate_microbatches",
     "finalize_accumulated",
     "reduce_gradients",
     "all_finite",
@@ -322,6 +324,89 @@ def finalize_accumulated(acc: Mapping, num_microbatches: int) -> dict:
 
 def _axes(axis_name) -> tuple:
   return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def accumulate_microbatches(grad_fn: Callable, variables: Any, microbatches: Any, *,
+                            has_aux: bool = False, hoist: bool = True):
+  """Accumulates ``grad_fn`` over micro-batches in one ``lax.scan``, quantizing weights once.
+
+  ``grad_fn(variables, batch)`` returns the gradients of one micro-batch
+  (``jax.grad`` of a loss over the model's whole variables dict, its OWG
+  collection included). This runs it over the leading axis of
+  ``microbatches`` while ``variables`` stay fixed, sums the parameter
+  gradients, max-reduces the fp8 state (:func:`accumulate_gradients`) and
+  returns :func:`finalize_accumulated`'s mean: the gradients of the whole
+  batch, for one optimizer step.
+
+  With ``hoist=True`` every computation that reads only ``variables`` (each
+  weight's amax, its scale and its low-precision codes in both layouts; a
+  float layer's cast of its float32 parameter) runs once before the loop
+  instead of once per micro-batch (:mod:`fp8_linen.core.hoist`): a weight is
+  quantized once per accumulation window, as TransformerEngine caches its fp8
+  weights. The values are those of ``hoist=False``; what is hoisted stays in
+  memory through the loop (about 2 bytes per quantized parameter).
+
+  Args:
+    grad_fn: ``(variables, batch) -> grads`` (or ``(grads, aux)`` with
+      ``has_aux``); ``grads`` has the structure of ``variables``.
+    variables: the model's variables (fixed over the window).
+    microbatches: a pytree of arrays sharing a leading axis, one entry per
+      micro-batch.
+    has_aux: ``grad_fn`` also returns an auxiliary pytree; it is returned
+      stacked over the micro-batches.
+    hoist: compute the work on ``variables`` alone once, before the loop.
+
+  Returns:
+    The accumulated gradients (and the stacked ``aux`` with ``has_aux``).
+
+  Raises:
+    ValueError: if ``microbatches`` has no arrays, or its arrays do not share
+      a leading axis of length at least 1.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import fp8_linen as fl
+    >>> model = fl.QDense(4)
+    >>> v = model.init(jax.random.key(0), jnp.ones((2, 3)))
+    >>> grad_fn = jax.grad(lambda v, x: model.apply(v, x).sum())
+    >>> xs = jnp.ones((3, 2, 3))  # three micro-batches of two rows
+    >>> g = fl.accumulate_microbatches(grad_fn, v, xs)
+    >>> g['params']['kernel'].shape
+    (3, 4)
+  """
+  leaves = jax.tree.leaves(microbatches)
+  if not leaves:
+    raise ValueError("accumulate_microbatches: microbatches has no arrays")
+  lengths = {np.shape(a)[0] if np.ndim(a) else None for a in leaves}
+  if len(lengths) != 1 or None in lengths or 0 in lengths:
+    raise ValueError(
+        "accumulate_microbatches: every array of microbatches needs the same leading "
+        f"(micro-batch) axis of length >= 1; got leading sizes {sorted(map(str, lengths))}")
+  (n,) = lengths
+  one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), microbatches)
+  if hoist:
+    parts = hoist_lib.split(grad_fn, variables, one)
+    hoisted = parts.prologue(variables)
+    run = lambda batch: parts.body(variables, hoisted, batch)
+    out_shape = parts.out_shape
+  else:
+    run = lambda batch: grad_fn(variables, batch)
+    out_shape = jax.eval_shape(grad_fn, variables, one)
+  grads_shape = out_shape[0] if has_aux else out_shape
+  if not isinstance(grads_shape, Mapping):
+    raise ValueError("accumulate_microbatches: grad_fn must return the gradients of the "
+                     f"variables dict (a Mapping), got {type(grads_shape).__name__}")
+  zeros = lambda tree, fill: jax.tree.map(lambda s: jnp.full(s.shape, fill, s.dtype), tree)
+  acc0 = {k: zeros(v, -jnp.inf if k == OWG else 0) for k, v in grads_shape.items()}
+
+  def step(acc, batch):
+    out = run(batch)
+    grads, aux = out if has_aux else (out, None)
+    return accumulate_gradients(acc, grads), aux
+
+  acc, aux = jax.lax.scan(step, acc0, microbatches)
+  grads = finalize_accumulated(acc, n)
+  return (grads, aux) if has_aux else grads
 
 
 def reduce_gradients(grads: Mapping, axis_name) -> dict:

@@ -2,6 +2,7 @@
 
 Its modules, each importing only modules listed above it:
 
+* ``hoist``: a loop's work on its invariant inputs, split out to run once before it;
 * ``settings``: settings read while a function is traced (part of every jit key);
 * ``uses``: the uses of one quantization state in a step, under any JAX transform;
 * ``dims``: dimension-number algebra: canonical forms, gradient products, einsum plans;

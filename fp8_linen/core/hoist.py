@@ -1,0 +1,279 @@
+"""Work that depends only on a loop's invariant inputs, computed once before the loop.
+
+A gradient-accumulation loop runs one function over micro-batches while the
+model's variables stay fixed. Each iteration of a quantized model's step casts
+every weight to its low-precision codes (and takes its amax, and transposes
+it) although none of that changes within the window; XLA does not move those
+passes out of the loop (they are element-wise passes over large arrays, which
+its loop-invariant code motion leaves where they are). :func:`split` traces
+the function once and splits its program in two: the equations whose inputs
+are all invariant (the variables, the closure's constants, or another such
+equation's outputs) run once, before the loop, and the rest (the loop body)
+reads their results. The values are the same: the same equations run on the
+same inputs, once instead of every iteration.
+
+Left in the body: equations with side effects, and equations whose outputs
+are larger than their inputs (a broadcast of a constant to a batch's shape,
+an iota): computing those once would keep a large array alive through the
+loop to save a cheap pass. What is hoisted is kept alive for the whole loop
+(a weight's fp8 codes in both layouts: about 2 bytes per parameter).
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from fp8_linen.core import hoist
+  >>> f = lambda w, x: jnp.dot(x, jnp.tanh(w))
+  >>> s = hoist.split(f, jnp.ones((3, 2)), jnp.ones((4, 3)))
+  >>> [str(p) for p in s.hoisted_primitives]
+  ['tanh']
+  >>> pre = s.prologue(jnp.ones((3, 2)))
+  >>> s.body(jnp.ones((3, 2)), pre, jnp.ones((4, 3))).shape
+  (4, 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.extend import core as jex
+
+__all__ = ["Split", "split"]
+
+
+def _nbytes(v) -> int:
+  aval = getattr(v, "aval", None)
+  shape = getattr(aval, "shape", ())
+  try:
+    size = np.dtype(aval.dtype).itemsize
+  except (TypeError, AttributeError):
+    size = 8  # PRNG keys and tokens: small
+  return int(np.prod(shape, dtype=np.int64)) * size
+
+
+def _partition(jaxpr, roots) -> set:
+  """Indices of the equations of ``jaxpr`` that read only ``roots`` (invariant variables).
+
+  Every effect-free equation on invariant values is early, unless its result
+  would be carried into the loop and is larger than every invariant input it
+  derives from (a broadcast or an iota of a scalar; an upcast of a parameter
+  the loop reads): such an equation, and what reads it, stays in the loop.
+  """
+  made_by = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+  banned = set()
+  while True:
+    source = {v: _nbytes(v) for v in roots}
+    early = set()
+    for i, eqn in enumerate(jaxpr.eqns):
+      ins = [v for v in eqn.invars if not isinstance(v, jex.Literal)]
+      if i not in banned and not eqn.effects and all(v in source for v in ins):
+        early.add(i)
+        source.update({v: max([source[u] for u in ins], default=0) for v in eqn.outvars})
+    sink = {made_by[v] for v in _carried(jaxpr, early, made_by)
+            if _nbytes(v) > max(source[v], _SMALL)}
+    if not sink:
+      return early
+    banned |= sink
+
+
+def _rewrite(eqns, roots) -> list:
+  """``eqns`` with each partly invariant ``scan`` split in two (:func:`_split_scan`)."""
+  out, invariant = [], set(roots)
+  for eqn in eqns:
+    ins = [v for v in eqn.invars if not isinstance(v, jex.Literal)]
+    if not eqn.effects and all(v in invariant for v in ins):
+      invariant.update(eqn.outvars)
+      out.append(eqn)
+      continue
+    split_one = _SPLITTERS.get(eqn.primitive.name)
+    parts = split_one(eqn, invariant) if split_one and not eqn.effects else None
+    if parts is None:
+      out.append(eqn)
+    else:
+      for e in parts[:-1]:
+        invariant.update(e.outvars)
+      out += parts
+  return out
+
+
+def _inner(body, roots):
+  """``(rewritten body, early indices, carried)`` of a nested jaxpr whose ``roots`` are invariant."""
+  inner = _jaxpr(body, body.constvars, body.invars, body.outvars, _rewrite(body.eqns, roots),
+                 body.effects)
+  early = _partition(inner, roots)
+  made_by = {v: i for i, e in enumerate(inner.eqns) for v in e.outvars}
+  return inner, early, _carried(inner, early, made_by)
+
+
+def _split_remat(eqn, invariant: set):
+  """The invariant work of a ``jax.checkpoint`` region, moved in front of it.
+
+  ``(*early, region)``: the region's equations that read only invariant
+  inputs, now outside it, and the region reading their results as extra
+  inputs. A rematerialized layer (``nn.remat``) recomputes its forward in the
+  backward pass; its weights' codes need not be recomputed with it. None
+  when the region has no such work.
+  """
+  body = eqn.params["jaxpr"]
+  if body.constvars:
+    return None
+  fixed = [isinstance(v, jex.Literal) or v in invariant for v in eqn.invars]
+  roots = {bv for bv, f in zip(body.invars, fixed) if f}
+  inner, early, carried = _inner(body, roots)
+  if not carried:
+    return None
+  outer = {bv: v for bv, v in zip(body.invars, eqn.invars)}
+  moved = [e.replace(invars=[v if isinstance(v, jex.Literal) else outer.get(v, v)
+                             for v in e.invars])
+           for i, e in enumerate(inner.eqns) if i in early]
+  rest = _jaxpr(body, [], list(body.invars) + carried, body.outvars,
+                [e for i, e in enumerate(inner.eqns) if i not in early], body.effects)
+  return (*moved, eqn.replace(invars=list(eqn.invars) + carried,
+                              params=dict(eqn.params, jaxpr=rest)))
+
+
+def _linear(params: dict, linear: tuple) -> dict:
+  # Versions of JAX whose scan records which inputs are linear need one flag per input.
+  return dict(params, linear=linear) if "linear" in params else params
+
+
+def _split_scan(eqn, invariant: set):
+  """``(a, b)``: a scan of the invariant work of ``eqn``'s body, and ``eqn`` reading its results.
+
+  A scan over stacked layers (``nn.scan``) reads each layer's weights as a
+  slice of its ``xs``: those slices are invariant in the outer loop although
+  they change from layer to layer. ``a`` scans over the invariant consts and
+  ``xs`` alone and stacks what the body computes from them (each layer's
+  codes); ``b`` is the original scan, reading those as extra ``xs``. None when
+  the body has no such work.
+  """
+  p = eqn.params
+  closed = p["jaxpr"]
+  body = closed.jaxpr
+  nc, ncarry = p["num_consts"], p["num_carry"]
+  fixed = [(i < nc or i >= nc + ncarry) and (isinstance(v, jex.Literal) or v in invariant)
+           for i, v in enumerate(eqn.invars)]
+  roots = set(body.constvars) | {bv for bv, f in zip(body.invars, fixed) if f}
+  inner, early, carried = _inner(body, roots)
+  if not carried:
+    return None
+  consts = [i for i in range(nc) if fixed[i]]
+  xs = [i for i in range(nc + ncarry, len(fixed)) if fixed[i]]
+  a_body = _jaxpr(body, body.constvars, [body.invars[i] for i in consts + xs], carried,
+                  [e for i, e in enumerate(inner.eqns) if i in early], jex.no_effects)
+  stacked = [jex.Var(v.aval.update(shape=(p["length"], *v.aval.shape))) for v in carried]
+  a = jex.new_jaxpr_eqn(
+      [eqn.invars[i] for i in consts + xs], stacked, eqn.primitive,
+      _linear(dict(p, jaxpr=jex.ClosedJaxpr(a_body, closed.consts), num_consts=len(consts),
+                   num_carry=0), (False,) * (len(consts) + len(xs))),
+      jex.no_effects, eqn.source_info, eqn.ctx)
+  b_body = _jaxpr(body, body.constvars, list(body.invars) + carried, body.outvars,
+                  [e for i, e in enumerate(inner.eqns) if i not in early], body.effects)
+  b = eqn.replace(invars=list(eqn.invars) + stacked,
+                  params=_linear(dict(p, jaxpr=jex.ClosedJaxpr(b_body, closed.consts)),
+                                 tuple(p.get("linear", ())) + (False,) * len(carried)))
+  return a, b
+
+
+# Equations with a nested program whose invariant work can be moved out.
+_SPLITTERS = {"scan": _split_scan, "checkpoint": _split_remat, "remat2": _split_remat}
+
+
+_SMALL = 1 << 12  # bytes: a result this small may be carried whatever made it
+
+
+def _carried(jaxpr, early: set, made_by: dict) -> list:
+  """The early equations' results that late equations or the outputs read, in order."""
+  used = [v for i, e in enumerate(jaxpr.eqns) if i not in early for v in e.invars]
+  used += list(jaxpr.outvars)
+  seen, out = set(), []
+  for v in used:
+    if not isinstance(v, jex.Literal) and made_by.get(v) in early and v not in seen:
+      seen.add(v)
+      out.append(v)
+  return out
+
+
+def _jaxpr(like, constvars, invars, outvars, eqns, effects):
+  """A Jaxpr with ``like``'s debug info, its names dropped (the signature is new)."""
+  info = like.debug_info
+  if info is not None:
+    info = info._replace(arg_names=None, result_paths=None)
+  return jex.Jaxpr(constvars, invars, outvars, eqns, effects, info)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """A function's program split into a prologue and a loop body.
+
+  Attributes:
+    prologue: ``prologue(invariant) -> hoisted`` (a tuple of arrays): every
+      equation that reads only ``invariant`` and constants.
+    body: ``body(invariant, hoisted, x) -> fn(invariant, x)``: the rest.
+    hoisted_primitives: the primitives moved into the prologue, in order.
+    hoisted_bytes: the bytes of ``hoisted``, kept alive through the loop.
+    out_shape: ``fn``'s output as a pytree of ``jax.ShapeDtypeStruct``.
+  """
+
+  prologue: Callable[[Any], tuple]
+  body: Callable[[Any, tuple, Any], Any]
+  hoisted_primitives: tuple
+  hoisted_bytes: int
+  out_shape: Any
+
+
+def split(fn: Callable[[Any, Any], Any], invariant: Any, x: Any) -> Split:
+  """Splits ``fn(invariant, x)`` into the work on ``invariant`` alone and the rest.
+
+  Args:
+    fn: a function of two pytrees of arrays.
+    invariant: the inputs that stay fixed over the loop (arrays, tracers or
+      ``jax.ShapeDtypeStruct``\\ s).
+    x: an example of the inputs that change (one iteration's).
+
+  Returns:
+    A :class:`Split`; ``split.body(inv, split.prologue(inv), x)`` equals
+    ``fn(inv, x)`` for every ``x`` of ``x``'s structure, shapes and dtypes.
+  """
+  inv_leaves, inv_tree = jax.tree.flatten(invariant)
+  x_leaves, x_tree = jax.tree.flatten(x)
+  n = len(inv_leaves)
+  out_tree = []
+
+  def flat(*leaves):
+    out = fn(inv_tree.unflatten(leaves[:n]), x_tree.unflatten(leaves[n:]))
+    out_leaves, tree = jax.tree.flatten(out)
+    out_tree.append(tree)
+    return out_leaves
+
+  abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype)
+  closed = jax.make_jaxpr(flat)(*map(abstract, inv_leaves), *map(abstract, x_leaves))
+  roots = list(closed.jaxpr.constvars) + list(closed.jaxpr.invars[:n])
+  jaxpr = _jaxpr(closed.jaxpr, closed.jaxpr.constvars, closed.jaxpr.invars,
+                 closed.jaxpr.outvars, _rewrite(closed.jaxpr.eqns, roots), closed.jaxpr.effects)
+  early_ids = _partition(jaxpr, roots)
+  made_by = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+  carried = _carried(jaxpr, early_ids, made_by)
+  early = [e for i, e in enumerate(jaxpr.eqns) if i in early_ids]
+  late = [e for i, e in enumerate(jaxpr.eqns) if i not in early_ids]
+  head = list(jaxpr.constvars) + list(jaxpr.invars[:n])
+  pro = _jaxpr(jaxpr, [], head, carried, early, jex.no_effects)
+  rest = _jaxpr(jaxpr, [], head + carried + list(jaxpr.invars[n:]), list(jaxpr.outvars), late,
+                jaxpr.effects)
+  consts = list(closed.consts)
+  run_pro = jex.jaxpr_as_fun(jex.ClosedJaxpr(pro, []))
+  run_rest = jex.jaxpr_as_fun(jex.ClosedJaxpr(rest, []))
+
+  def prologue(inv):
+    return tuple(run_pro(*consts, *jax.tree.leaves(inv)))
+
+  def body(inv, hoisted, xs):
+    out = run_rest(*consts, *jax.tree.leaves(inv), *hoisted, *jax.tree.leaves(xs))
+    return out_tree[0].unflatten(out)
+
+  return Split(prologue=prologue, body=body,
+               hoisted_primitives=tuple(e.primitive for e in early),
+               hoisted_bytes=sum(_nbytes(v) for v in carried),
+               out_shape=out_tree[0].unflatten(
+                   [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.out_avals]))

@@ -1,0 +1,246 @@
+"""Gradient accumulation with weights quantized once per window (``fl.accumulate_microbatches``).
+
+The window's gradients must be those of the plain loop over micro-batches
+(``fl.accumulate_gradients`` then ``fl.finalize_accumulated``), with and
+without the hoisting of the work on the variables (``fp8_linen.core.hoist``),
+for plain, rematerialized and scanned (stacked-layer) models. What the
+hoisting saves is checked in the compiled H100 program: no weight is cast to
+fp8 inside the loop.
+"""
+
+import chex
+from absl.testing import parameterized
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8_linen as fl
+from fp8_linen.core import hoist
+
+D = 16
+
+
+class Mlp(nn.Module):
+  recipe: object = fl.delayed_scaling()
+
+  @nn.compact
+  def __call__(self, x):
+    h = fl.QDense(4 * D, dtype=jnp.bfloat16, recipe=self.recipe)(x)
+    return fl.QDense(D, dtype=jnp.bfloat16, recipe=self.recipe)(jax.nn.gelu(h))
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return x + Mlp()(x), None
+
+
+class Stack(nn.Module):
+  """Three blocks stacked by ``nn.scan`` (optionally each rematerialized)."""
+
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    block = nn.remat(Block) if self.remat else Block
+    scanned = nn.scan(block, variable_axes={"params": 0, fl.OWG: 0},
+                      split_rngs={"params": True}, length=3)
+    return scanned()(x, None)[0]
+
+
+class Remat(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.remat(Block)()(x, None)[0]
+
+
+# Micro-batches of very different ranges: the window's fp8 state is their max.
+SCALES = (0.5, 40.0, 3.0)
+
+
+def _setup(model, n_micro=len(SCALES), rows=8):
+  keys = jax.random.split(jax.random.key(0), 2 * n_micro)
+  xs = jnp.stack([jax.random.normal(keys[i], (rows, D)) * SCALES[i % len(SCALES)]
+                  for i in range(n_micro)]).astype(jnp.bfloat16)
+  ys = jnp.stack([jax.random.normal(keys[n_micro + i], (rows, D)) for i in range(n_micro)])
+  variables = model.init(jax.random.key(1), xs[0])
+
+  def loss(v, batch):
+    x, y = batch
+    return jnp.mean((model.apply(v, x).astype(jnp.float32) - y) ** 2)
+
+  return variables, (xs, ys), loss
+
+
+def _loop(grad_fn, variables, batches):
+  # Compiled, as in the scan: eager bf16 ops round each result, XLA's fusions do not.
+  grad_fn = jax.jit(grad_fn)
+  acc = None
+  n = len(jax.tree.leaves(batches)[0])
+  for i in range(n):
+    acc = fl.accumulate_gradients(acc, grad_fn(variables, jax.tree.map(lambda a: a[i], batches)))
+  return fl.finalize_accumulated(acc, n)
+
+
+class AccumulateMicrobatchesTest(chex.TestCase):
+
+  @parameterized.named_parameters(
+      ("delayed", Mlp(fl.delayed_scaling())), ("current", Mlp(fl.current_scaling())),
+      ("int8", Mlp(fl.IntRecipe())), ("remat", Remat()), ("scan", Stack()),
+      ("scan_remat", Stack(remat=True)))
+  def test_same_gradients_as_the_loop(self, model):
+    self._check_against_the_loop(model, jax.jit, static_argnums=(0, 3))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_same_gradients_with_and_without_jit(self):
+    self._check_against_the_loop(Mlp(), self.variant, static_argnums=(0, 3))
+
+  def _check_against_the_loop(self, model, wrap, **kwargs):
+    variables, batches, loss = _setup(model)
+    grad_fn = jax.grad(loss)
+    want = _loop(grad_fn, variables, batches)
+    run = wrap(lambda g, v, b, h: fl.accumulate_microbatches(g, v, b, hoist=h), **kwargs)
+    for hoist_it in (True, False):
+      got = run(grad_fn, variables, batches, hoist_it)
+      chex.assert_trees_all_equal_structs(got, want)
+      # The fp8 state is the max over the window, bit for bit.
+      if fl.OWG in want:
+        chex.assert_trees_all_equal(got[fl.OWG], want[fl.OWG])
+      # Sums in another order (a scan vs a Python loop): the last bits.
+      chex.assert_trees_all_close(got["params"], want["params"], rtol=1e-5, atol=1e-6)
+    # The window's state holds the largest micro-batch's amax (the 40x one).
+    if fl.OWG in want and "input_amax_history" in want[fl.OWG].get("QDense_0", {}):
+      newest = want[fl.OWG]["QDense_0"]["input_amax_history"][0]
+      assert float(newest) == pytest.approx(float(jnp.max(jnp.abs(batches[0][1]))))
+
+  def test_hoisted_and_not_are_bit_identical(self):
+    variables, batches, loss = _setup(Stack(remat=True))
+    grad_fn = jax.grad(loss)
+    run = jax.jit(fl.accumulate_microbatches, static_argnums=0, static_argnames="hoist")
+    chex.assert_trees_all_equal(run(grad_fn, variables, batches, hoist=True),
+                                run(grad_fn, variables, batches, hoist=False))
+
+  def test_aux_is_stacked_over_the_microbatches(self):
+    variables, batches, loss = _setup(Mlp())
+    grad_fn = jax.grad(lambda v, b: (loss(v, b), loss(v, b)), has_aux=True)
+    grads, aux = fl.accumulate_microbatches(grad_fn, variables, batches, has_aux=True)
+    assert aux.shape == (len(SCALES),)
+    for i in range(len(SCALES)):
+      # (Compiled: eager bf16 ops round each result, XLA's fusions do not.)
+      _, want = jax.jit(grad_fn)(variables, jax.tree.map(lambda a, i=i: a[i], batches))
+      assert float(aux[i]) == pytest.approx(float(want), rel=1e-6)
+    assert set(grads) == set(variables)
+
+  def test_bad_microbatches_are_refused(self):
+    variables, (xs, ys), loss = _setup(Mlp())
+    grad_fn = jax.grad(loss)
+    with pytest.raises(ValueError, match="microbatches.*leading"):
+      fl.accumulate_microbatches(grad_fn, variables, (xs, ys[:2]))
+    with pytest.raises(ValueError, match="microbatches.*leading"):
+      fl.accumulate_microbatches(grad_fn, variables, (xs[:0], ys[:0]))
+    with pytest.raises(ValueError, match="microbatches has no arrays"):
+      fl.accumulate_microbatches(grad_fn, variables, ())
+    with pytest.raises(ValueError, match="grad_fn must return"):
+      fl.accumulate_microbatches(lambda v, b: jnp.zeros(()), variables, (xs, ys))
+
+
+def _body_primitives(parts, invariant, x):
+  jaxpr = jax.make_jaxpr(lambda inv, pre, x: parts.body(inv, pre, x))(
+      invariant, parts.prologue(invariant), x).jaxpr
+  return [str(e.primitive) for e in jaxpr.eqns]
+
+
+class SplitTest(chex.TestCase):
+
+  def test_the_work_on_the_invariant_inputs_moves_out(self):
+    w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+    parts = hoist.split(lambda w, x: jnp.dot(x, jnp.tanh(w)), w, x)
+    assert [str(p) for p in parts.hoisted_primitives] == ["tanh"]
+    assert "tanh" not in _body_primitives(parts, w, x)
+    np.testing.assert_array_equal(parts.body(w, parts.prologue(w), x), x @ jnp.tanh(w))
+
+  def test_effects_and_inflating_results_stay_in_the_loop(self):
+    w, x = jnp.ones((4096,), jnp.bfloat16), jnp.ones((8, 4096))
+
+    def f(w, x):
+      jax.debug.callback(lambda a: None, w)        # a side effect: once per iteration
+      wide = w.astype(jnp.float32)                 # 2x its source, read by the loop
+      ones = jnp.broadcast_to(jnp.float32(2.0), (8, 4096))  # from a constant
+      return x * wide + ones
+
+    parts = hoist.split(f, w, x)
+    body = _body_primitives(parts, w, x)
+    assert "debug_callback" in body
+    assert "convert_element_type" in body
+    assert parts.hoisted_bytes == 0
+
+  def test_closure_constants_count_as_invariant(self):
+    table = jnp.arange(6.0).reshape(2, 3)
+    parts = hoist.split(lambda w, x: x @ jnp.exp(table * w), jnp.float32(2.0), jnp.ones((4, 2)))
+    assert "exp" in [str(p) for p in parts.hoisted_primitives]
+    np.testing.assert_allclose(parts.body(2.0, parts.prologue(2.0), jnp.ones((4, 2))),
+                               jnp.ones((4, 2)) @ jnp.exp(table * 2.0), rtol=1e-6)
+
+  @parameterized.named_parameters(("plain", Mlp()), ("remat", Remat()), ("scan", Stack()),
+                                  ("scan_remat", Stack(remat=True)))
+  def test_no_weight_is_cast_to_fp8_in_the_loop(self, model):
+    variables, batches, loss = _setup(model)
+    one = jax.tree.map(lambda a: a[0], batches)
+    parts = hoist.split(jax.grad(loss), variables, one)
+    weight_shapes = {(D, 4 * D), (4 * D, D)}
+    jaxpr = jax.make_jaxpr(lambda v, p, b: parts.body(v, p, b))(
+        variables, parts.prologue(variables), one).jaxpr
+
+    def casts(jaxpr):
+      for e in jaxpr.eqns:
+        # A cast writes codes from floats (a bitcast or a transpose of codes is none).
+        floats = [v for v in e.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)
+                  and "float8" not in str(v.aval.dtype)]
+        for o in e.outvars:
+          if floats and "float8" in str(o.aval.dtype) and o.aval.shape[-2:] in weight_shapes:
+            yield e
+        for p in e.params.values():
+          inner = getattr(p, "jaxpr", p)
+          if hasattr(inner, "eqns") and str(e.primitive) != "jit":
+            yield from casts(inner)
+
+    assert not list(casts(jaxpr)), [str(e.primitive) for e in casts(jaxpr)]
+    # ... while the program without the split casts them (the check can fail).
+    whole = jax.make_jaxpr(jax.grad(loss))(variables, one).jaxpr
+    assert list(casts(whole))
+
+
+def test_h100_window_casts_no_weight_in_the_loop(require_target):
+  """Compiled for an H100: no kernel of the loop body casts a float to weight-shaped fp8 codes."""
+  require_target("h100")
+  # pylint: disable=import-outside-toplevel
+  from fp8_linen.testing import compile as compile_lib
+  from fp8_linen.testing import hlo
+
+  model = Mlp(fl.delayed_scaling())
+  variables, batches, loss = _setup(model, rows=32)
+  grad_fn = jax.grad(loss)
+  weights = {(D, 4 * D), (4 * D, D)}
+
+  def loop_casts(hoist_it):
+    report = compile_lib.compile_for(
+        "h100", lambda v, b: fl.accumulate_microbatches(grad_fn, v, b, hoist=hoist_it),
+        variables, batches)
+    module = hlo.parse(report.hlo)
+    (loop,) = [i for c in module.computations.values() for i in c if i.opcode == "while"]
+    out = []
+    for inst in module.computations[loop.body]:
+      if inst.opcode not in ("fusion", "convert"):
+        continue  # (the loop state's tuple and its elements move nothing)
+      codes = [a for a in inst.result if a.dtype.startswith("f8") and a.shape in weights]
+      # Reading codes to write codes (a transpose of hoisted codes) is no cast.
+      floats = [a for arrays in module.operand_arrays(loop.body, inst) for a in arrays
+                if a.dtype in ("f32", "bf16", "f16")]
+      if codes and floats:
+        out.append(inst.name)
+    return out
+
+  assert loop_casts(False), "the per-micro-batch program should cast the weights in its loop"
+  assert not loop_casts(True)
