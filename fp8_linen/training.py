@@ -334,9 +334,12 @@ def accumulate_microbatches(grad_fn: Callable, variables: Any, microbatches: Any
   (``jax.grad`` of a loss over the model's whole variables dict, its OWG
   collection included). This runs it over the leading axis of
   ``microbatches`` while ``variables`` stay fixed, sums the parameter
-  gradients, max-reduces the fp8 state (:func:`accumulate_gradients`) and
-  returns :func:`finalize_accumulated`'s mean: the gradients of the whole
-  batch, for one optimizer step.
+  gradients, max-reduces the fp8 state and returns
+  :func:`finalize_accumulated`'s mean: the gradients of the whole batch, for
+  one optimizer step. As in :class:`TrainState`'s ``optax.MultiSteps``
+  window, a micro-batch that observed nothing for a role (its state comes
+  back unrolled) adds nothing to that role's max, and a role no micro-batch
+  observed keeps its state.
 
   With ``hoist=True`` every computation that reads only ``variables`` (each
   weight's amax, its scale and its low-precision codes in both layouts; a
@@ -374,37 +377,27 @@ def accumulate_microbatches(grad_fn: Callable, variables: Any, microbatches: Any
     >>> g['params']['kernel'].shape
     (3, 4)
   """
-  leaves = jax.tree.leaves(microbatches)
-  if not leaves:
-    raise ValueError("accumulate_microbatches: microbatches has no arrays")
-  lengths = {np.shape(a)[0] if np.ndim(a) else None for a in leaves}
-  if len(lengths) != 1 or None in lengths or 0 in lengths:
-    raise ValueError(
-        "accumulate_microbatches: every array of microbatches needs the same leading "
-        f"(micro-batch) axis of length >= 1; got leading sizes {sorted(map(str, lengths))}")
-  (n,) = lengths
-  one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), microbatches)
-  if hoist:
-    parts = hoist_lib.split(grad_fn, variables, one)
-    hoisted = parts.prologue(variables)
-    run = lambda batch: parts.body(variables, hoisted, batch)
-    out_shape = parts.out_shape
-  else:
-    run = lambda batch: grad_fn(variables, batch)
-    out_shape = jax.eval_shape(grad_fn, variables, one)
-  grads_shape = out_shape[0] if has_aux else out_shape
-  if not isinstance(grads_shape, Mapping):
-    raise ValueError("accumulate_microbatches: grad_fn must return the gradients of the "
-                     f"variables dict (a Mapping), got {type(grads_shape).__name__}")
-  zeros = lambda tree, fill: jax.tree.map(lambda s: jnp.full(s.shape, fill, s.dtype), tree)
-  acc0 = {k: zeros(v, -jnp.inf if k == OWG else 0) for k, v in grads_shape.items()}
+  def init(grads_shape):
+    if not isinstance(grads_shape, Mapping):
+      raise ValueError("accumulate_microbatches: grad_fn must return the gradients of the "
+                       f"variables dict (a Mapping), got {type(grads_shape).__name__}")
+    return {k: hoist_lib.filled(v, -jnp.inf if k == OWG else 0) for k, v in grads_shape.items()}
 
-  def step(acc, batch):
-    out = run(batch)
-    grads, aux = out if has_aux else (out, None)
-    return accumulate_gradients(acc, grads), aux
+  old = variables.get(OWG) if isinstance(variables, Mapping) else None
 
-  acc, aux = jax.lax.scan(step, acc0, microbatches)
+  def add(acc, grads):
+    if old is None or OWG not in grads:
+      return accumulate_gradients(acc, grads)
+    out = accumulate_gradients({k: v for k, v in acc.items() if k != OWG},
+                               {k: v for k, v in grads.items() if k != OWG})
+    out[OWG] = _window_max(acc[OWG], grads[OWG], old)
+    return out
+
+  acc, n, aux = hoist_lib.accumulate(grad_fn, variables, microbatches, init=init, add=add,
+                                     has_aux=has_aux, hoist=hoist)
+  if old is not None and OWG in acc:
+    acc = dict(acc, **{OWG: jax.tree.map(
+        lambda a, o: jnp.where(jnp.any(a != -jnp.inf), a, o), acc[OWG], old)})
   grads = finalize_accumulated(acc, n)
   return (grads, aux) if has_aux else grads
 

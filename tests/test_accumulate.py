@@ -8,13 +8,17 @@ hoisting saves is checked in the compiled H100 program: no weight is cast to
 fp8 inside the loop.
 """
 
+import functools
+
 import chex
 from absl.testing import parameterized
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import fp8_linen as fl
 from fp8_linen.core import hoist
@@ -187,29 +191,34 @@ class SplitTest(chex.TestCase):
                                   ("scan_remat", Stack(remat=True)))
   def test_no_weight_is_cast_to_fp8_in_the_loop(self, model):
     variables, batches, loss = _setup(model)
-    one = jax.tree.map(lambda a: a[0], batches)
-    parts = hoist.split(jax.grad(loss), variables, one)
-    weight_shapes = {(D, 4 * D), (4 * D, D)}
-    jaxpr = jax.make_jaxpr(lambda v, p, b: parts.body(v, p, b))(
-        variables, parts.prologue(variables), one).jaxpr
+    window = lambda h: jax.make_jaxpr(lambda v, b: fl.accumulate_microbatches(
+        jax.grad(loss), v, b, hoist=h))(variables, batches)
+    assert not _loop_casts(window(True))
+    assert _loop_casts(window(False))  # (the check can fail)
 
-    def casts(jaxpr):
-      for e in jaxpr.eqns:
-        # A cast writes codes from floats (a bitcast or a transpose of codes is none).
-        floats = [v for v in e.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)
-                  and "float8" not in str(v.aval.dtype)]
-        for o in e.outvars:
-          if floats and "float8" in str(o.aval.dtype) and o.aval.shape[-2:] in weight_shapes:
-            yield e
-        for p in e.params.values():
-          inner = getattr(p, "jaxpr", p)
-          if hasattr(inner, "eqns") and str(e.primitive) != "jit":
-            yield from casts(inner)
 
-    assert not list(casts(jaxpr)), [str(e.primitive) for e in casts(jaxpr)]
-    # ... while the program without the split casts them (the check can fail).
-    whole = jax.make_jaxpr(jax.grad(loss))(variables, one).jaxpr
-    assert list(casts(whole))
+WEIGHTS = {(D, 4 * D), (4 * D, D)}
+
+
+def _weight_casts(jaxpr):
+  """Equations (nested ones included) writing weight-shaped fp8 codes from floats."""
+  for e in jaxpr.eqns:
+    # A bitcast or a transpose of codes reads no float: it is no cast.
+    floats = [v for v in e.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)
+              and "float8" not in str(v.aval.dtype)]
+    if floats and any("float8" in str(o.aval.dtype) and o.aval.shape[-2:] in WEIGHTS
+                      for o in e.outvars):
+      yield e
+    for p in e.params.values():
+      inner = getattr(p, "jaxpr", p)
+      if hasattr(inner, "eqns") and str(e.primitive) != "jit":
+        yield from _weight_casts(inner)
+
+
+def _loop_casts(closed):
+  """The weight casts inside the accumulation loop (the last top-level scan)."""
+  (loop,) = [e for e in closed.jaxpr.eqns if str(e.primitive) == "scan"][-1:]
+  return list(_weight_casts(loop.params["jaxpr"].jaxpr))
 
 
 def test_h100_window_casts_no_weight_in_the_loop(require_target):
@@ -222,8 +231,6 @@ def test_h100_window_casts_no_weight_in_the_loop(require_target):
   model = Mlp(fl.delayed_scaling())
   variables, batches, loss = _setup(model, rows=32)
   grad_fn = jax.grad(loss)
-  weights = {(D, 4 * D), (4 * D, D)}
-
   def loop_casts(hoist_it):
     report = compile_lib.compile_for(
         "h100", lambda v, b: fl.accumulate_microbatches(grad_fn, v, b, hoist=hoist_it),
@@ -234,7 +241,7 @@ def test_h100_window_casts_no_weight_in_the_loop(require_target):
     for inst in module.computations[loop.body]:
       if inst.opcode not in ("fusion", "convert"):
         continue  # (the loop state's tuple and its elements move nothing)
-      codes = [a for a in inst.result if a.dtype.startswith("f8") and a.shape in weights]
+      codes = [a for a in inst.result if a.dtype.startswith("f8") and a.shape in WEIGHTS]
       # Reading codes to write codes (a transpose of hoisted codes) is no cast.
       floats = [a for arrays in module.operand_arrays(loop.body, inst) for a in arrays
                 if a.dtype in ("f32", "bf16", "f16")]
@@ -244,3 +251,95 @@ def test_h100_window_casts_no_weight_in_the_loop(require_target):
 
   assert loop_casts(False), "the per-micro-batch program should cast the weights in its loop"
   assert not loop_casts(True)
+
+
+class NnxMlp(nnx.Module):
+
+  def __init__(self, rngs):
+    self.up = fl.nnx.Linear(D, 4 * D, dtype=jnp.bfloat16, rngs=rngs)
+    self.down = fl.nnx.Linear(4 * D, D, dtype=jnp.bfloat16, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(jax.nn.gelu(self.up(x)))
+
+
+def _nnx_loss(model, batch):
+  x, y = batch
+  return jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
+
+
+class NnxAccumulateTest(chex.TestCase):
+
+  def test_same_gradients_as_the_loop(self):
+    model = NnxMlp(nnx.Rngs(0))
+    _, batches, _ = _setup(Mlp())
+    grad_fn = fl.nnx.grad(_nnx_loss)
+    step = nnx.jit(grad_fn)
+    each = [step(model, jax.tree.map(lambda a, i=i: a[i], batches)) for i in range(len(SCALES))]
+    for hoist_it in (True, False):
+      got = nnx.jit(lambda m, b, h=hoist_it: fl.nnx.accumulate_microbatches(
+          grad_fn, m, b, hoist=h))(model, batches)
+      for path, v in nnx.to_flat_state(got):
+        parts = [dict(nnx.to_flat_state(g))[path] for g in each]
+        if isinstance(v, fl.nnx.QuantState):
+          want = functools.reduce(jnp.maximum, [p[...] for p in parts])
+          np.testing.assert_array_equal(v[...], want, err_msg=str(path))
+        else:
+          want = sum(p[...] for p in parts) / len(parts)
+          np.testing.assert_allclose(v[...], want, rtol=1e-5, atol=1e-6, err_msg=str(path))
+
+  def test_no_weight_is_cast_to_fp8_in_the_loop(self):
+    model = NnxMlp(nnx.Rngs(0))
+    _, batches, _ = _setup(Mlp())
+    window = lambda h: jax.make_jaxpr(lambda b: fl.nnx.accumulate_microbatches(
+        fl.nnx.grad(_nnx_loss), model, b, hoist=h))(batches)
+    assert not _loop_casts(window(True))
+    assert _loop_casts(window(False))
+
+  def test_a_train_step_writes_the_window_state_once(self):
+    model = NnxMlp(nnx.Rngs(0))
+    opt = fl.nnx.Optimizer(model, optax.sgd(1e-3))
+    _, batches, _ = _setup(Mlp())
+
+    @nnx.jit
+    def train_step(model, opt, batches):
+      grads, losses = fl.nnx.accumulate_microbatches(
+          fl.nnx.grad(lambda m, b: (_nnx_loss(m, b),) * 2, has_aux=True), model, batches,
+          has_aux=True)
+      opt.update(model, grads)
+      return losses
+
+    losses = train_step(model, opt, batches)
+    assert losses.shape == (len(SCALES),)
+    history = model.up.input_amax_history[...]
+    # One optimizer step: one history entry, the window's largest amax (the 40x batch).
+    assert float(history[0]) == pytest.approx(float(jnp.max(jnp.abs(batches[0][1]))))
+    assert float(history[1]) == 0.0
+
+  def test_grad_fn_must_return_the_model_gradients(self):
+    model = NnxMlp(nnx.Rngs(0))
+    _, batches, _ = _setup(Mlp())
+    with pytest.raises(ValueError, match="nnx.State"):
+      fl.nnx.accumulate_microbatches(lambda m, b: {"w": jnp.zeros(())}, model, batches)
+
+
+def test_an_unobserved_microbatch_adds_nothing_to_the_window():
+  # A micro-batch that observes nothing returns its role's state unrolled; its max
+  # with the rolled updates of the others would mix history positions.
+  old = {"input_amax_history": jnp.array([3.0, 7.0, 0.0]), "input_scale": jnp.array([0.5])}
+  variables = {"params": {"w": jnp.float32(1.0)}, fl.OWG: {"layer": old}}
+
+  def grad_fn(v, x):
+    h = v[fl.OWG]["layer"]["input_amax_history"]
+    rolled = {"input_amax_history": jnp.concatenate([x[None], h[:-1]]),
+              "input_scale": (x / 448.0)[None]}
+    state = jax.tree.map(lambda r, o: jnp.where(x > 0, r, o), rolled, v[fl.OWG]["layer"])
+    return {"params": {"w": x}, fl.OWG: {"layer": state}}
+
+  for hoist_it in (True, False):
+    got = fl.accumulate_microbatches(grad_fn, variables, jnp.array([5.0, 0.0]), hoist=hoist_it)
+    np.testing.assert_array_equal(got[fl.OWG]["layer"]["input_amax_history"], [5.0, 3.0, 7.0])
+    assert float(got["params"]["w"]) == 2.5
+    # No micro-batch observed anything: the state stays as it was.
+    none = fl.accumulate_microbatches(grad_fn, variables, jnp.zeros((2,)), hoist=hoist_it)
+    chex.assert_trees_all_equal(none[fl.OWG]["layer"], old)

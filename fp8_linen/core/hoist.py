@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
-__all__ = ["Split", "split"]
+__all__ = ["Split", "split", "accumulate", "filled"]
 
 
 def _nbytes(v) -> int:
@@ -277,3 +277,62 @@ def split(fn: Callable[[Any, Any], Any], invariant: Any, x: Any) -> Split:
                hoisted_bytes=sum(_nbytes(v) for v in carried),
                out_shape=out_tree[0].unflatten(
                    [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.out_avals]))
+
+
+def filled(shape_tree: Any, value) -> Any:
+  """Arrays of ``shape_tree``'s shapes and dtypes (``jax.ShapeDtypeStruct`` leaves) filled with ``value``."""
+  return jax.tree.map(lambda s: jax.numpy.full(s.shape, value, s.dtype), shape_tree)
+
+
+def accumulate(fn: Callable, invariant: Any, xs: Any, *, init: Callable, add: Callable,
+               has_aux: bool = False, hoist: bool = True,
+               caller: str = "accumulate_microbatches") -> tuple:
+  """Folds ``fn(invariant, x)`` over the leading axis of ``xs`` in one ``lax.scan``.
+
+  The accumulation loop both Flax APIs' ``accumulate_microbatches`` run; they
+  differ only in ``init`` and ``add`` (how a gradient tree starts and grows).
+
+  Args:
+    fn: ``(invariant, x) -> out`` (or ``(out, aux)`` with ``has_aux``).
+    invariant: the inputs fixed over the loop.
+    xs: a pytree of arrays sharing a leading axis of length >= 1.
+    init: ``init(out_shape) -> acc`` (``out_shape``: ``jax.ShapeDtypeStruct``
+      leaves).
+    add: ``add(acc, out) -> acc``.
+    has_aux: ``fn`` also returns ``aux``, returned stacked.
+    hoist: run the work on ``invariant`` alone once, before the loop (:func:`split`).
+    caller: the public name errors name.
+
+  Returns:
+    ``(acc, n, aux)``: the accumulator, the number of iterations and the
+    stacked ``aux`` (None without ``has_aux``).
+
+  Raises:
+    ValueError: if ``xs`` has no arrays or no common leading axis of length >= 1.
+  """
+  leaves = jax.tree.leaves(xs)
+  if not leaves:
+    raise ValueError(f"{caller}: microbatches has no arrays")
+  lengths = {np.shape(a)[0] if np.ndim(a) else None for a in leaves}
+  if len(lengths) != 1 or None in lengths or 0 in lengths:
+    raise ValueError(
+        f"{caller}: every array of microbatches needs the same leading (micro-batch) axis "
+        f"of length >= 1; got leading sizes {sorted(map(str, lengths))}")
+  (n,) = lengths
+  one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), xs)
+  if hoist:
+    parts = split(fn, invariant, one)
+    hoisted = parts.prologue(invariant)
+    run = lambda x: parts.body(invariant, hoisted, x)
+    out_shape = parts.out_shape
+  else:
+    run = lambda x: fn(invariant, x)
+    out_shape = jax.eval_shape(fn, invariant, one)
+
+  def step(acc, x):
+    out = run(x)
+    out, aux = out if has_aux else (out, None)
+    return add(acc, out), aux
+
+  acc, aux = jax.lax.scan(step, init(out_shape[0] if has_aux else out_shape), xs)
+  return acc, n, aux

@@ -32,10 +32,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from fp8_linen.core import hoist as hoist_lib
 from fp8_linen.core import numerics, owg
 from fp8_linen.nnx.state import DIFF, QuantState
 
-__all__ = ["DIFF", "Optimizer", "value_and_grad", "grad", "update_state", "split_first_step"]
+__all__ = ["DIFF", "Optimizer", "value_and_grad", "grad", "update_state", "split_first_step",
+           "accumulate_microbatches"]
 
 
 def value_and_grad(f, argnums: int = 0, *, has_aux: bool = False):
@@ -205,3 +207,80 @@ def split_first_step(step: Callable) -> Callable:
     return nnx.cond(ready, steady, lambda a, k: step(*a, **k), args, kwargs)
 
   return wrapped
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def accumulate_microbatches(grad_fn: Callable, model: nnx.Module, microbatches: Any, *,
+                            has_aux: bool = False, hoist: bool = True):
+  """:func:`fp8_linen.accumulate_microbatches` for NNX: one window's gradients, weights quantized once.
+
+  ``grad_fn(model, batch)`` returns one micro-batch's gradients with respect
+  to ``(nnx.Param, QuantState)`` (:func:`grad`). This runs it over the leading
+  axis of ``microbatches`` in one ``lax.scan`` with the model fixed, averages
+  the ``Param`` gradients and max-reduces the ``QuantState`` updates, and
+  returns the window's gradients for :meth:`Optimizer.update` (one optimizer
+  step, the history advancing once with the window's max amax). With
+  ``hoist=True`` the work on the model's variables alone (each weight's
+  amax, scale and codes) runs once before the loop. The model's other state
+  (an ``nnx.Rngs`` counter, batch statistics) is read, not updated, by the
+  window: every micro-batch sees the same.
+
+  Args:
+    grad_fn: ``(model, batch) -> grads`` (or ``(grads, aux)`` with ``has_aux``).
+    model: the NNX model.
+    microbatches: a pytree of arrays sharing a leading axis, one entry per
+      micro-batch.
+    has_aux: ``grad_fn`` also returns an auxiliary pytree, returned stacked.
+    hoist: compute the work on the model's variables once, before the loop.
+
+  Returns:
+    The window's gradients (an ``nnx.State``), and the stacked ``aux`` with
+    ``has_aux``.
+
+  Raises:
+    ValueError: if ``microbatches`` has no arrays or no common leading axis of
+      length >= 1, or ``grad_fn`` returns no ``nnx.State``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import fp8_linen as fl
+    >>> model = fl.nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    >>> opt = fl.nnx.Optimizer(model, optax.sgd(0.1))
+    >>> grad_fn = fl.nnx.grad(lambda m, x: m(x).sum())
+    >>> xs = jnp.stack([jnp.full((4, 3), 2.0), jnp.full((4, 3), 5.0)])
+    >>> grads = fl.nnx.accumulate_microbatches(grad_fn, model, xs)
+    >>> _ = opt.update(model, grads)
+    >>> model.input_amax_history[...][:2].tolist()
+    [5.0, 0.0]
+  """
+  graphdef, state = nnx.split(model)
+
+  def pure(state, batch):
+    # Variables rebuilt in the trace that runs the loop body (NNX refuses
+    # variables of an outer trace).
+    return grad_fn(nnx.merge(graphdef, jax.tree.map(lambda a: a, state)), batch)
+
+  def init(grads_shape):
+    if not isinstance(grads_shape, nnx.State):
+      raise ValueError("accumulate_microbatches: grad_fn must return the gradients of the "
+                       "model (an nnx.State, e.g. from fl.nnx.grad), got "
+                       f"{type(grads_shape).__name__}")
+    return jax.tree.map(
+        lambda v: hoist_lib.filled(v, -jnp.inf if isinstance(v, QuantState) else 0),
+        grads_shape, is_leaf=_is_variable)
+
+  def add(acc, grads):
+    return jax.tree.map(
+        lambda a, g: jax.tree.map(jnp.maximum if isinstance(a, QuantState) else jnp.add, a, g),
+        acc, grads, is_leaf=_is_variable)
+
+  acc, n, aux = hoist_lib.accumulate(pure, state, microbatches, init=init, add=add,
+                                     has_aux=has_aux, hoist=hoist)
+  grads = jax.tree.map(
+      lambda v: v if isinstance(v, QuantState) else jax.tree.map(lambda a: a / n, v),
+      acc, is_leaf=_is_variable)
+  return (grads, aux) if has_aux else grads
