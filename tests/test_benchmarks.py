@@ -171,6 +171,20 @@ def test_bench_passes_tiny(tmp_path, require_target):
   assert json.loads(out.read_text())["meta"]["device"] == "estimate (compile only)"
 
 
+def test_bench_accumulate_tiny(tmp_path, require_target):
+  require_target("h100")
+  ba = _load("bench_accumulate")
+  out = tmp_path / "accumulate.json"
+  rows = ba.main(["--d", "64", "--tokens", "32", "--micro", "2", "--targets", "h100", "--out",
+                  str(out)])["results"]["h100"]
+  assert set(rows) == {f"{a}{h}" for a in ("bf16", "fp8_delayed", "fp8_current")
+                       for h in ("", "_hoisted")}
+  assert rows["bf16"]["vs_bf16"] == 1.0
+  # Once per window moves fewer bytes than once per micro-batch.
+  assert rows["fp8_delayed_hoisted"]["non_gemm_bytes"] < rows["fp8_delayed"]["non_gemm_bytes"]
+  assert json.loads(out.read_text())["meta"]["device"] == "estimate (compile only)"
+
+
 def test_bench_grouped_gemm_tiny(tmp_path, require_target):
   require_target("h100")
   bg = _load("bench_grouped_gemm")

@@ -1,0 +1,147 @@
+"""Gradient accumulation: weights quantized once per window vs once per micro-batch (compile only).
+
+A two-layer MLP (d -> 4d -> d, GELU, bfloat16 compute over float32
+parameters) accumulates the gradients of ``--micro`` micro-batches of
+``--tokens`` tokens in one ``lax.scan`` (``fl.accumulate_microbatches``): with
+``hoist=False`` every micro-batch casts each weight again (its amax, its codes
+in both layouts; bf16's f32 -> bf16 cast), with ``hoist=True`` that work runs
+once before the loop. Each arm's program is compiled for the target (no GPU
+or TPU needed) and read: the non-GEMM bytes of the whole window
+(``fp8_linen.testing.passes``, a loop body counted once per micro-batch) and
+the roofline step estimate (``fp8_linen.testing.estimate``). Figures read from
+compiled programs: estimates, not measurements.
+
+The byte counter charges a kernel that slices one micro-batch out of the
+stacked batch with the whole stacked operand, so every arm's figure includes
+the same overcount; compare arms, not absolute bytes.
+
+  python benchmarks/bench_accumulate.py --out benchmarks/results/estimate-accumulate.json
+  python benchmarks/bench_accumulate.py --d 256 --tokens 128 --targets h100   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import fp8_linen as fl
+from fp8_linen.testing import compile as compile_lib
+from fp8_linen.testing import estimate, passes, targets
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+DEVICE = "estimate (compile only)"
+TARGETS = ["h100", "b200"]
+
+
+class Mlp(nn.Module):
+  """d -> 4d -> d with a GELU between; ``make(features)`` builds each projection."""
+
+  make: object
+  d: int
+
+  @nn.compact
+  def __call__(self, x):
+    return self.make(self.d)(jax.nn.gelu(self.make(4 * self.d)(x)))
+
+
+def recipes(target: str) -> dict:
+  """``{arm: recipe or None (bf16)}`` for ``target``."""
+  if targets.get_target(target).platform == "gpu":
+    return {"bf16": None, "fp8_delayed": fl.delayed_scaling(),
+            "fp8_current": fl.current_scaling()}
+  return {"bf16": None, "fp8_delayed": fl.delayed_scaling(),
+          "int8_grad8": fl.IntRecipe(grad_bits=8)}
+
+
+def window(recipe, d: int, tokens: int, micro: int, *, hoist: bool):
+  """``(fn, args)``: one accumulation window's gradients of the MLP."""
+  make = ((lambda n: nn.Dense(n, dtype=jnp.bfloat16)) if recipe is None else
+          (lambda n: fl.QDense(n, dtype=jnp.bfloat16, recipe=recipe)))
+  model = Mlp(make, d)
+  variables = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                                jnp.ones((8, d), jnp.bfloat16)))
+  xs = jax.ShapeDtypeStruct((micro, tokens, d), jnp.bfloat16)
+  ys = jax.ShapeDtypeStruct((micro, tokens, d), jnp.bfloat16)
+
+  def loss(v, batch):
+    x, y = batch
+    out = model.apply(v, x).astype(jnp.float32)
+    return 0.5 * jnp.mean(jnp.sum((out - y.astype(jnp.float32)) ** 2, axis=-1))
+
+  grad_fn = jax.grad(loss)
+  fn = lambda v, xs, ys: fl.accumulate_microbatches(grad_fn, v, (xs, ys), hoist=hoist)
+  return fn, (variables, xs, ys)
+
+
+def run(d: int, tokens: int, micro: int, target_names) -> dict:
+  rows = {}
+  for target in target_names:
+    if not targets.availability(target):
+      print(f"{target}: cannot compile here ({targets.availability(target).reason})")
+      continue
+    table = {}
+    for name, recipe in recipes(target).items():
+      for hoist in (False, True):
+        fn, args = window(recipe, d, tokens, micro, hoist=hoist)
+        report = compile_lib.compile_for(target, fn, *args)
+        ps = passes.passes(report)
+        est = estimate.estimate(report.kernel_list, estimate.PEAKS[target])
+        table[f"{name}{'_hoisted' if hoist else ''}"] = {
+            "non_gemm_bytes": float(sum(p.bytes for p in ps if p.every_step)),
+            "window_seconds_estimate": est.seconds,
+            "products": sorted({"x".join(p.operands) for p in report.product_list}),
+            "temp_bytes": report.temp_bytes}
+    base = table["bf16"]
+    for row in table.values():
+      row["vs_bf16"] = row["window_seconds_estimate"] / base["window_seconds_estimate"]
+      row["bytes_vs_bf16"] = row["non_gemm_bytes"] / base["non_gemm_bytes"]
+    rows[target] = table
+  return rows
+
+
+def markdown(rows: dict) -> str:
+  """Per target and recipe: the window's estimate and non-GEMM bytes against bf16's
+  per-micro-batch window, and the estimate once per window against bf16's once per window."""
+  lines = ["| target | recipe | window vs bf16's: per micro-batch -> once per window | "
+           "vs bf16's window, both once per window | "
+           "non-GEMM bytes vs bf16's: per micro-batch -> once per window |",
+           "| --- | --- | ---: | ---: | ---: |"]
+  for target, table in rows.items():
+    for name in [k for k in table if not k.endswith("_hoisted")]:
+      a, b = table[name], table[f"{name}_hoisted"]
+      both = b["window_seconds_estimate"] / table["bf16_hoisted"]["window_seconds_estimate"]
+      lines.append(f"| {target} | {name} | {a['vs_bf16']:.2f} -> {b['vs_bf16']:.2f} | "
+                   f"{both:.2f} | {a['bytes_vs_bf16']:.2f} -> {b['bytes_vs_bf16']:.2f} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--d", type=int, default=4096)
+  p.add_argument("--tokens", type=int, default=4096, help="tokens per micro-batch")
+  p.add_argument("--micro", type=int, default=4, help="micro-batches per window")
+  p.add_argument("--targets", nargs="+", default=TARGETS)
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+  rows = run(args.d, args.tokens, args.micro, args.targets)
+  print(f"accumulation window: {args.micro} micro-batches of {args.tokens} tokens, MLP "
+        f"{args.d} -> {4 * args.d} -> {args.d} ({DEVICE})")
+  print(markdown(rows))
+  payload = {"meta": {"device": DEVICE, "shape": {"d": args.d, "tokens": args.tokens,
+                                                  "micro": args.micro},
+                      **common.environment()},
+             "results": rows}
+  if args.out:
+    common.write_json_to(args.out, payload)
+  return payload
+
+
+if __name__ == "__main__":
+  main()
