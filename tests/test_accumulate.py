@@ -343,3 +343,34 @@ def test_an_unobserved_microbatch_adds_nothing_to_the_window():
     # No micro-batch observed anything: the state stays as it was.
     none = fl.accumulate_microbatches(grad_fn, variables, jnp.zeros((2,)), hoist=hoist_it)
     chex.assert_trees_all_equal(none[fl.OWG]["layer"], old)
+
+
+class FloatStack(nn.Module):
+  """A float model of one's own: flax layers, raw ``jax.checkpoint``, ``nn.scan`` over layers."""
+
+  @nn.compact
+  def __call__(self, x):
+    class Layer(nn.Module):
+      @nn.compact
+      def __call__(self, x, _):
+        up = nn.Dense(4 * D, dtype=jnp.bfloat16)
+        h = jax.checkpoint(lambda a: jax.nn.gelu(a))(up(x))
+        return x + nn.Dense(D, dtype=jnp.bfloat16)(h), None
+
+    scanned = nn.scan(Layer, variable_axes={"params": 0, fl.OWG: 0},
+                      split_rngs={"params": True}, length=2)
+    return scanned()(x, None)[0]
+
+
+def test_quantize_model_window_quantizes_weights_once():
+  model = fl.quantize_model(FloatStack(), fl.delayed_scaling())
+  variables, batches, loss = _setup(model)
+  grad_fn = jax.grad(loss)
+  got = jax.jit(lambda v, b: fl.accumulate_microbatches(grad_fn, v, b))(variables, batches)
+  want = _loop(grad_fn, variables, batches)
+  chex.assert_trees_all_equal(got[fl.OWG], want[fl.OWG])
+  chex.assert_trees_all_close(got["params"], want["params"], rtol=1e-5, atol=1e-6)
+  window = lambda h: jax.make_jaxpr(lambda v, b: fl.accumulate_microbatches(
+      grad_fn, v, b, hoist=h))(variables, batches)
+  assert not _loop_casts(window(True))
+  assert _loop_casts(window(False))
