@@ -50,6 +50,7 @@ _KIND = re.compile(r'"kind":"([^"]+)"')
 _CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
 _TO_APPLY = re.compile(r"\bto_apply=%([\w.\-]+)")
 _BODY = re.compile(r"\bbody=%([\w.\-]+)")
+_CONDITION = re.compile(r"\bcondition=%([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _PRED_BRANCHES = re.compile(r"\b(?:true|false)_computation=%([\w.\-]+)")
 
@@ -96,6 +97,7 @@ class Instruction:
       flattened in order).
     operands: the names of its operands.
     attrs: the text after the operand list (attributes, backend config).
+    literal: a ``constant``'s value as written (``'4'``), else ``''``.
   """
 
   name: str
@@ -103,6 +105,7 @@ class Instruction:
   result: tuple[ArrayType, ...]
   operands: tuple[str, ...]
   attrs: str
+  literal: str = ""
 
   @property
   def dtype(self) -> str:
@@ -139,6 +142,12 @@ class Instruction:
     m = _BODY.search(self.attrs)
     return m.group(1) if m else None
 
+  @property
+  def condition(self) -> str | None:
+    """The condition computation of a ``while``."""
+    m = _CONDITION.search(self.attrs)
+    return m.group(1) if m else None
+
 
 def _matching(s: str, i: int) -> int:
   """Index of the bracket closing the one at ``s[i]``."""
@@ -168,8 +177,10 @@ def _instruction(name: str, rest: str) -> Instruction:
     return Instruction(name, "", result, (), rest)
   open_at = m.end() - 1
   close_at = _matching(rest, open_at)
-  operands = tuple(_NAME.findall(rest[open_at + 1:close_at]))
-  return Instruction(name, m.group(1), result, operands, rest[close_at + 1:])
+  inside = rest[open_at + 1:close_at]
+  literal = inside.strip() if m.group(1) == "constant" else ""
+  return Instruction(name, m.group(1), result, tuple(_NAME.findall(inside)), rest[close_at + 1:],
+                     literal)
 
 
 @dataclasses.dataclass

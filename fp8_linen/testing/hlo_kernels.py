@@ -31,7 +31,7 @@ from fp8_linen.testing.hlo import Module, branches, reachable
 from fp8_linen.testing.hlo_collectives import KINDS as COLLECTIVE_KINDS
 from fp8_linen.testing.hlo_products import Product, products
 
-__all__ = ["Kernel", "kernels", "every_step_branches"]
+__all__ = ["Kernel", "kernels", "every_step_branches", "trip_count"]
 
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
@@ -75,6 +75,39 @@ class Kernel:
     return bool(self.flops)
 
 
+def trip_count(module: Module, comp: str, loop) -> int:
+  """How many times the ``while`` instruction ``loop`` (in computation ``comp``) runs its body.
+
+  XLA:GPU writes a loop's known trip count into its backend config; XLA:TPU
+  does not, so the count is read from the loop itself where it has the form
+  ``lax.scan`` and ``fori_loop`` give it: a condition ``i < N`` on a counter
+  that starts at a constant. 1 when neither says.
+  """
+  m = _TRIP.search(loop.attrs)
+  if m:
+    return int(m.group(1))
+  cond = module.computations.get(loop.condition or "", [])
+  root = cond[-1] if cond else None
+  if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs:
+    return 1
+  ops = [module.instruction(loop.condition, n) for n in root.operands]
+  if len(ops) != 2 or None in ops or ops[0].opcode != "get-tuple-element" or \
+      ops[1].opcode != "constant":
+    return 1
+  index = re.search(r"\bindex=(\d+)", ops[0].attrs)
+  init = module.instruction(comp, loop.operands[0]) if loop.operands else None
+  if index is None or init is None or init.opcode != "tuple":
+    return 1
+  start = module.instruction(comp, init.operands[int(index.group(1))])
+  while start is not None and start.opcode in ("copy", "bitcast") and start.operands:
+    start = module.instruction(comp, start.operands[0])  # (XLA:TPU copies the counter in)
+  try:
+    first = int(start.literal) if start is not None and start.opcode == "constant" else None
+    return max(int(ops[1].literal) - first, 1) if first is not None else 1
+  except ValueError:
+    return 1
+
+
 def _top_level(module: Module) -> list[tuple[str, int, tuple[str, int] | None]]:
   """``(computation, times per step, branch)`` of the computations whose instructions are kernels.
 
@@ -90,9 +123,8 @@ def _top_level(module: Module) -> list[tuple[str, int, tuple[str, int] | None]]:
     out.append((comp, times, branch))
     for inst in module.computations[comp]:
       if inst.opcode == "while":
-        m = _TRIP.search(inst.attrs)
         if inst.body:
-          todo.append((inst.body, times * (int(m.group(1)) if m else 1), branch))
+          todo.append((inst.body, times * trip_count(module, comp, inst), branch))
       elif inst.opcode == "call":
         if inst.to_apply:
           todo.append((inst.to_apply, times, branch))

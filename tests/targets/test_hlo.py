@@ -90,6 +90,52 @@ def test_kernels_take_loop_trip_counts_and_skip_bookkeeping():
   assert not ks["out"].is_product
 
 
+# A loop as XLA:TPU writes a scan: no trip count in its config; `i < 7` on a counter
+# copied in from a constant 2.
+_SCAN = """\
+HloModule s
+
+%body (t: (s32[], bf16[8,8])) -> (s32[], bf16[8,8]) {
+  %t = (s32[], bf16[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %a = bf16[8,8]{1,0} get-tuple-element(%t), index=1
+  %m = bf16[8,8]{1,0} convolution(%a, %a), dim_labels=bf_io->bf
+  ROOT %r = (s32[], bf16[8,8]{1,0}) tuple(%i, %m)
+}
+
+%cond (t.1: (s32[], bf16[8,8])) -> pred[] {
+  %n = s32[] constant(7)
+  %t.1 = (s32[], bf16[8,8]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%t.1), index=0
+  ROOT %lt = pred[] compare(%i.1, %n), direction=LT
+}
+
+ENTRY %main (w: bf16[8,8], k: s32[]) -> (s32[], bf16[8,8]) {
+  %w = bf16[8,8]{1,0} parameter(0)
+  %k = s32[] parameter(1)
+  %two = s32[] constant(2)
+  %start = s32[] copy(%two)
+  %init = (s32[], bf16[8,8]{1,0}) tuple(%start, %w)
+  ROOT %loop = (s32[], bf16[8,8]{1,0}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def _loop_count(text):
+  m = hlo.parse(text)
+  (loop,) = [i for i in m.computations["main"] if i.opcode == "while"]
+  return hlo_kernels.trip_count(m, "main", loop)
+
+
+def test_trip_count_of_a_loop_without_one_in_its_config():
+  assert _loop_count(_SCAN) == 5                                  # 2, 3, ..., 6
+  # The kernels of the loop body run that many times per step.
+  assert {k.name: k.count for k in hlo_kernels.kernels(hlo.parse(_SCAN))}["m"] == 5
+  # A counter that does not start at a constant: unknown, taken as 1.
+  assert _loop_count(_SCAN.replace("tuple(%start, %w)", "tuple(%k, %w)")) == 1
+  assert _loop_count(_TPU) == 5                                   # from its backend config
+
+
 @pytest.mark.parametrize("lhs,rhs,want", [("f8e4m3fn", "f8e5m2", "fp8"), ("s8", "s8", "int8"),
                                           ("f4e2m1fn", "f4e2m1fn", "fp4"), ("f32", "bf16", "f32"),
                                           ("bf16", "bf16", "bf16"), ("f8e4m3fn", "bf16", "bf16")])
