@@ -200,25 +200,29 @@ class SplitTest(chex.TestCase):
 WEIGHTS = {(D, 4 * D), (4 * D, D)}
 
 
-def _weight_casts(jaxpr):
-  """Equations (nested ones included) writing weight-shaped fp8 codes from floats."""
+def _weight_casts(jaxpr, shapes=WEIGHTS, tail=True):
+  """Equations (nested ones included) writing fp8 codes of ``shapes`` from floats.
+
+  ``tail``: match the codes' last two axes (a layer's slice of stacked weights).
+  """
   for e in jaxpr.eqns:
     # A bitcast or a transpose of codes reads no float: it is no cast.
     floats = [v for v in e.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)
               and "float8" not in str(v.aval.dtype)]
-    if floats and any("float8" in str(o.aval.dtype) and o.aval.shape[-2:] in WEIGHTS
+    if floats and any("float8" in str(o.aval.dtype)
+                      and (o.aval.shape[-2:] if tail else o.aval.shape) in shapes
                       for o in e.outvars):
       yield e
     for p in e.params.values():
       inner = getattr(p, "jaxpr", p)
       if hasattr(inner, "eqns") and str(e.primitive) != "jit":
-        yield from _weight_casts(inner)
+        yield from _weight_casts(inner, shapes, tail)
 
 
-def _loop_casts(closed):
+def _loop_casts(closed, shapes=WEIGHTS, tail=True):
   """The weight casts inside the accumulation loop (the last top-level scan)."""
   (loop,) = [e for e in closed.jaxpr.eqns if str(e.primitive) == "scan"][-1:]
-  return list(_weight_casts(loop.params["jaxpr"].jaxpr))
+  return list(_weight_casts(loop.params["jaxpr"].jaxpr, shapes, tail))
 
 
 def test_h100_window_casts_no_weight_in_the_loop(require_target):
@@ -374,3 +378,22 @@ def test_quantize_model_window_quantizes_weights_once():
       grad_fn, v, b, hoist=h))(variables, batches)
   assert not _loop_casts(window(True))
   assert _loop_casts(window(False))
+
+
+def test_decoder_block_window_quantizes_weights_once():
+  """An unmodified decoder block (flax attention, LayerNorm, MLP) under quantize_model's rules."""
+  from fp8_linen.testing import cases  # pylint: disable=import-outside-toplevel
+
+  block = cases.DecoderBlock(num_heads=2, qkv_features=D, mlp=4 * D)
+  model = fl.quantize_model(block, fl.delayed_scaling(), rules=fl.projection_rules())
+  variables, batches, loss = _setup(model, rows=24)   # (no activation of a kernel's shape)
+  window = lambda h: jax.make_jaxpr(lambda v, b: fl.accumulate_microbatches(
+      jax.grad(loss), v, b, hoist=h))(variables, batches)
+  # Each kernel, and its axes merged into a matrix either way.
+  shapes = set()
+  for w in jax.tree.leaves(variables["params"]):
+    if w.ndim >= 2:
+      shapes |= {w.shape, (int(np.prod(w.shape[:-1])), w.shape[-1]),
+                 (w.shape[0], int(np.prod(w.shape[1:])))}
+  assert len(_loop_casts(window(False), shapes, tail=False)) >= 6   # q, k, v, out, up, down
+  assert not _loop_casts(window(True), shapes, tail=False)
