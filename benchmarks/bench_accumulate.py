@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 DEVICE = "estimate (compile only)"
-TARGETS = ["h100", "b200"]
+TARGETS = ["h100", "b200", "tpu-v5e", "tpu7x"]
 
 
 class Mlp(nn.Module):
@@ -113,7 +113,8 @@ def markdown(rows: dict) -> str:
            "vs bf16's window, both once per window | "
            "non-GEMM bytes vs bf16's: per micro-batch -> once per window |",
            "| --- | --- | ---: | ---: | ---: |"]
-  for target, table in rows.items():
+  for target in sorted(rows, key=lambda t: TARGETS.index(t) if t in TARGETS else len(TARGETS)):
+    table = rows[target]
     for name in [k for k in table if not k.endswith("_hoisted")]:
       a, b = table[name], table[f"{name}_hoisted"]
       both = b["window_seconds_estimate"] / table["bf16_hoisted"]["window_seconds_estimate"]

@@ -397,3 +397,19 @@ def test_decoder_block_window_quantizes_weights_once():
                  (w.shape[0], int(np.prod(w.shape[1:])))}
   assert len(_loop_casts(window(False), shapes, tail=False)) >= 6   # q, k, v, out, up, down
   assert not _loop_casts(window(True), shapes, tail=False)
+
+
+@pytest.mark.parametrize("target", ["tpu7x", "h100"])
+def test_window_multiplies_fp8_on_the_target(require_target, target):
+  """Every product of the window's compiled program stays fp8 when the weights' work moves out
+  (on TPU7x the cast itself stays in the loop: codes made before it were multiplied in bf16)."""
+  require_target(target)
+  from fp8_linen.testing import compile as compile_lib  # pylint: disable=import-outside-toplevel
+
+  variables, batches, loss = _setup(Mlp(fl.delayed_scaling()), rows=32)
+  report = compile_lib.compile_for(
+      target, lambda v, b: fl.accumulate_microbatches(jax.grad(loss), v, b), variables, batches)
+  kinds = {p.operands for p in report.product_list}
+  # Two layers' forward and wgrad, and the second's dgrad (the input needs no gradient).
+  assert len(report.product_list) == 5 and all(
+      all(d.startswith("f8") for d in ops) for ops in kinds), kinds

@@ -2,12 +2,12 @@
 
 Its modules, each importing only modules listed above it:
 
-* ``hoist``: a loop's work on its invariant inputs, split out to run once before it;
 * ``settings``: settings read while a function is traced (part of every jit key);
 * ``uses``: the uses of one quantization state in a step, under any JAX transform;
 * ``dims``: dimension-number algebra: canonical forms, gradient products, einsum plans;
 * ``mesh``: on a mesh, a product's operands move as 1-byte codes (``multiply_codes``);
 * ``lowering``: which GEMM form a backend gets, output shardings, the GEMM calls;
+* ``hoist``: a loop's work on its invariant inputs, split out to run once before it;
 * ``numerics``: fp8 per tensor and per row: saturating casts, amax histories, scales;
 * ``block_numerics``: the block formats (MXFP8, NVFP4): codes with their block scales;
 * ``randomness``: NVFP4's stochastic-rounding noise and random Hadamard rotation;

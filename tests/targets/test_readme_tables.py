@@ -169,6 +169,9 @@ def test_accumulate_table_is_the_benchmark_output():
       assert res[t][f"{arm}_hoisted"]["vs_bf16"] < res[t][arm]["vs_bf16"]
       assert res[t][f"{arm}_hoisted"]["products"] == res[t][arm]["products"]
       assert all("f8" in p for p in res[t][arm]["products"])
+  v5e = res["tpu-v5e"]
+  assert v5e["int8_grad8_hoisted"]["vs_bf16"] < v5e["int8_grad8"]["vs_bf16"]
+  assert v5e["int8_grad8_hoisted"]["products"] == ["s8xs8"]
   prose = " ".join(doc.split())
   h = res["h100"]
   assert (f"fp8 delayed and current scaling estimate {h['fp8_delayed']['vs_bf16']:.2f} -> "
