@@ -17,6 +17,12 @@ the same overcount; compare arms, not absolute bytes.
 
   python benchmarks/bench_accumulate.py --out benchmarks/results/estimate-accumulate.json
   python benchmarks/bench_accumulate.py --d 256 --tokens 128 --targets h100   # quick
+
+``--measure`` times the windows on this machine instead (each arm jitted, random
+inputs, arms interleaved, median of ``--reps``; the device is named in the JSON):
+
+  python benchmarks/bench_accumulate.py --measure --d 1024 --tokens 1024 \
+      --out benchmarks/results/cpu-accumulate.json
 """
 
 from __future__ import annotations
@@ -60,13 +66,14 @@ def recipes(target: str) -> dict:
           "int8_grad8": fl.IntRecipe(grad_bits=8)}
 
 
-def window(recipe, d: int, tokens: int, micro: int, *, hoist: bool):
-  """``(fn, args)``: one accumulation window's gradients of the MLP."""
+def window(recipe, d: int, tokens: int, micro: int, *, hoist: bool, concrete: bool = False):
+  """``(fn, args)``: one accumulation window's gradients of the MLP (abstract arguments,
+  or initialized variables and random micro-batches with ``concrete``)."""
   make = ((lambda n: nn.Dense(n, dtype=jnp.bfloat16)) if recipe is None else
           (lambda n: fl.QDense(n, dtype=jnp.bfloat16, recipe=recipe)))
   model = Mlp(make, d)
-  variables = jax.eval_shape(lambda: model.init(jax.random.key(0),
-                                                jnp.ones((8, d), jnp.bfloat16)))
+  init = lambda: model.init(jax.random.key(0), jnp.ones((8, d), jnp.bfloat16))
+  variables = init() if concrete else jax.eval_shape(init)
   xs = jax.ShapeDtypeStruct((micro, tokens, d), jnp.bfloat16)
   ys = jax.ShapeDtypeStruct((micro, tokens, d), jnp.bfloat16)
 
@@ -77,6 +84,10 @@ def window(recipe, d: int, tokens: int, micro: int, *, hoist: bool):
 
   grad_fn = jax.grad(loss)
   fn = lambda v, xs, ys: fl.accumulate_microbatches(grad_fn, v, (xs, ys), hoist=hoist)
+  if concrete:
+    kx, ky = jax.random.split(jax.random.key(1))
+    xs = jax.random.normal(kx, xs.shape, xs.dtype)
+    ys = jax.random.normal(ky, ys.shape, ys.dtype)
   return fn, (variables, xs, ys)
 
 
@@ -106,6 +117,21 @@ def run(d: int, tokens: int, micro: int, target_names) -> dict:
   return rows
 
 
+def measure(d: int, tokens: int, micro: int, reps: int) -> dict:
+  """``{arm: timing}`` of each recipe's window on this machine, per micro-batch and once per window."""
+  platform = jax.devices()[0].platform
+  arms = {}
+  for name, recipe in recipes("tpu-v5e" if platform == "tpu" else "h100").items():
+    for hoist in (False, True):
+      fn, args = window(recipe, d, tokens, micro, hoist=hoist, concrete=True)
+      step = jax.jit(fn)
+      arms[f"{name}{'_hoisted' if hoist else ''}"] = lambda step=step, args=args: step(*args)
+  rows = common.time_interleaved(arms, reps=reps)
+  for row in rows.values():
+    row["vs_bf16"] = row["median_ms"] / rows["bf16"]["median_ms"]
+  return rows
+
+
 def markdown(rows: dict) -> str:
   """Per target and recipe: the window's estimate and non-GEMM bytes against bf16's
   per-micro-batch window, and the estimate once per window against bf16's once per window."""
@@ -130,7 +156,24 @@ def main(argv=None) -> dict:
   p.add_argument("--micro", type=int, default=4, help="micro-batches per window")
   p.add_argument("--targets", nargs="+", default=TARGETS)
   p.add_argument("--out", default=None)
+  p.add_argument("--measure", action="store_true",
+                 help="time the windows on this machine instead of compiling for --targets")
+  p.add_argument("--reps", type=int, default=10)
   args = p.parse_args(argv)
+  if args.measure:
+    rows = measure(args.d, args.tokens, args.micro, args.reps)
+    device = common.device_name()
+    print(f"accumulation window: {args.micro} micro-batches of {args.tokens} tokens, MLP "
+          f"{args.d} -> {4 * args.d} -> {args.d}, timed on {device}")
+    for name, row in rows.items():
+      print(f"  {name:22s} {row['median_ms']:9.2f} ms  {row['vs_bf16']:.2f}x bf16's window")
+    payload = {"meta": {"device": device, "shape": {"d": args.d, "tokens": args.tokens,
+                                                    "micro": args.micro}, "reps": args.reps,
+                        **common.environment()},
+               "results": rows}
+    if args.out:
+      common.write_json_to(args.out, payload)
+    return payload
   rows = run(args.d, args.tokens, args.micro, args.targets)
   print(f"accumulation window: {args.micro} micro-batches of {args.tokens} tokens, MLP "
         f"{args.d} -> {4 * args.d} -> {args.d} ({DEVICE})")

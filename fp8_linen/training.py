@@ -327,7 +327,7 @@ def _axes(axis_name) -> tuple:
 
 
 def accumulate_microbatches(grad_fn: Callable, variables: Any, microbatches: Any, *,
-                            has_aux: bool = False, hoist: bool = True):
+                            has_aux: bool = False, hoist: bool | None = None):
   """Accumulates ``grad_fn`` over micro-batches in one ``lax.scan``, quantizing weights once.
 
   ``grad_fn(variables, batch)`` returns the gradients of one micro-batch
@@ -358,6 +358,9 @@ def accumulate_microbatches(grad_fn: Callable, variables: Any, microbatches: Any
     has_aux: ``grad_fn`` also returns an auxiliary pytree; it is returned
       stacked over the micro-batches.
     hoist: compute the work on ``variables`` alone once, before the loop.
+      None (the default): on GPU and TPU, not on CPU, where it measured
+      1-7% slower (XLA:CPU multiplies the hoisted bf16 weights more slowly
+      than it converts float32 ones in the loop).
 
   Returns:
     The accumulated gradients (and the stacked ``aux`` with ``has_aux``).

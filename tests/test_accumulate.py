@@ -413,3 +413,18 @@ def test_window_multiplies_fp8_on_the_target(require_target, target):
   # Two layers' forward and wgrad, and the second's dgrad (the input needs no gradient).
   assert len(report.product_list) == 5 and all(
       all(d.startswith("f8") for d in ops) for ops in kinds), kinds
+
+
+def test_the_default_splits_for_gpu_and_tpu_not_for_cpu():
+  variables, batches, loss = _setup(Mlp())
+
+  def body_size(**kw):
+    closed = jax.make_jaxpr(lambda v, b: fl.accumulate_microbatches(
+        jax.grad(loss), v, b, **kw))(variables, batches)
+    (loop,) = [e for e in closed.jaxpr.eqns if str(e.primitive) == "scan"][-1:]
+    return len(loop.params["jaxpr"].jaxpr.eqns)
+
+  assert body_size() == body_size(hoist=False)          # CPU: the split measured slower
+  for platform in ("gpu", "tpu"):
+    with fl.target_backend(platform):
+      assert body_size() == body_size(hoist=True) < body_size(hoist=False)

@@ -185,6 +185,17 @@ def test_bench_accumulate_tiny(tmp_path, require_target):
   assert json.loads(out.read_text())["meta"]["device"] == "estimate (compile only)"
 
 
+def test_bench_accumulate_measure_times_every_arm(tmp_path):
+  ba = _load("bench_accumulate")
+  out = tmp_path / "accumulate.json"
+  rows = ba.main(["--measure", "--d", "32", "--tokens", "16", "--micro", "2", "--reps", "1",
+                  "--out", str(out)])["results"]
+  assert set(rows) == {f"{a}{h}" for a in ("bf16", "fp8_delayed", "fp8_current")
+                       for h in ("", "_hoisted")}
+  assert all(r["median_ms"] > 0 for r in rows.values()) and rows["bf16"]["vs_bf16"] == 1.0
+  assert json.loads(out.read_text())["meta"]["device"] == "cpu"
+
+
 def test_bench_grouped_gemm_tiny(tmp_path, require_target):
   require_target("h100")
   bg = _load("bench_grouped_gemm")

@@ -214,7 +214,7 @@ def _is_variable(x) -> bool:
 
 
 def accumulate_microbatches(grad_fn: Callable, model: nnx.Module, microbatches: Any, *,
-                            has_aux: bool = False, hoist: bool = True):
+                            has_aux: bool = False, hoist: bool | None = None):
   """:func:`fp8_linen.accumulate_microbatches` for NNX: one window's gradients, weights quantized once.
 
   ``grad_fn(model, batch)`` returns one micro-batch's gradients with respect
@@ -234,7 +234,8 @@ def accumulate_microbatches(grad_fn: Callable, model: nnx.Module, microbatches: 
     microbatches: a pytree of arrays sharing a leading axis, one entry per
       micro-batch.
     has_aux: ``grad_fn`` also returns an auxiliary pytree, returned stacked.
-    hoist: compute the work on the model's variables once, before the loop.
+    hoist: compute the work on the model's variables once, before the loop
+      (None: on GPU and TPU, not on CPU; see :func:`fp8_linen.accumulate_microbatches`).
 
   Returns:
     The window's gradients (an ``nnx.State``), and the stacked ``aux`` with
