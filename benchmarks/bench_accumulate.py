@@ -160,31 +160,21 @@ def main(argv=None) -> dict:
                  help="time the windows on this machine instead of compiling for --targets")
   p.add_argument("--reps", type=int, default=10)
   args = p.parse_args(argv)
+  shape = {"d": args.d, "tokens": args.tokens, "micro": args.micro}
+  head = (f"accumulation window: {args.micro} micro-batches of {args.tokens} tokens, MLP "
+          f"{args.d} -> {4 * args.d} -> {args.d}")
   if args.measure:
-    rows = measure(args.d, args.tokens, args.micro, args.reps)
-    device = common.device_name()
-    print(f"accumulation window: {args.micro} micro-batches of {args.tokens} tokens, MLP "
-          f"{args.d} -> {4 * args.d} -> {args.d}, timed on {device}")
-    for name, row in rows.items():
-      print(f"  {name:22s} {row['median_ms']:9.2f} ms  {row['vs_bf16']:.2f}x bf16's window")
-    payload = {"meta": {"device": device, "shape": {"d": args.d, "tokens": args.tokens,
-                                                    "micro": args.micro}, "reps": args.reps,
-                        **common.environment()},
-               "results": rows}
-    if args.out:
-      common.write_json_to(args.out, payload)
-    return payload
-  rows = run(args.d, args.tokens, args.micro, args.targets)
-  print(f"accumulation window: {args.micro} micro-batches of {args.tokens} tokens, MLP "
-        f"{args.d} -> {4 * args.d} -> {args.d} ({DEVICE})")
-  print(markdown(rows))
-  payload = {"meta": {"device": DEVICE, "shape": {"d": args.d, "tokens": args.tokens,
-                                                  "micro": args.micro},
-                      **common.environment()},
+    rows, device = measure(args.d, args.tokens, args.micro, args.reps), common.device_name()
+    table = "\n".join([f"{head}, timed on {device}"] + [
+        f"  {name:22s} {row['median_ms']:9.2f} ms  {row['vs_bf16']:.2f}x bf16's window"
+        for name, row in rows.items()])
+    shape["reps"] = args.reps
+  else:
+    rows, device = run(args.d, args.tokens, args.micro, args.targets), DEVICE
+    table = f"{head} ({DEVICE})\n{markdown(rows)}"
+  payload = {"meta": {"device": device, "shape": shape, **common.environment()},
              "results": rows}
-  if args.out:
-    common.write_json_to(args.out, payload)
-  return payload
+  return common.finish(payload, table, args.out)
 
 
 if __name__ == "__main__":
