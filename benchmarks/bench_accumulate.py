@@ -118,7 +118,7 @@ def run(d: int, tokens: int, micro: int, target_names) -> dict:
 
 
 def measure(d: int, tokens: int, micro: int, reps: int) -> dict:
-  """``{arm: timing}`` of each recipe's window on this machine, per micro-batch and once per window."""
+  """``{arm: timing}`` of each recipe's window on this machine, per micro-batch and once."""
   platform = jax.devices()[0].platform
   arms = {}
   for name, recipe in recipes("tpu-v5e" if platform == "tpu" else "h100").items():

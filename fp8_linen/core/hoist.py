@@ -3,9 +3,8 @@
 A gradient-accumulation loop runs one function over micro-batches while the
 model's variables stay fixed. Each iteration of a quantized model's step casts
 every weight to its low-precision codes (and takes its amax, and transposes
-it) although none of that changes within the window; XLA does not move those
-passes out of the loop (they are element-wise passes over large arrays, which
-its loop-invariant code motion leaves where they are). :func:`split` traces
+it) although none of that changes within the window, and XLA leaves those
+passes in the loop (compiled for an H100: docs/known_limits.md). :func:`split` traces
 the function once and splits its program in two: the equations whose inputs
 are all invariant (the variables, the closure's constants, or another such
 equation's outputs) run once, before the loop, and the rest (the loop body)
@@ -13,10 +12,11 @@ reads their results. The values are the same: the same equations run on the
 same inputs, once instead of every iteration.
 
 Left in the body: equations with side effects, casts to fp8 on TPU (see
-:func:`_stays`), and equations whose outputs are larger than their inputs (a broadcast of a constant to a batch's shape,
-an iota): computing those once would keep a large array alive through the
-loop to save a cheap pass. What is hoisted is kept alive for the whole loop
-(a weight's fp8 codes in both layouts: about 2 bytes per parameter).
+:func:`_stays`), and equations whose outputs are larger than their inputs (a
+broadcast of a constant to a batch's shape, an iota): computing those once
+would keep a large array alive through the loop to save a cheap pass. What is
+hoisted is kept alive for the whole loop (a weight's fp8 codes in both
+layouts: about 2 bytes per parameter).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -42,6 +42,8 @@ from jax.extend import core as jex
 from fp8_linen.core import lowering
 
 __all__ = ["Split", "split", "accumulate", "filled", "hoist_by_default"]
+
+_SMALL = 1 << 12  # bytes: a result this small may be carried whatever made it
 
 
 def _nbytes(v) -> int:
@@ -117,7 +119,7 @@ def _rewrite(eqns, roots) -> list:
 
 
 def _inner(body, roots):
-  """``(rewritten body, early indices, carried)`` of a nested jaxpr whose ``roots`` are invariant."""
+  """``(rewritten body, early indices, carried)`` of a nested jaxpr with invariant ``roots``."""
   inner = _jaxpr(body, body.constvars, body.invars, body.outvars, _rewrite(body.eqns, roots),
                  body.effects)
   early = _partition(inner, roots)
@@ -197,9 +199,6 @@ def _split_scan(eqn, invariant: set):
 
 # Equations with a nested program whose invariant work can be moved out.
 _SPLITTERS = {"scan": _split_scan, "checkpoint": _split_remat, "remat2": _split_remat}
-
-
-_SMALL = 1 << 12  # bytes: a result this small may be carried whatever made it
 
 
 def _carried(jaxpr, early: set, made_by: dict) -> list:
@@ -311,7 +310,7 @@ def hoist_by_default() -> bool:
 
 
 def filled(shape_tree: Any, value) -> Any:
-  """Arrays of ``shape_tree``'s shapes and dtypes (``jax.ShapeDtypeStruct`` leaves) filled with ``value``."""
+  """Arrays shaped as the ``ShapeDtypeStruct`` leaves of ``shape_tree``, all ``value``."""
   return jax.tree.map(lambda s: jax.numpy.full(s.shape, value, s.dtype), shape_tree)
 
 

@@ -215,7 +215,7 @@ def _is_variable(x) -> bool:
 
 def accumulate_microbatches(grad_fn: Callable, model: nnx.Module, microbatches: Any, *,
                             has_aux: bool = False, hoist: bool | None = None):
-  """:func:`fp8_linen.accumulate_microbatches` for NNX: one window's gradients, weights quantized once.
+  """:func:`fp8_linen.accumulate_microbatches` for NNX: a window's gradients, weights cast once.
 
   ``grad_fn(model, batch)`` returns one micro-batch's gradients with respect
   to ``(nnx.Param, QuantState)`` (:func:`grad`). This runs it over the leading
