@@ -367,7 +367,7 @@ def accumulate_microbatches(grad_fn: Callable, variables: Any, microbatches: Any
 
   Raises:
     ValueError: if ``microbatches`` has no arrays, or its arrays do not share
-      a leading axis of length at least 1.
+      a leading axis of length at least 1, or ``grad_fn`` returns no Mapping.
 
   Example:
     >>> import jax, jax.numpy as jnp
