@@ -99,14 +99,22 @@ def _stays(eqn) -> bool:
 
 
 def _rewrite(eqns, roots) -> list:
-  """``eqns`` with each partly invariant ``scan`` split in two (:func:`_split_scan`)."""
-  out, invariant = [], set(roots)
-  for eqn in eqns:
+  """``eqns`` with each partly invariant ``scan`` split in two (:func:`_split_scan`), each
+  ``jax.checkpoint`` region's invariant work moved in front of it (:func:`_split_remat`) and
+  each plain ``jax.jit`` call inlined (:func:`_inline_jit`)."""
+  out, invariant, todo = [], set(roots), list(reversed(eqns))
+  while todo:
+    eqn = todo.pop()
     ins = [v for v in eqn.invars if not isinstance(v, jex.Literal)]
     if not eqn.effects and all(v in invariant for v in ins):
       invariant.update(eqn.outvars)
       out.append(eqn)
       continue
+    if eqn.primitive.name in ("jit", "pjit") and not eqn.effects:
+      inlined = _inline_jit(eqn)
+      if inlined is not None:
+        todo.extend(reversed(inlined))  # (read again: some may be invariant now)
+        continue
     split_one = _SPLITTERS.get(eqn.primitive.name)
     parts = split_one(eqn, invariant) if split_one and not eqn.effects else None
     if parts is None:
@@ -115,6 +123,41 @@ def _rewrite(eqns, roots) -> list:
       for e in parts[:-1]:
         invariant.update(e.outvars)
       out += parts
+  return out
+
+
+def _inline_jit(eqn):
+  """The equations of a ``jax.jit`` call that reads invariant and varying inputs, inlined.
+
+  XLA inlines such a call anyway; inlined, the work in it that reads only the
+  invariant inputs can leave the loop (a ``grad_fn`` wrapped in ``jax.jit``).
+  Its variables are renamed, since one traced function can be called twice.
+  None for a call that pins shardings or layouts, donates, sets compiler
+  options or closes over constants: those stay calls.
+  """
+  p = eqn.params
+  closed = p["jaxpr"]
+  pinned = [s for s in (*p.get("in_shardings", ()), *p.get("out_shardings", ()))
+            if type(s).__name__ != "UnspecifiedValue"]
+  if (closed.consts or pinned or any(p.get("donated_invars", ())) or p.get("compiler_options_kvs")
+      or any(l is not None for l in (*p.get("in_layouts", ()), *p.get("out_layouts", ())))):
+    return None
+  inner = closed.jaxpr
+  env = dict(zip(inner.invars, eqn.invars))
+  named = {}
+  for iv, ov in zip(inner.outvars, eqn.outvars):
+    if isinstance(iv, jex.Literal) or iv in env or iv in named:
+      return None  # (an output that is an input, a constant or another output)
+    named[iv] = ov
+  out = []
+  for e in inner.eqns:
+    ins = [v if isinstance(v, jex.Literal) else env.get(v, v) for v in e.invars]
+    outs = []
+    for v in e.outvars:
+      new = v if isinstance(v, jex.DropVar) else named.get(v) or jex.Var(v.aval)
+      env[v] = new
+      outs.append(new)
+    out.append(e.replace(invars=ins, outvars=outs))
   return out
 
 
