@@ -93,10 +93,7 @@ def window(recipe, d: int, tokens: int, micro: int, *, hoist: bool, concrete: bo
 
 def run(d: int, tokens: int, micro: int, target_names) -> dict:
   rows = {}
-  for target in target_names:
-    if not targets.availability(target):
-      print(f"{target}: cannot compile here ({targets.availability(target).reason})")
-      continue
+  for target in common.compilable(target_names):
     table = {}
     for name, recipe in recipes(target).items():
       for hoist in (False, True):

@@ -66,10 +66,7 @@ def arms(target: str) -> dict:
 
 def run(m: int, k: int, n: int, target_names) -> dict:
   rows = {}
-  for target in target_names:
-    if not targets.availability(target):
-      print(f"{target}: cannot compile here ({targets.availability(target).reason})")
-      continue
+  for target in common.compilable(target_names):
     table = {}
     for name, (make, low) in arms(target).items():
       steady = train_step.steady_branch() if name in SPLIT else contextlib.nullcontext()

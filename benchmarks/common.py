@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 import fp8_linen as fl
-from fp8_linen.testing import hlo_products
+from fp8_linen.testing import hlo_products, targets
 from fp8_linen.testing.compile import CompileReport
 from fp8_linen.testing.train_step import make_train_step as make_grads_step
 
@@ -362,6 +362,18 @@ def write_json(name: str, payload: dict, out_dir: str | None = None,
   """
   out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
   return write_json_to(os.path.join(out_dir, f"{device or device_name()}-{name}.json"), payload)
+
+
+def compilable(target_names) -> list[str]:
+  """The targets of ``target_names`` this machine can compile for; prints why not for the others."""
+  out = []
+  for name in target_names:
+    available = targets.availability(name)
+    if available:
+      out.append(name)
+    else:
+      print(f"{name}: cannot compile here ({available.reason})")
+  return out
 
 
 def finish(payload: dict, table: str, out: str | None) -> dict:
