@@ -262,3 +262,38 @@ def test_helpers_are_traced_once_for_layers_of_one_shape(jaxpr_eqns):
     assert len(calls.get(name, ())) >= 3, sorted(calls)
   # ... and the three layers' identical calls are one trace.
   assert len({id(j) for j in calls["new_state"]}) < len(calls["new_state"])
+
+
+@pytest.mark.parametrize("backend,block_scaled", [("gpu", False), ("gpu", True), ("cpu", False),
+                                                  ("tpu", False)])
+@pytest.mark.parametrize("role", ["activation", "weight", "gradient"])
+def test_steady_casts_on_an_h100_are_kept_apart_from_their_transpose(backend, block_scaled, role):
+  """In ``split_first_step``'s steady branch an activation's or gradient's codes
+  pass an optimization barrier where the fp8 GEMMs take both operands K-major
+  (a GPU without block-scaled GEMMs), and only there; the codes are unchanged.
+
+  The barrier is what lets XLA:GPU cast in the input's own layout beside the
+  amax and the bias gradient's sum (``tests/targets/test_passes.py`` checks
+  the compiled H100 program); the weight's cast waits for its amax and gets none.
+  """
+  from fp8_linen.core import lowering
+  cfg = ScalingConfig()
+  x = jnp.asarray(np.random.default_rng(5).normal(size=(64, 48)) * 700, jnp.bfloat16)
+  s, h = jnp.full((1,), 2.0), jnp.zeros((8,)).at[0].set(300.0)
+  flags = {"activation": {}, "weight": {"weight": True}, "gradient": {"gradient": True}}[role]
+  fn = lambda x, s, h: numerics.quantize_with(cfg, s, h, x, **flags)
+  with numerics.histories_observed():
+    with lowering.target_backend("cpu"):
+      ref = jax.jit(fn)(x, s, h)
+    with lowering.target_backend(backend, block_scaled=block_scaled):
+      got = jax.jit(fn)(x, s, h)
+      barriers = str(jax.make_jaxpr(fn)(x, s, h)).count("optimization_barrier")
+  apart = backend == "gpu" and not block_scaled and role != "weight"
+  assert barriers == int(apart)
+  np.testing.assert_array_equal(np.asarray(ref[0]).view(np.uint8),
+                                np.asarray(got[0]).view(np.uint8))
+  np.testing.assert_array_equal(ref[1], got[1])
+  # The history's scale (300 / 448), not the tensor's (its amax is about 2800).
+  assert float(ref[1][0]) == pytest.approx(300.0 / 448.0)
+  # Saturated where |x| > 448, so the codes are the history's, not a fresh amax's.
+  assert float(jnp.max(jnp.abs(ref[0].astype(jnp.float32)))) == 448.0
