@@ -540,8 +540,8 @@ def observed_histories() -> bool:
   return _OBSERVED.get()
 
 
-def cast_apart_from_transpose(q: jnp.ndarray) -> jnp.ndarray:
-  """``q`` behind an optimization barrier: codes written in their cast's own layout.
+def cast_apart_from_transpose(q: jnp.ndarray, a: jnp.ndarray, *, flat: bool = False):
+  """``(q, a)`` behind an optimization barrier: codes written in their cast's own layout.
 
   For XLA:GPU's fp8 GEMMs that take both operands K-major (H100), a cast
   whose codes one GEMM reads transposed is otherwise compiled as a transpose
@@ -549,19 +549,32 @@ def cast_apart_from_transpose(q: jnp.ndarray) -> jnp.ndarray:
   loss that read the same input then read it again (or a bfloat16 copy
   written for them). Behind the barrier XLA casts in the input's layout, in
   one pass with those reductions, and makes the other layout by transposing
-  the 1-byte codes. Only for a cast that waits for nothing (a delayed scale
-  read from the history): a cast that waits for its own amax reads its
-  input twice anyway, and the barrier would only add the transpose. Values
-  are unchanged.
+  the 1-byte codes.
+
+  The amax ``a`` passes the barrier with the codes, so the products wait for
+  it: otherwise XLA may compute it in the optimizer's update (another
+  reader of a weight), a reduction whose output then cannot overwrite the
+  donated weight, so XLA copies the weight. ``flat=True`` (a weight) passes
+  the codes flattened: XLA:GPU would still lay a weight's codes out
+  transposed for the forward GEMM, and a 1-D array has one layout only.
+  (Flattening merges axes, so it is not for a tensor sharded over a mesh.)
+
+  Only for a cast that waits for nothing (a delayed scale read from the
+  history): a cast that waits for its own amax reads its input twice
+  anyway, and the barrier only adds the transpose. Values are unchanged.
 
   Example:
     >>> import jax.numpy as jnp
     >>> from fp8_linen.core import numerics
     >>> q = jnp.ones((2, 2), jnp.float8_e4m3fn)
-    >>> bool((numerics.cast_apart_from_transpose(q) == q).all())
-    True
+    >>> q2, a = numerics.cast_apart_from_transpose(q, jnp.float32(1.0), flat=True)
+    >>> bool((q2 == q).all()), q2.shape, float(a)
+    (True, (2, 2), 1.0)
   """
-  return lax.optimization_barrier(q)
+  if not flat:
+    return lax.optimization_barrier((q, a))
+  codes, a = lax.optimization_barrier((q.reshape(-1), a))
+  return codes.reshape(q.shape), a
 
 
 def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, x: jnp.ndarray,
@@ -604,16 +617,15 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
     :func:`fp8_linen.split_first_step`) a delayed scale is the history's
     alone, and the cast waits for nothing, so XLA computes the amax in the
     cast's pass (on B200, TE's dense layer, compile only: 0.96x bf16's
-    non-GEMM bytes instead of 1.32x). The one exception is a weight on a GPU
-    whose fp8 GEMMs take both operands K-major (no block-scaled GEMMs: H100):
-    XLA casts it with a transpose, which no reduction joins, so it keeps
-    the amax-measured cast (no per-element check) that made the weight's
-    passes cheapest there. A weight cast per element differs from a
-    measured one only when the weight is not finite. On that GPU an
-    activation's or gradient's codes pass :func:`cast_apart_from_transpose`,
-    so XLA casts them in their own layout beside their amax (and the bias
-    gradient's sum) and transposes the codes (H100, TE's layer, compile
-    only: 1.45x -> 1.27x bf16's non-GEMM bytes).
+    non-GEMM bytes instead of 1.32x). On a GPU whose fp8 GEMMs take both
+    operands K-major (no block-scaled GEMMs: H100) XLA would cast with a
+    transpose, which no reduction joins; there the codes pass
+    :func:`cast_apart_from_transpose`, so each tensor is cast in its own
+    layout beside its amax (and the bias gradient's sum) and its codes are
+    transposed (H100, TE's layer, compile only: 1.45x -> 1.16x bf16's
+    non-GEMM bytes). A weight on a mesh keeps the amax-measured cast (its
+    codes would be flattened). A weight cast per element differs from a
+    measured one only when the weight is not finite.
 
   Returns:
     ``(q, s, a)``: the fp8 tensor, the scale used and the observed amax.
@@ -634,9 +646,10 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
   if cfg.scaling == "delayed" and _OBSERVED.get():
     s = scale_from_amax(history_amax(cfg, history), scale, cfg)
     if gpu and not lowering.block_scaled_gemms():
-      if weight:
+      if weight and lowering.on_mesh(x):
         return quantize_measured(x, cfg.jnp_dtype, s, a), s, a
-      return cast_apart_from_transpose(quantize(x, cfg.jnp_dtype, s)), s, a
+      q, a = cast_apart_from_transpose(quantize(x, cfg.jnp_dtype, s), a, flat=weight)
+      return q, s, a
     return quantize(x, cfg.jnp_dtype, s), s, a
   if waits:
     s = select_scale(cfg, scale, history, a)
