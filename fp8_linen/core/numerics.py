@@ -578,7 +578,7 @@ def cast_apart_from_transpose(q: jnp.ndarray, a: jnp.ndarray, *, flat: bool = Fa
 
 
 def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, x: jnp.ndarray,
-                  *, weight: bool = False, gradient: bool = False):
+                  *, weight: bool = False, gradient: bool = False, flatten: bool = True):
   """Quantizes ``x`` as ``cfg`` says, from a role's stored state.
 
   The one place a tensor (operand or gradient) is measured, scaled and cast:
@@ -624,8 +624,10 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
     layout beside its amax (and the bias gradient's sum) and its codes are
     transposed (H100, TE's layer, compile only: 1.45x -> 1.16x bf16's
     non-GEMM bytes). A weight on a mesh keeps the amax-measured cast (its
-    codes would be flattened). A weight cast per element differs from a
-    measured one only when the weight is not finite.
+    codes would be flattened), and so does a weight with ``flatten=False``
+    (a convolution's kernel: XLA:GPU hands a product of flattened codes to
+    cuDNN in float32). A weight cast per element differs from a measured
+    one only when the weight is not finite.
 
   Returns:
     ``(q, s, a)``: the fp8 tensor, the scale used and the observed amax.
@@ -646,7 +648,7 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
   if cfg.scaling == "delayed" and _OBSERVED.get():
     s = scale_from_amax(history_amax(cfg, history), scale, cfg)
     if gpu and not lowering.block_scaled_gemms():
-      if weight and lowering.on_mesh(x):
+      if weight and (not flatten or lowering.on_mesh(x)):
         return quantize_measured(x, cfg.jnp_dtype, s, a), s, a
       q, a = cast_apart_from_transpose(quantize(x, cfg.jnp_dtype, s), a, flat=weight)
       return q, s, a

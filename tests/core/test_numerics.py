@@ -323,3 +323,19 @@ def test_steady_weight_on_a_mesh_keeps_its_measured_cast():
     assert "optimization_barrier" in str(jax.make_jaxpr(fn)(np.asarray(w), s, h))
   np.testing.assert_array_equal(np.asarray(one[0]).view(np.uint8),
                                 np.asarray(got[0]).view(np.uint8))
+
+
+def test_steady_weight_with_flatten_off_keeps_its_measured_cast():
+  """``flatten=False`` (a convolution's kernel): no barrier, the same codes."""
+  from fp8_linen.core import lowering
+  cfg = ScalingConfig()
+  w = jnp.asarray(np.random.default_rng(7).normal(size=(3, 3, 8, 16)), jnp.bfloat16)
+  s, h = jnp.ones((1,)), jnp.zeros((8,)).at[0].set(3.0)
+  fn = lambda w, flatten: numerics.quantize_with(cfg, s, h, w, weight=True, flatten=flatten)
+  with numerics.histories_observed(), lowering.target_backend("gpu"):
+    kept = jax.make_jaxpr(lambda w: fn(w, False))(w)
+    flat = jax.make_jaxpr(lambda w: fn(w, True))(w)
+    a, b = jax.jit(lambda w: fn(w, False))(w), jax.jit(lambda w: fn(w, True))(w)
+  assert "optimization_barrier" not in str(kept)
+  assert "optimization_barrier" in str(flat)
+  np.testing.assert_array_equal(np.asarray(a[0]).view(np.uint8), np.asarray(b[0]).view(np.uint8))

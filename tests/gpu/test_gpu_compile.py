@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -165,6 +166,25 @@ def test_qconv_forward_dgrad_and_wgrad_are_fp8():
   assert r.fp8_convs >= 2, f"forward + dgrad fp8 convolutions expected: {r.summary()}"
   assert r.fp8_gemms == r.gemms and r.other_dots == 0, r.summary()
   assert r.fp8_products == r.products >= 3, r.summary()
+
+
+@pytest.mark.parametrize("name", ["qdense-delayed", "qdensegeneral", "qeinsum", "qconv"])
+def test_steady_branch_multiplies_what_the_default_step_does(name):
+  """``fl.split_first_step``'s steady branch: every cast's codes pass a barrier
+  there (a weight's flattened, a convolution kernel's not), and every product
+  stays what the default step runs, all fp8, convolutions in cuDNN."""
+  from fp8_linen.testing import compile as compile_lib  # pylint: disable=import-outside-toplevel
+  from fp8_linen.testing import train_step  # pylint: disable=import-outside-toplevel
+  fn, args = {c.name: c for c in cases.cases()}[name].build("gpu")
+  with train_step.steady_branch(), fl.target_backend("gpu"):
+    r = compile_lib.compile_for("h100", fn, *args)
+    barriers = str(jax.make_jaxpr(fn)(*args)).count("optimization_barrier")
+  default = case_step(name)
+  # One per operand (input, weight, gradient); a convolution's kernel keeps its own cast.
+  assert barriers == (2 if name == "qconv" else 3), barriers
+  assert_all_fp8(r, default.products)
+  assert (r.fp8_convs, r.convs) == (default.fp8_convs, default.convs), r.summary()
+  assert (r.fp8_gemms, r.gemms) == (default.fp8_gemms, default.gemms), r.summary()
 
 
 # ----------------------------------------------------------------------------
