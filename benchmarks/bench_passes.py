@@ -13,6 +13,15 @@ purpose. Figures read from compiled programs: estimates, not measurements.
   python benchmarks/bench_passes.py --out benchmarks/results/estimate-passes.json
   python benchmarks/bench_passes.py --m 512 --k 256 --n 256 --targets h100   # quick
   python benchmarks/bench_passes.py --before OLD.json   # ratios as "before -> now"
+
+``--loss mse`` compiles the step with ``0.5 * sum((y - r)^2)`` (the cotangent
+``y - r`` depends on the output, as a real loss's does) and ``--optimizer
+sgd|adam`` has the step update the parameters, as a training loop's does
+(``fp8_linen.testing.train_step``); the JSON's meta says which. The minimum
+stays the linear step's.
+
+  python benchmarks/bench_passes.py --targets h100 b200 --loss mse --optimizer adam \
+      --out benchmarks/results/estimate-passes-mse-adam.json
 """
 
 from __future__ import annotations
@@ -64,14 +73,16 @@ def arms(target: str) -> dict:
   return out
 
 
-def run(m: int, k: int, n: int, target_names) -> dict:
+def run(m: int, k: int, n: int, target_names, loss: str = "linear",
+        optimizer: str = "none") -> dict:
   rows = {}
   for target in common.compilable(target_names):
     table = {}
     for name, (make, low) in arms(target).items():
       steady = train_step.steady_branch() if name in SPLIT else contextlib.nullcontext()
       with fl.pallas_kernels("off" if name in NO_KERNELS else "auto"), steady:
-        sp = passes.step_passes(make(n), (m, k), target=target)
+        sp = passes.step_passes(make(n), (m, k), target=target, loss=loss,
+                                optimizer=None if optimizer == "none" else optimizer)
       est = estimate.estimate(sp.report.kernel_list, estimate.PEAKS[target])
       table[name] = {"non_gemm_bytes": sp.total, "by_purpose": sp.by_purpose,
                      "step_seconds_estimate": est.seconds,
@@ -112,6 +123,26 @@ def markdown(rows: dict, top: int = 3, before: dict | None = None) -> str:
   return "\n".join(lines)
 
 
+LOSS_RUNS = (("sum(y * r)", "estimate-passes.json"), ("mse", "estimate-passes-mse.json"),
+             ("mse + Adam", "estimate-passes-mse-adam.json"))
+"""The runs of the by-loss table in docs/accelerators.md: (column, JSON under results/)."""
+
+
+def loss_table(runs: dict, arms=("fp8_delayed", "fp8_delayed_split", "fp8_current")) -> str:
+  """The by-loss table of docs/accelerators.md: for each GPU target and arm, the
+  non-GEMM bytes vs bf16's step and the step estimate vs bf16's, one column
+  per run (``runs``: ``{column: results}``, each bf16 compiled in the same run)."""
+  cols = list(runs)
+  lines = ["| target | recipe | " + " | ".join(f"{c}: bytes / step vs bf16" for c in cols) + " |",
+           "| --- | --- |" + " ---: |" * len(cols)]
+  for target in [t for t in TARGETS if all(t in r for r in runs.values())]:
+    for name in arms:
+      cells = [f"{runs[c][target][name]['vs_bf16']:.2f} / "
+               f"{runs[c][target][name]['step_vs_bf16_estimate']:.2f}" for c in cols]
+      lines.append(f"| {target} | {name} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--m", type=int, default=8 * 2048)
@@ -119,18 +150,21 @@ def main(argv=None) -> dict:
   p.add_argument("--n", type=int, default=32768)
   p.add_argument("--targets", nargs="+", default=TARGETS)
   p.add_argument("--out", default=None)
+  p.add_argument("--loss", default="linear", choices=["linear", "mse"])
+  p.add_argument("--optimizer", default="none", choices=["none", "sgd", "adam"])
   p.add_argument("--before", default=None,
                  help="an earlier run's JSON: print each ratio as 'before -> now'")
   args = p.parse_args(argv)
-  rows = run(args.m, args.k, args.n, args.targets)
+  rows = run(args.m, args.k, args.n, args.targets, args.loss, args.optimizer)
   before = None
   if args.before:
     with open(args.before) as f:
       before = json.load(f)["results"]
-  print(f"non-GEMM passes of a dense layer's step, x ({args.m}, {args.k}) -> {args.n} "
-        f"({DEVICE})")
+  print(f"non-GEMM passes of a dense layer's step, x ({args.m}, {args.k}) -> {args.n}, "
+        f"loss {args.loss}, optimizer {args.optimizer} ({DEVICE})")
   print(markdown(rows, before=before))
   payload = {"meta": {"device": DEVICE, "shape": {"m": args.m, "k": args.k, "n": args.n},
+                      "loss": args.loss, "optimizer": args.optimizer,
                       **common.environment()},
              "results": rows}
   if args.out:

@@ -178,7 +178,7 @@ class ConvSpec(Fp8Spec):
   def forward(self, lhs, rhs, states):
     c_l, c_r, _ = self.cfgs
     q_l, s_l, a_l = numerics.quantize_with(c_l, *states[0], lhs)
-    q_r, s_r, a_r = numerics.quantize_with(c_r, *states[1], rhs, weight=True, flatten=False)
+    q_r, s_r, a_r = numerics.quantize_with(c_r, *states[1], rhs, weight=True, barrier=False)
     y = fp8_conv_of(q_l, s_l, q_r, s_r, self.conv_cfg, self.gemm, self.out_dtype)
     return y, (q_l, q_r), (a_l, a_r), (s_l, s_r)
 

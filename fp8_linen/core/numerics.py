@@ -578,7 +578,7 @@ def cast_apart_from_transpose(q: jnp.ndarray, a: jnp.ndarray, *, flat: bool = Fa
 
 
 def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, x: jnp.ndarray,
-                  *, weight: bool = False, gradient: bool = False, flatten: bool = True):
+                  *, weight: bool = False, gradient: bool = False, barrier: bool = True):
   """Quantizes ``x`` as ``cfg`` says, from a role's stored state.
 
   The one place a tensor (operand or gradient) is measured, scaled and cast:
@@ -623,11 +623,15 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
     :func:`cast_apart_from_transpose`, so each tensor is cast in its own
     layout beside its amax (and the bias gradient's sum) and its codes are
     transposed (H100, TE's layer, compile only: 1.45x -> 1.16x bf16's
-    non-GEMM bytes). A weight on a mesh keeps the amax-measured cast (its
-    codes would be flattened), and so does a weight with ``flatten=False``
-    (a convolution's kernel: XLA:GPU hands a product of flattened codes to
-    cuDNN in float32). A weight cast per element differs from a measured
-    one only when the weight is not finite.
+    non-GEMM bytes). There a weight on a mesh keeps the amax-measured cast
+    (its codes would be flattened). On any GPU a weight's codes and amax
+    pass the barrier (unflattened where the GEMMs are block-scaled: B200),
+    so the amax is taken in the cast's pass, not in the optimizer's update
+    (which then copies the donated weight: B200, TE's layer with Adam, 1.04x
+    -> 0.91x). ``barrier=False`` (a convolution's kernel) keeps the cast out
+    of all this: with its codes flattened XLA:GPU ran a convolution in
+    float32. A weight cast per element differs from a measured one only
+    when the weight is not finite.
 
   Returns:
     ``(q, s, a)``: the fp8 tensor, the scale used and the observed amax.
@@ -647,10 +651,12 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
   a = lowering.global_max(amax(x, columns_first=gradient))
   if cfg.scaling == "delayed" and _OBSERVED.get():
     s = scale_from_amax(history_amax(cfg, history), scale, cfg)
-    if gpu and not lowering.block_scaled_gemms():
-      if weight and (not flatten or lowering.on_mesh(x)):
-        return quantize_measured(x, cfg.jnp_dtype, s, a), s, a
-      q, a = cast_apart_from_transpose(quantize(x, cfg.jnp_dtype, s), a, flat=weight)
+    k_major = gpu and not lowering.block_scaled_gemms()
+    if k_major and weight and (not barrier or lowering.on_mesh(x)):
+      return quantize_measured(x, cfg.jnp_dtype, s, a), s, a
+    if (k_major or (gpu and weight)) and barrier:
+      q, a = cast_apart_from_transpose(quantize(x, cfg.jnp_dtype, s), a,
+                                       flat=k_major and weight)
       return q, s, a
     return quantize(x, cfg.jnp_dtype, s), s, a
   if waits:

@@ -147,13 +147,16 @@ class StepPasses:
   report: Any = dataclasses.field(repr=False, default=None)
 
 
-def step_passes(model, x, dtype=None, *, target: str = "h100", optimizer=None) -> StepPasses:
+def step_passes(model, x, dtype=None, *, target: str = "h100", loss: str = "linear",
+                optimizer=None) -> StepPasses:
   """Compiles ``model``'s training step for ``target`` and sums its non-GEMM kernels.
 
-  ``optimizer`` (:func:`~fp8_linen.testing.compile.compile_train_step`'s):
+  ``loss`` and ``optimizer`` are
+  :func:`~fp8_linen.testing.compile.compile_train_step`'s: ``'mse'`` makes
+  the cotangent depend on the output, as a real loss does; with an optimizer
   the step updates the parameters too, instead of returning their gradients.
   """
-  report = compile_train_step(model, x, dtype, target=target, optimizer=optimizer)
+  report = compile_train_step(model, x, dtype, target=target, loss=loss, optimizer=optimizer)
   ps = tuple(passes(report))
   by = collections.Counter()
   for p in ps:

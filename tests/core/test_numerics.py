@@ -270,7 +270,7 @@ def test_helpers_are_traced_once_for_layers_of_one_shape(jaxpr_eqns):
 def test_steady_casts_on_an_h100_are_kept_apart_from_their_transpose(backend, block_scaled, role):
   """In ``split_first_step``'s steady branch the codes (and the amax) pass an
   optimization barrier where the fp8 GEMMs take both operands K-major (a GPU
-  without block-scaled GEMMs), and only there; the codes are unchanged.
+  without block-scaled GEMMs), and a weight's on any GPU; the codes are unchanged.
 
   The barrier is what lets XLA:GPU cast in the input's own layout beside the
   amax and the bias gradient's sum (``tests/targets/test_passes.py`` checks
@@ -289,11 +289,13 @@ def test_steady_casts_on_an_h100_are_kept_apart_from_their_transpose(backend, bl
       got = jax.jit(fn)(x, s, h)
       jaxpr = jax.make_jaxpr(fn)(x, s, h)
   barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
-  apart = backend == "gpu" and not block_scaled
+  # Any GPU's weight; on one whose fp8 GEMMs take both operands K-major, every role.
+  apart = backend == "gpu" and (not block_scaled or role == "weight")
   assert len(barriers) == int(apart)
-  if apart:  # the codes and the amax; a weight's codes flattened
+  if apart:  # the codes and the amax; a weight's codes flattened where the GEMMs are K-major
     shapes = [v.aval.shape for v in barriers[0].invars]
-    assert shapes == [(x.size,) if role == "weight" else x.shape, ()], shapes
+    flat = role == "weight" and not block_scaled
+    assert shapes == [(x.size,) if flat else x.shape, ()], shapes
   np.testing.assert_array_equal(np.asarray(ref[0]).view(np.uint8),
                                 np.asarray(got[0]).view(np.uint8))
   np.testing.assert_array_equal(ref[1], got[1])
@@ -325,13 +327,13 @@ def test_steady_weight_on_a_mesh_keeps_its_measured_cast():
                                 np.asarray(got[0]).view(np.uint8))
 
 
-def test_steady_weight_with_flatten_off_keeps_its_measured_cast():
-  """``flatten=False`` (a convolution's kernel): no barrier, the same codes."""
+def test_steady_weight_with_barrier_off_keeps_its_measured_cast():
+  """``barrier=False`` (a convolution's kernel): no barrier, the same codes."""
   from fp8_linen.core import lowering
   cfg = ScalingConfig()
   w = jnp.asarray(np.random.default_rng(7).normal(size=(3, 3, 8, 16)), jnp.bfloat16)
   s, h = jnp.ones((1,)), jnp.zeros((8,)).at[0].set(3.0)
-  fn = lambda w, flatten: numerics.quantize_with(cfg, s, h, w, weight=True, flatten=flatten)
+  fn = lambda w, barrier: numerics.quantize_with(cfg, s, h, w, weight=True, barrier=barrier)
   with numerics.histories_observed(), lowering.target_backend("gpu"):
     kept = jax.make_jaxpr(lambda w: fn(w, False))(w)
     flat = jax.make_jaxpr(lambda w: fn(w, True))(w)

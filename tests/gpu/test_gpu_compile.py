@@ -168,20 +168,26 @@ def test_qconv_forward_dgrad_and_wgrad_are_fp8():
   assert r.fp8_products == r.products >= 3, r.summary()
 
 
+@pytest.mark.parametrize("target", ["h100", "b200"])
 @pytest.mark.parametrize("name", ["qdense-delayed", "qdensegeneral", "qeinsum", "qconv"])
-def test_steady_branch_multiplies_what_the_default_step_does(name):
-  """``fl.split_first_step``'s steady branch: every cast's codes pass a barrier
-  there (a weight's flattened, a convolution kernel's not), and every product
-  stays what the default step runs, all fp8, convolutions in cuDNN."""
+def test_steady_branch_multiplies_what_the_default_step_does(name, target, require_target):
+  """``fl.split_first_step``'s steady branch: casts' codes pass barriers there
+  (on the H100 every operand's, a weight's flattened; on the B200 a weight's;
+  a convolution kernel's none), and every product stays what the default
+  step runs, all fp8, convolutions in cuDNN."""
   from fp8_linen.testing import compile as compile_lib  # pylint: disable=import-outside-toplevel
   from fp8_linen.testing import train_step  # pylint: disable=import-outside-toplevel
+  require_target(target)
   fn, args = {c.name: c for c in cases.cases()}[name].build("gpu")
-  with train_step.steady_branch(), fl.target_backend("gpu"):
-    r = compile_lib.compile_for("h100", fn, *args)
-    barriers = str(jax.make_jaxpr(fn)(*args)).count("optimization_barrier")
-  default = case_step(name)
-  # One per operand (input, weight, gradient); a convolution's kernel keeps its own cast.
-  assert barriers == (2 if name == "qconv" else 3), barriers
+  with train_step.steady_branch():
+    r = compile_lib.compile_for(target, fn, *args)
+    with fl.target_backend("gpu", block_scaled=target == "b200"):
+      barriers = str(jax.make_jaxpr(fn)(*args)).count("optimization_barrier")
+  default = cases.compile_case(name, target)
+  # H100: one per operand (input, weight, gradient); B200: the weight's. A
+  # convolution's kernel keeps its own cast.
+  want = {"h100": 3, "b200": 1}[target] - (name == "qconv")
+  assert barriers == want, barriers
   assert_all_fp8(r, default.products)
   assert (r.fp8_convs, r.convs) == (default.fp8_convs, default.convs), r.summary()
   assert (r.fp8_gemms, r.gemms) == (default.fp8_gemms, default.gemms), r.summary()

@@ -166,6 +166,33 @@ def test_h100_steady_casts_join_their_amaxes_and_transpose_codes(require_target)
   assert steady.report.classes == default.report.classes == {"fp8": 3}
 
 
+@pytest.mark.parametrize("target", ["h100", "b200"])
+@pytest.mark.parametrize("barrier", [True, False], ids=["barrier", "control"])
+def test_steady_weight_amax_stays_out_of_the_optimizer_update(target, barrier, monkeypatch,
+                                                              require_target):
+  """The steady branch with Adam's update in the step: the weight's amax passes
+  the barrier with its codes, so XLA takes it in the cast's pass.
+
+  The control (the barrier made a no-op) shows why: XLA takes a free amax in
+  Adam's update, a reduction whose output cannot overwrite the donated
+  weight, and copies the weight (a pass moving it twice in float32).
+  """
+  from fp8_linen.core import numerics  # pylint: disable=import-outside-toplevel
+  require_target(target)
+  if not barrier:
+    monkeypatch.setattr(numerics, "cast_apart_from_transpose", lambda q, a, flat=False: (q, a))
+  with train_step.steady_branch():
+    step = passes.step_passes(fl.QDense(N, dtype=jnp.bfloat16, recipe=fl.delayed_scaling()),
+                              (M, K), target=target, loss="mse", optimizer="adam")
+  copies = [p for p in step.passes if p.name.startswith("copy") and p.bytes == 2 * K * N * 4]
+  # Adam's update reads the weight, its gradient and both moments and writes three.
+  in_update = [p for p in step.passes if "amax" in p.purpose and "cast to fp8" not in p.purpose
+               and p.bytes >= 6 * K * N * 4]
+  assert bool(copies) == bool(in_update) == (not barrier), \
+      [(p.name, p.purpose, p.bytes) for p in step.passes[:8]]
+  assert step.report.classes == {"fp8": 3}
+
+
 class _OpDense(nn.Module):
   """A bfloat16 product over a float32 weight through ``fl.fp8_dot_general`` itself."""
   rhs_grad_dtype: object = None

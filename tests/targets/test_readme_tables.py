@@ -127,6 +127,28 @@ def test_adam_step_table_is_the_benchmark_output():
     assert f"{label} {cells(t, a, 'ratio_vs_bf16')}" in readme, label
 
 
+def test_passes_by_loss_table_is_the_benchmark_output():
+  """The dense layer's passes with each loss and optimizer: the docs table, read from the runs."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import bench_passes  # pylint: disable=import-outside-toplevel
+  runs, metas = {}, {}
+  for column, name in bench_passes.LOSS_RUNS:
+    payload = json.loads((ROOT / "benchmarks/results" / name).read_text())
+    runs[column], metas[column] = payload["results"], payload["meta"]
+  want = [[c.strip() for c in line.strip("|").split("|")]
+          for line in bench_passes.loss_table(runs).splitlines()]
+  doc = ROOT.joinpath("docs/accelerators.md").read_text()
+  assert _table_after(doc, "<!-- passes by loss table") == want
+  # Each run is what its column says, on the same layer.
+  assert [(m.get("loss", "linear"), m.get("optimizer", "none")) for m in metas.values()] == [
+      ("linear", "none"), ("mse", "none"), ("mse", "adam")]
+  assert len({json.dumps(m["shape"], sort_keys=True) for m in metas.values()}) == 1
+  # The steady branch moves no more than the default step with any loss.
+  for res in runs.values():
+    for t in ("h100", "b200"):
+      assert res[t]["fp8_delayed_split"]["vs_bf16"] <= res[t]["fp8_delayed"]["vs_bf16"]
+
+
 def test_split_first_step_table_is_the_benchmark_output():
   """The decoder block under ``fl.split_first_step`` (its steady branch): docs table and README."""
   sys.path.insert(0, str(ROOT / "benchmarks"))
