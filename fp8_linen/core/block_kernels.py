@@ -170,11 +170,24 @@ def kernel_mode(t, block_size: int, *, gemm: str) -> str | None:
   return None
 
 
-def _mx_tile(x_ref, q_ref, qt_ref, s_ref, st_ref, a_ref, *, bs: int, dtype):
+def _load(x_ref, round_to):
+  """A tile as float32, rounded to ``round_to`` first where the caller asks.
+
+  A layer over float32 parameters hands a kernel its weight uncast, with the
+  dtype it computes in: rounding here, in registers, gives the codes of the
+  rounded weight without a rounded copy written to memory and read back.
+  """
+  x = x_ref[...]
+  if round_to is not None:
+    x = x.astype(round_to)
+  return x.astype(jnp.float32)
+
+
+def _mx_tile(x_ref, q_ref, qt_ref, s_ref, st_ref, a_ref, *, bs: int, dtype, round_to=None):
   """One (tp, tq) tile: codes and e8m0 scale bits along each axis, and its amax."""
   # NaN is read as Inf: whether a max-reduction keeps a NaN differs between
   # Triton, XLA:GPU and XLA:CPU, and an Inf always makes its blocks NaN codes.
-  x = x_ref[...].astype(jnp.float32)
+  x = _load(x_ref, round_to)
   x = jnp.where(jnp.isnan(x), jnp.inf, x)
   tp, tq = x.shape
   m = fp8_max(dtype)
@@ -191,13 +204,16 @@ def _mx_tile(x_ref, q_ref, qt_ref, s_ref, st_ref, a_ref, *, bs: int, dtype):
   a_ref[...] = jnp.full(a_ref.shape, jnp.max(a_r), jnp.float32)
 
 
-def mx_codes_both(t: jnp.ndarray, dtype, block_size: int):
+def mx_codes_both(t: jnp.ndarray, dtype, block_size: int, *, round_to=None):
   """MX codes of ``t`` (B, P, Q) in blocks along Q and along P, from one read.
 
   Args:
     t: the tensor; P and Q whole tiles (:func:`tile_sizes`).
     dtype: the fp8 element dtype.
     block_size: elements per block (a power of two).
+    round_to: a float dtype to round ``t`` to as it is read (a float32
+      weight of a bfloat16 layer), or ``None``: the codes are those of
+      ``t.astype(round_to)``, which is never written.
 
   Returns:
     ``((q, s), (qt, st), amax)``: ``q`` (B, P, Q) blocked along Q with ``s``
@@ -215,7 +231,7 @@ def mx_codes_both(t: jnp.ndarray, dtype, block_size: int):
   tp, tq = _preferred("mx_codes_both", p, q, tiles, block_size)
   bs = block_size
   out = _tiled_call(
-      functools.partial(_mx_tile, bs=bs, dtype=dtype), t, (tp, tq),
+      functools.partial(_mx_tile, bs=bs, dtype=dtype, round_to=round_to), t, (tp, tq),
       # The amax partials last: a trailing byte array of a custom call reads
       # as a library's scratch space to the pass counter.
       [((b, p, q), dtype, (tp, tq), False), ((b, q, p), dtype, (tq, tp), True),
@@ -274,8 +290,8 @@ def _nan_as_inf(x):
   return jnp.where(jnp.isnan(x), jnp.inf, x)
 
 
-def _nv_amax_tile(x_ref, m_ref, a_ref, at_ref, *, size: int):
-  x = _nan_as_inf(x_ref[...].astype(jnp.float32))
+def _nv_amax_tile(x_ref, m_ref, a_ref, at_ref, *, size: int, round_to=None):
+  x = _nan_as_inf(_load(x_ref, round_to))
   a_ref[...] = jnp.full(a_ref.shape, jnp.max(jnp.abs(x)), jnp.float32)
   at_ref[...] = jnp.full(at_ref.shape, jnp.max(jnp.abs(_rotated_t(x, m_ref[...], size))),
                          jnp.float32)
@@ -306,10 +322,10 @@ def _nv_copy(x, g, *, bs: int, key=None, origin=None):
 
 
 def _nv_codes_tile(x_ref, m_ref, f_ref, k_ref, b_ref, p_ref, q_ref_, codes_ref, codes_t_ref,
-                   s_ref, st_ref, *, bs: int, size: int, noise: bool, dims):
+                   s_ref, st_ref, *, bs: int, size: int, noise: bool, dims, round_to=None):
   # The tile's indices come in as arrays, not from pl.program_id: under vmap
   # Pallas puts the batch axis first in the grid and the ids would shift.
-  x = _nan_as_inf(x_ref[...].astype(jnp.float32))
+  x = _nan_as_inf(_load(x_ref, round_to))
   p, q = dims
   b, rows, cols = b_ref[0], p_ref[...], q_ref_[...]
   codes_ref[...], s_ref[...] = _nv_copy(
@@ -373,25 +389,27 @@ def _nv_tiles(t, name: str):
   return _preferred(name, t.shape[1], t.shape[2], (_NV_TILE, _NV_TILE))
 
 
-def nvfp4_amaxes(t: jnp.ndarray, hadamard: int):
+def nvfp4_amaxes(t: jnp.ndarray, hadamard: int, *, round_to=None):
   """``(max|t|, max|H(t^T)|)`` of ``t`` (B, P, Q), from one read (``inf`` if ``t`` holds NaN).
 
   ``H`` rotates groups of ``hadamard`` along P
   (:func:`~fp8_linen.core.randomness.random_hadamard` of the transpose);
-  ``hadamard=0``: no rotation (both amaxes are ``max|t|``).
+  ``hadamard=0``: no rotation (both amaxes are ``max|t|``). ``round_to``: as
+  for :func:`mx_codes_both`.
   """
   b, p, q = t.shape
   tp, tq = _nv_tiles(t, "nvfp4_amaxes")
   size = int(hadamard)
   part = (b, p // tp, q // tq)
   a, at = _tiled_call(
-      functools.partial(_nv_amax_tile, size=size), t, (tp, tq),
+      functools.partial(_nv_amax_tile, size=size, round_to=round_to), t, (tp, tq),
       [(part, jnp.float32, (1, 1), False), (part, jnp.float32, (1, 1), False)],
       (_hadamard_matrix(size or 1),), name="nvfp4_amaxes")
   return jnp.max(a), jnp.max(at)
 
 
-def nvfp4_codes_both(t: jnp.ndarray, factor, factor_t, *, hadamard: int, keys=None):
+def nvfp4_codes_both(t: jnp.ndarray, factor, factor_t, *, hadamard: int, keys=None,
+                     round_to=None):
   """NVFP4 codes of ``t`` (B, P, Q) along Q, and of its rotated transpose along P, from one read.
 
   Args:
@@ -401,6 +419,7 @@ def nvfp4_codes_both(t: jnp.ndarray, factor, factor_t, *, hadamard: int, keys=No
     hadamard: the rotation's group size along P (0: none).
     keys: ``None`` (round to nearest) or the two uint32 keys of stochastic
       rounding (:func:`~fp8_linen.core.randomness.noise_key` of salts 1 and 2).
+    round_to: as for :func:`mx_codes_both`.
 
   Returns:
     ``((q, s), (qt, st))``: ``q`` (B, P, Q) ``float4_e2m1fn`` with ``s`` (B, P,
@@ -416,7 +435,8 @@ def nvfp4_codes_both(t: jnp.ndarray, factor, factor_t, *, hadamard: int, keys=No
   noise = keys is not None
   k = (jnp.stack([jnp.reshape(keys[0], ()), jnp.reshape(keys[1], ())]).astype(jnp.uint32)
        if noise else jnp.zeros((2,), jnp.uint32))
-  kernel = functools.partial(_nv_codes_tile, bs=bs, size=size, noise=noise, dims=(p, q))
+  kernel = functools.partial(_nv_codes_tile, bs=bs, size=size, noise=noise, dims=(p, q),
+                             round_to=round_to)
   codes, codes_t, scales, scales_t = _tiled_call(
       kernel, t, (tp, tq),
       # The e4m3 scales last: a trailing byte array of a custom call reads as
@@ -429,8 +449,8 @@ def nvfp4_codes_both(t: jnp.ndarray, factor, factor_t, *, hadamard: int, keys=No
   return (_unpack(codes), scales), (_unpack(codes_t), scales_t)
 
 
-def _nv_tile_codes_tile(x_ref, f_ref, q_ref, qt_ref, s_ref, st_ref, *, bs: int):
-  x = _nan_as_inf(x_ref[...].astype(jnp.float32))
+def _nv_tile_codes_tile(x_ref, f_ref, q_ref, qt_ref, s_ref, st_ref, *, bs: int, round_to=None):
+  x = _nan_as_inf(_load(x_ref, round_to))
   tp, tq = x.shape
   xb = x.reshape(tp // bs, bs, tq // bs, bs)
   a = block_numerics.block_amax(xb, (1, 3))                 # one amax per bs x bs tile
@@ -447,7 +467,7 @@ def _nv_tile_codes_tile(x_ref, f_ref, q_ref, qt_ref, s_ref, st_ref, *, bs: int):
       tq, tp // bs).astype(jnp.float8_e4m3fn)
 
 
-def nvfp4_tile_codes_both(t: jnp.ndarray, factor):
+def nvfp4_tile_codes_both(t: jnp.ndarray, factor, *, round_to=None):
   """NVFP4 codes of ``t`` (B, P, Q) in 16 x 16 tiles, in ``t``'s layout and transposed.
 
   The weight's 2-D blocks (``kernel_2d_blocks``): one set of codes serves
@@ -457,14 +477,15 @@ def nvfp4_tile_codes_both(t: jnp.ndarray, factor):
     ``((q, s), (q_t, s_t))``: ``q`` (B, P, Q) with ``s`` (B, P, Q / 16) and
     ``q_t`` (B, Q, P) with ``s_t`` (B, Q, P / 16), each tile's scale repeated
     on its rows: ``block_quantize(..., tile=True)`` of ``t`` and of its
-    transpose, bit for bit (NaN read as Inf).
+    transpose, bit for bit (NaN read as Inf). ``round_to``: as for
+    :func:`mx_codes_both`.
   """
   b, p, q = t.shape
   tp, tq = _nv_tiles(t, "nvfp4_tile_codes_both")
   bs = 16
   factors = jnp.reshape(jnp.asarray(factor, jnp.float32), (1,))
   codes, codes_t, scales, scales_t = _tiled_call(
-      functools.partial(_nv_tile_codes_tile, bs=bs), t, (tp, tq),
+      functools.partial(_nv_tile_codes_tile, bs=bs, round_to=round_to), t, (tp, tq),
       [((b, p, q // 2), jnp.uint8, (tp, tq // 2), False),
        ((b, q, p // 2), jnp.uint8, (tq, tp // 2), True),
        ((b, p, q // bs), jnp.float8_e4m3fn, (tp, tq // bs), False),

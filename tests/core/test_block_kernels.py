@@ -198,6 +198,37 @@ def test_nvfp4_weight_tiles_are_block_quantize_bits():
   assert np.isnan(as_f32(s[0, :16, 0])).all() and np.isnan(as_f32(s)).sum() == 16
 
 
+def test_kernels_round_a_float32_operand_as_they_read_it():
+  """``round_to``: the codes and amaxes of the rounded tensor, from the unrounded one.
+
+  A bfloat16 layer hands its float32 weight to the kernels uncast; each must
+  give the bits it gives the bfloat16 copy the layer would have written.
+  """
+  x = jax.random.normal(jax.random.key(9), (2, 64, 128), jnp.float32) * 1e-3
+  x = x.at[0, 5, 7].set(jnp.nan).at[1, 3, 3].set(3e38)   # 3e38 rounds to Inf in bf16
+  r = x.astype(jnp.bfloat16)
+  g, g_t = jnp.float32(3e-6), jnp.float32(5e-6)
+  runs = {
+      "mx": lambda t, **kw: block_kernels.mx_codes_both(t, jnp.float8_e4m3fn, 32, **kw),
+      "nv_amaxes": lambda t, **kw: block_kernels.nvfp4_amaxes(t, 16, **kw),
+      "nv_codes": lambda t, **kw: block_kernels.nvfp4_codes_both(t, g, g_t, hadamard=16, **kw),
+      "nv_tiles": lambda t, **kw: block_kernels.nvfp4_tile_codes_both(t, g, **kw),
+  }
+  as_f32 = lambda t: jax.tree.map(lambda a: np.asarray(a.astype(jnp.float32)), t)
+  finite = x.at[1, 3, 3].set(0.5 + 2.0**-20).at[0, 5, 7].set(0.25)   # its max is no bf16
+  with fl.pallas_kernels("interpret"):
+    for name, run in runs.items():
+      chex.assert_trees_all_equal(as_f32(run(x, round_to=jnp.bfloat16)), as_f32(run(r)),
+                                  custom_message=name)
+    # The rounding is real: the float32 tensor's own amax is not the rounded one's.
+    *_, a_own = block_kernels.mx_codes_both(finite, jnp.float8_e4m3fn, 32)
+    *_, a_rounded = block_kernels.mx_codes_both(finite, jnp.float8_e4m3fn, 32,
+                                                round_to=jnp.bfloat16)
+  assert float(a_own) == float(jnp.max(jnp.abs(finite)))
+  assert float(a_rounded) == float(jnp.max(jnp.abs(finite.astype(jnp.bfloat16))))
+  assert float(a_own) != float(a_rounded)
+
+
 def _step(model, x):
   v = jax.jit(model.init)(jax.random.key(1), x)  # op by op, a block layer's init costs seconds
 
