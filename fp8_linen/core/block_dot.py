@@ -238,33 +238,42 @@ class BlockDot(DotSpec):
     t = _view(x, *groups)
     return t if block_kernels.kernel_mode(t, r.block_size, gemm=self.gemm) else None
 
-  def _both(self, t, cfg, state, *, rotate: bool = False, tiles: bool = False, seed=None):
+  def reads_param(self, rhs) -> bool:
+    """Whether a kernel quantizes ``rhs`` (see :meth:`Fp8Spec.reads_param`)."""
+    _, _, _, rb, rf, rc = self._axes(0, rhs.ndim)
+    return self._one_read(rhs, (rb, rc, rf), weight=True) is not None
+
+  def _both(self, t, cfg, state, *, rotate: bool = False, tiles: bool = False, seed=None,
+            round_to=None):
     """Both copies of ``t`` (B, P, Q) from the kernels: along Q, and along P transposed.
 
     Returns ``((q, s), (q_t, s_t), a, g, g_t)``: the codes, ``t``'s amax and
     the copies' NVFP4 factors (``g_t`` the rotated copy's own). ``rotate``:
     the copy along P is a wgrad operand (NVFP4 rotates it); ``tiles``: the
     weight's 16 x 16 tiles (NVFP4), one set of codes in both layouts;
-    ``seed``: the gradient's stochastic rounding.
+    ``seed``: the gradient's stochastic rounding; ``round_to``: the dtype
+    the kernels round ``t`` to as they read it (a parameter handed uncast).
     """
     r = self.recipe
     if not r.is_nvfp4:
-      along_q, along_p, a = block_kernels.mx_codes_both(t, cfg.jnp_dtype, r.block_size)
+      along_q, along_p, a = block_kernels.mx_codes_both(t, cfg.jnp_dtype, r.block_size,
+                                                        round_to=round_to)
       a = lowering.global_max(a)
       g = self._tensor_scale(cfg, state, a)
       return along_q, along_p, a, g, g
     h = r.wgrad_hadamard if rotate else 0
-    a, a_t = block_kernels.nvfp4_amaxes(t, h)
+    a, a_t = block_kernels.nvfp4_amaxes(t, h, round_to=round_to)
     a = lowering.global_max(a)
     g = self._tensor_scale(cfg, state, a)
     if tiles:
-      along_q, along_p = block_kernels.nvfp4_tile_codes_both(t, g)
+      along_q, along_p = block_kernels.nvfp4_tile_codes_both(t, g, round_to=round_to)
       return along_q, along_p, a, g, g
     g_t = self._factor_of(cfg, lowering.global_max(a_t)) if h else g
     keys = None
     if seed is not None and r.grad_stochastic_rounding:
       keys = (randomness.noise_key(seed, 1), randomness.noise_key(seed, 2))
-    along_q, along_p = block_kernels.nvfp4_codes_both(t, g, g_t, hadamard=h, keys=keys)
+    along_q, along_p = block_kernels.nvfp4_codes_both(t, g, g_t, hadamard=h, keys=keys,
+                                                      round_to=round_to)
     return along_q, along_p, a, g, g_t
 
   def _block_gemm(self, a, sa, b, sb, scale, out_dtype):
@@ -322,11 +331,17 @@ class BlockDot(DotSpec):
     return along_k, self._quant(xc, cfg, g_xc), a, g, g_xc
 
   def _kernel_codes(self, rhs, groups, cfg, state):
-    """``rhs``'s codes along K (B, N, Kp) and along N (B, K, Np), its amax and factor."""
+    """``rhs``'s codes along K (B, N, Kp) and along N (B, K, Np), its amax and factor.
+
+    A parameter handed uncast (``rhs_param_dtype``, only where
+    :meth:`reads_param`) is rounded to ``rhs_dtype`` by the kernels as they
+    read it.
+    """
     rb, rf, rc = groups
     one = self._one_read(rhs, (rb, rc, rf), weight=True)             # (B, K, N)
     if one is not None:
-      along_n, along_k, a, g, _ = self._both(one, cfg, state,
+      round_to = self.rhs_dtype if self.rhs_param_dtype is not None else None
+      along_n, along_k, a, g, _ = self._both(one, cfg, state, round_to=round_to,
                                              tiles=self.recipe.kernel_2d_blocks)
       return along_k, along_n, a, g
     w3 = _view(rhs, rb, rf, rc)                                      # (B, N, K)

@@ -19,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from fp8_linen.core import dims, lowering, numerics, owg
@@ -124,7 +126,7 @@ def fp8_dot_of(q_l, s_l, q_r, s_r, dn, *, recipe: Fp8Recipe, gemm: str, out_dtyp
 def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
                     kernel_state: owg.RoleState, output_grad_state: owg.RoleState,
                     recipe: Fp8Recipe | None = None, out_dtype=None, chain=None,
-                    rhs_grad_dtype=None):
+                    rhs_grad_dtype=None, rhs_compute_dtype=None):
   """``lax.dot_general`` with fp8 operands and fp8 gradient GEMMs.
 
   Forward: ``lhs`` and ``rhs`` are quantized (``recipe.input`` /
@@ -185,6 +187,15 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
       on an H200 the float32 output made the first compile of a delayed
       step several times slower (docs/accelerators.md). The gradient
       returned is ``rhs``'s dtype either way.
+    rhs_compute_dtype: the float dtype ``rhs`` is rounded to before it is
+      quantized, when ``rhs`` is a layer's parameter handed uncast (a
+      float32 weight of a bfloat16 layer), or ``None`` (``rhs``'s own). The
+      product and both gradients are those of ``rhs.astype(rhs_compute_dtype)``
+      (``rhs``'s gradient then cast to ``rhs.dtype``), bit for bit; the
+      default ``out_dtype`` is the result type of ``lhs`` and this dtype.
+      Block recipes round inside the product, so where their Pallas kernels
+      quantize the weight they read the parameter itself and no rounded copy
+      is written; every other recipe rounds it first.
 
   Returns:
     ``(out, chain_out)``.
@@ -202,6 +213,10 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   owg.check_float("lhs", lhs)
   owg.check_float("rhs", rhs)
+  compute = jnp.dtype(rhs.dtype if rhs_compute_dtype is None else rhs_compute_dtype)
+  if not jnp.issubdtype(compute, jnp.floating):
+    raise TypeError(f"fp8_dot_general: rhs_compute_dtype must be a floating dtype, got "
+                    f"{rhs_compute_dtype!r}")
   dn = dims.canonical_dn(dimension_numbers, lhs.ndim, rhs.ndim)
   (lc, rc), (lb, rb) = dn
   for ld, rd in zip(lc + lb, rc + rb):
@@ -213,10 +228,15 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
     raise ValueError("granularity='block' needs at least one contracting dimension")
   states = tuple(owg.check_state(name, st) for name, st in zip(
       owg.ROLES, (input_state, kernel_state, output_grad_state)))
-  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, compute))
   first = chain is None
   spec = _SPECS[recipe.granularity](
       dn=dn, recipe=recipe, gemm=lowering.resolve_gemm(recipe), out_dtype=out_dtype,
-      lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
+      lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=compute, first=first,
       frozen=owg.quantizers_frozen(), rhs_grad_dtype=lowering.grad_dtype_for(rhs, rhs_grad_dtype))
+  if compute != rhs.dtype:
+    if spec.reads_param(rhs):
+      spec = dataclasses.replace(spec, rhs_param_dtype=jnp.dtype(rhs.dtype))
+    else:
+      rhs = rhs.astype(compute)
   return fp8_vjp(spec, lhs, rhs, states, owg.chain_init(3) if first else chain)

@@ -64,6 +64,11 @@ class Fp8Spec:
     rhs_grad_dtype: the dtype of the parameter ``rhs`` was cast from (a
       float32 master weight of a bfloat16 layer), or ``None``: see
       :attr:`wgrad_dtype`.
+    rhs_param_dtype: the dtype ``rhs`` arrives in when the product is handed
+      a layer's parameter uncast (where :meth:`reads_param`), or ``None``.
+      The spec rounds it to ``rhs_dtype`` before quantizing it, and its
+      gradient, computed in ``rhs_dtype``, is returned cast to this dtype:
+      the values of a product of the cast parameter.
   """
 
   recipe: Any
@@ -74,6 +79,19 @@ class Fp8Spec:
   first: bool
   frozen: bool = False
   rhs_grad_dtype: Any = None
+  rhs_param_dtype: Any = None
+
+  def reads_param(self, rhs) -> bool:
+    """Whether the product rounds ``rhs`` itself where it is handed a layer's parameter.
+
+    Only where that saves a pass: a Pallas kernel that quantizes the weight
+    reads the parameter and rounds it in registers, so the rounded copy is
+    never written (:class:`~fp8_linen.core.block_dot.BlockDot`). Elsewhere
+    the parameter is cast before the product, whose program is then the one
+    a cast kernel gives (XLA fuses the cast into the quantization's).
+    """
+    del rhs
+    return False
 
   @property
   def cfgs(self):
@@ -204,8 +222,12 @@ def _backward(spec, res, cts):
       spec, q_l, q_r, g, states, (a_l, a_r), ct_chain,
       lambda: spec.backward(q_l, q_r, extras, states, g))
   d_l, d_r = lowering.reshard_like(d_l, q_l), lowering.reshard_like(d_r, q_r)
-  return (owg.match_varying(d_l, q_l), owg.match_varying(d_r, q_r),
-          state_cts, chain_ct)
+  d_l, d_r = owg.match_varying(d_l, q_l), owg.match_varying(d_r, q_r)
+  if spec.rhs_param_dtype is not None:
+    # After the sum over devices (inside shard_map), which then moves rhs_dtype's bytes,
+    # as the cast parameter's gradient does.
+    d_r = d_r.astype(spec.rhs_param_dtype)
+  return d_l, d_r, state_cts, chain_ct
 
 
 fp8_vjp.defvjp(_fp8_vjp_fwd, _fp8_vjp_bwd)
