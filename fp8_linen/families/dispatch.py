@@ -18,6 +18,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -28,7 +31,41 @@ from fp8_linen.families.access import VariableAccess
 from fp8_linen.families.table import RecipeFamily, check_recipe, family_for
 
 __all__ = ["declare", "declare_ragged", "dot_general", "conv", "ragged_dot", "einsum", "einsum_operands", "einsum_kernel",
-           "servable_error"]
+           "servable_error", "kernel_params", "remember_kernel_param"]
+
+# The (cast kernel, parameter) pairs the running layer's promotion made.
+_PARAMS: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_kernel_params", default=None)
+
+
+@contextlib.contextmanager
+def kernel_params():
+  """Scope of one layer call: the kernels its promotion casts, with their parameters.
+
+  The layers of both APIs promote their operands with a function that calls
+  :func:`remember_kernel_param`; a :func:`dot_general` handed *that very*
+  cast kernel (the same traced array, not an equal one) may give its
+  family the parameter instead (``RecipeFamily.dot_general_from_param``).
+  Anything done to the kernel between the promotion and the product makes a
+  new array, which is then quantized as it is.
+  """
+  token = _PARAMS.set([])
+  try:
+    yield
+  finally:
+    _PARAMS.reset(token)
+
+
+def remember_kernel_param(cast, param) -> None:
+  """Records that ``cast`` is ``param`` cast to ``cast.dtype`` (outside a scope: nothing)."""
+  kept = _PARAMS.get()
+  if (kept is not None and cast is not None and param is not None
+      and jnp.result_type(cast) != jnp.result_type(param)):
+    kept.append((cast, param))
+
+
+def _param_of(rhs):
+  """The parameter ``rhs`` was cast from by the running layer's promotion, or ``None``."""
+  return next((p for c, p in _PARAMS.get() or () if c is rhs), None)
 
 
 def servable_error(where: str, recipe, conv: bool = False) -> ValueError | None:
@@ -140,11 +177,18 @@ def dot_general(access: VariableAccess, lhs, rhs, dimension_numbers, recipe, out
     (lc, _), _ = dims.canonical_dn(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
     return lc
 
+  param = _param_of(rhs) if family.dot_general_from_param is not None else None
+
+  def qat():
+    if param is not None:
+      return family.dot_general_from_param(access, lhs, rhs, param, dimension_numbers, recipe,
+                                           out_dtype, key)
+    return family.dot_general(access, lhs, rhs, dimension_numbers, recipe, out_dtype, key)
+
   return _run(access, family, recipe, lhs, rhs, contract=contract, lhs_contract=lhs_contract,
               float_product=lambda x, w: calibration.float_dot(x, w, dimension_numbers,
                                                                out_dtype),
-              qat=lambda: family.dot_general(access, lhs, rhs, dimension_numbers, recipe,
-                                             out_dtype, key),
+              qat=qat,
               served=lambda x, w, arrays: family.served_dot(
                   x, w, dimension_numbers, recipe=recipe, arrays=arrays,
                   out_dtype=out_dtype, where=access.path))

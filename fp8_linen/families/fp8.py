@@ -30,7 +30,8 @@ from fp8_linen.core.qdq import dequantize, quantize
 from fp8_linen.core.ragged_dot import fp8_ragged_dot
 from fp8_linen.recipes.fp8 import ActivationRecipe, Fp8Recipe, Fp8WeightOnly, ScalingConfig
 
-__all__ = ["role_state", "declare", "declare_ragged", "dot_general", "conv", "ragged_dot",
+__all__ = ["role_state", "declare", "declare_ragged", "dot_general", "dot_general_from_param",
+           "conv", "ragged_dot",
            "record", "ragged_record", "activation",
            "weight_only_dot", "weight_only_conv", "weight_only_record",
            "declare_activation"]
@@ -92,6 +93,27 @@ def dot_general(access, lhs, rhs, dimension_numbers, recipe: Fp8Recipe, out_dtyp
   return access.chained(key, lambda chain: fp8_dot_general(
       lhs, rhs, dimension_numbers, input_state=st[0], kernel_state=st[1],
       output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain), st[0].scale)
+
+
+def dot_general_from_param(access, lhs, rhs, param, dimension_numbers, recipe: Fp8Recipe,
+                           out_dtype=None, key: str = "dot"):
+  """:func:`dot_general` of ``rhs``, the layer's ``param`` cast; block recipes read ``param``.
+
+  A block recipe's kernels quantize the weight from one read: handed the
+  parameter and the dtype it was cast to, they round it as they read it,
+  and the cast copy is never written (float32 parameters: 4 bytes per
+  weight less). The values are those of the cast kernel. Other recipes
+  fuse the cast into their own, so they run on ``rhs``.
+  """
+  rhs = jnp.asarray(rhs)
+  if recipe.granularity != "block" or jnp.shape(param) != rhs.shape:
+    return dot_general(access, lhs, rhs, dimension_numbers, recipe, out_dtype, key)
+  st = _states(access, recipe)
+  out_dtype = out_dtype or jnp.result_type(lhs, rhs)
+  return access.chained(key, lambda chain: fp8_dot_general(
+      lhs, param, dimension_numbers, input_state=st[0], kernel_state=st[1],
+      output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain,
+      rhs_compute_dtype=rhs.dtype), st[0].scale)
 
 
 def conv(access, lhs, rhs, conv_kwargs: dict, recipe: Fp8Recipe, out_dtype=None,

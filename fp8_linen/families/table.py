@@ -95,6 +95,13 @@ class RecipeFamily:
     served_weight: ``fn(codes, contract, batch, *, recipe, arrays, where)
       -> float32 weight``: the weight a served product multiplies, from its
       codes (a served model's input gradient and LoRA merging), or ``None``.
+    dot_general_from_param: ``fn(access, lhs, rhs, param, dimension_numbers,
+      recipe, out_dtype, key) -> out``: the QAT product when ``rhs`` is the
+      layer's parameter ``param`` cast by its promotion
+      (:func:`~fp8_linen.families.dispatch.kernel_params`), with the values
+      ``dot_general`` gives; the family may read ``param`` and round it
+      itself (fp8's block kernels: no rounded copy is written). ``None``:
+      ``dot_general`` always.
 
   Example:
     >>> import fp8_linen as fl
@@ -116,6 +123,7 @@ class RecipeFamily:
   served_ragged: Callable | None = None
   weight_codes: Callable | None = None
   served_weight: Callable | None = None
+  dot_general_from_param: Callable | None = None
 
 
 _TABLE: dict[type, RecipeFamily] = {
@@ -125,7 +133,8 @@ _TABLE: dict[type, RecipeFamily] = {
         served_conv=fp8_serve.fp8_served_conv, ragged_dot=fp8.ragged_dot,
         declare_ragged=fp8.declare_ragged, ragged_record=fp8.ragged_record,
         served_ragged=fp8_serve.served_ragged_dot,
-        weight_codes=fp8_serve.weight_codes, served_weight=fp8_serve.served_weight),
+        weight_codes=fp8_serve.weight_codes, served_weight=fp8_serve.served_weight,
+        dot_general_from_param=fp8.dot_general_from_param),
     IntRecipe: RecipeFamily(
         declare=integer.declare, dot_general=integer.dot_general, conv=integer.conv,
         servable=int_serve.int_servable, record=integer.record, served_dot=int_serve.int_served_dot,

@@ -31,6 +31,7 @@ from typing import Mapping
 
 import flax.linen as nn
 import jax.numpy as jnp
+from flax.linen import dtypes as linen_dtypes
 
 from fp8_linen.core import lowering, serve, uses
 from fp8_linen.core.owg import OWG
@@ -40,7 +41,7 @@ from fp8_linen.families.access import VariableAccess
 from fp8_linen.families.conversion import finds_weights
 
 __all__ = ["SERVED", "RECORD", "records", "LinenAccess", "weights", "quantized_dot_general_on",
-           "quantized_ragged_dot_on", "quantized_einsum_on", "quantized_conv_on"]
+           "quantized_ragged_dot_on", "quantized_einsum_on", "quantized_conv_on", "promote_dtype"]
 
 SERVED = "fp8_linen_served"  # the collection 'convert' mode writes
 RECORD = "conversion_record"  # a product's record in it (names are unique across collections)
@@ -199,6 +200,25 @@ def weights(params: Mapping) -> list:
   """``(name, array)`` of a scope's own parameters (its children's left out), by name."""
   return sorted(((k, v) for k, v in params.items() if not isinstance(v, Mapping)),
                 key=lambda kv: kv[0])
+
+
+def promote_dtype(*args, dtype=None, inexact=True) -> list:
+  """flax's ``promote_dtype``, remembering the parameter the kernel (second) was cast from.
+
+  The default of the library's dense layers: their product may then read a
+  float32 kernel itself (:func:`~fp8_linen.families.dispatch.kernel_params`).
+  The values are flax's.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> x, w = promote_dtype(jnp.ones(2), jnp.ones(2, jnp.float32), dtype=jnp.bfloat16)
+    >>> w.dtype
+    dtype(bfloat16)
+  """
+  out = linen_dtypes.promote_dtype(*args, dtype=dtype, inexact=inexact)
+  if len(args) > 1:
+    dispatch.remember_kernel_param(out[1], args[1])
+  return out
 
 
 def quantized_dot_general_on(module: nn.Module, lhs, rhs, dimension_numbers, recipe,

@@ -26,8 +26,9 @@ import jax.numpy as jnp
 from flax.linen import module as nn_module
 
 from fp8_linen.core.dims import einsum_plan
+from fp8_linen.families import dispatch
 from fp8_linen.families.table import check_recipe
-from fp8_linen.linen.access import quantized_dot_general_on, quantized_einsum_on
+from fp8_linen.linen.access import promote_dtype, quantized_dot_general_on, quantized_einsum_on
 from fp8_linen.linen.flax_fp8 import continue_flax_state, flax_state_beside
 from fp8_linen.linen.seam import Seam
 from fp8_linen.recipes.fp8 import Fp8Recipe
@@ -170,6 +171,7 @@ class QDense(nn.Dense):
   """
 
   dot_general: Any = _layer_dot_general
+  promote_dtype: Any = promote_dtype
   recipe: Any = Fp8Recipe()
 
   @nn.compact
@@ -184,7 +186,7 @@ class QDense(nn.Dense):
     inputs = _check_inputs("QDense", inputs)
     if inputs.ndim < 1:
       raise ValueError("QDense inputs must have at least one dimension")
-    with _DOT.running((self, self.recipe)):
+    with _DOT.running((self, self.recipe)), dispatch.kernel_params():
       return super().__call__(inputs)
 
 
@@ -210,6 +212,7 @@ class QDenseGeneral(nn.DenseGeneral):
   """
 
   dot_general: Any = _layer_dot_general
+  promote_dtype: Any = promote_dtype
   recipe: Any = Fp8Recipe()
 
   @nn.compact
@@ -232,7 +235,7 @@ class QDenseGeneral(nn.DenseGeneral):
         if not -inputs.ndim <= d < inputs.ndim:
           raise ValueError(f"QDenseGeneral.{name}={getattr(self, name)!r} is out of range for "
                            f"inputs of shape {inputs.shape}")
-    with _DOT.running((self, self.recipe)):
+    with _DOT.running((self, self.recipe)), dispatch.kernel_params():
       return super().__call__(inputs)
 
 
@@ -258,6 +261,7 @@ class QEinsum(nn.Einsum):
     (5, 2, 3)
   """
 
+  promote_dtype: Any = promote_dtype
   recipe: Any = Fp8Recipe()
 
   @nn.compact
@@ -285,9 +289,10 @@ class QEinsum(nn.Einsum):
     if self.use_bias:
       bias_shape, bias_bshape = self._get_bias_shape(einsum_str, inputs, kernel)
       bias = self.param("bias", self.bias_init, bias_shape, self.param_dtype)
-    inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-    y = quantized_einsum_on(self, einsum_str, inputs, kernel, self.recipe,
-                            out_dtype=self.preferred_element_type or inputs.dtype)
+    with dispatch.kernel_params():
+      inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+      y = quantized_einsum_on(self, einsum_str, inputs, kernel, self.recipe,
+                              out_dtype=self.preferred_element_type or inputs.dtype)
     if bias is not None:
       y += jnp.reshape(bias, bias_bshape)
     return y

@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import dtypes as nnx_dtypes
 
 from fp8_linen.core.owg import frozen_quantizers
 from fp8_linen.families import dispatch, modes
@@ -66,9 +67,30 @@ def _running(layer):
         stack.enter_context(frozen_quantizers())
       if getattr(layer, "serving", None) is not None:
         stack.enter_context(modes.mode("serve"))
+      stack.enter_context(dispatch.kernel_params())
       yield
   finally:
     _RUNNING.reset(token)
+
+
+def promote_dtype(args, /, *, dtype=None, inexact=True):
+  """flax's NNX ``promote_dtype``, remembering the parameter the kernel was cast from.
+
+  The layers' default: the product may then read a float32 kernel itself
+  (:func:`~fp8_linen.families.dispatch.kernel_params`); the values are
+  flax's.
+  """
+  out = nnx_dtypes.promote_dtype(args, dtype=dtype, inexact=inexact)
+  if len(args) > 1:
+    dispatch.remember_kernel_param(out[1], args[1])
+  return out
+
+
+def _promoting(kwargs: dict) -> dict:
+  """``kwargs`` with :func:`promote_dtype` in place of flax's default (or none)."""
+  if kwargs.get("promote_dtype", nnx_dtypes.promote_dtype) is nnx_dtypes.promote_dtype:
+    kwargs = {**kwargs, "promote_dtype": promote_dtype}
+  return kwargs
 
 
 def _current(what: str):
@@ -174,7 +196,7 @@ class Linear(nnx.Linear):
     _no_override("Linear", kwargs, "dot_general")
     check_recipe("Linear", recipe)
     super().__init__(in_features, out_features, dot_general=_layer_dot_general, rngs=rngs,
-                     **kwargs)
+                     **_promoting(kwargs))
     self.recipe = recipe
     self.use_running_average = use_running_average
     declare(self, recipe, self.kernel[...], (0,))
@@ -205,7 +227,7 @@ class LinearGeneral(nnx.LinearGeneral):
     _no_override("LinearGeneral", kwargs, "dot_general", "dot_general_cls")
     check_recipe("LinearGeneral", recipe)
     super().__init__(in_features, out_features, dot_general=_layer_dot_general, rngs=rngs,
-                     **kwargs)
+                     **_promoting(kwargs))
     self.recipe = recipe
     self.use_running_average = use_running_average
     n_batch = len(self.batch_axis)
@@ -243,7 +265,7 @@ class Einsum(nnx.Einsum):
     _no_override("Einsum", kwargs, "einsum_op")
     check_recipe("Einsum", recipe)
     super().__init__(einsum_str, kernel_shape, bias_shape, einsum_op=_layer_einsum, rngs=rngs,
-                     **kwargs)
+                     **_promoting(kwargs))
     self.recipe = recipe
     self.use_running_average = use_running_average
     # Declared from the kernel as the lowered product sees it (LSQ weight steps take its shape).
