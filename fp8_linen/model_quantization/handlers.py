@@ -20,10 +20,13 @@ import contextvars
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
+from flax.linen import dtypes as linen_dtypes
 
 from fp8_linen import product_calls
 from fp8_linen.core import settings
 from fp8_linen.core.owg import OWG
+from fp8_linen.families import dispatch
 from fp8_linen.linen.access import LinenAccess
 from fp8_linen.model_quantization.frames import new_frame
 from fp8_linen.product_report import MARKERS
@@ -39,6 +42,28 @@ SESSION: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_qm_session",
 # inside the model (nn.jit, a raw jax.jit) traced as float is traced again
 # when the model runs quantized, and the other way round.
 QUANTIZING = settings.TraceSetting("quantize_model", default=None)
+
+
+def _cast_parameter(module, rhs):
+  """The ``kernel`` parameter that ``rhs`` is flax's promotion of, or ``None``.
+
+  Only where flax's own code guarantees it: an ``nn.Dense`` or
+  ``nn.DenseGeneral`` itself (a subclass may change its kernel first) with
+  flax's ``promote_dtype`` and no ``dot_general`` of its own, whose body casts
+  the parameter and hands the result straight to ``lax.dot_general``. A
+  block product may then read the parameter and round it itself, as the
+  library's own layers let it (:func:`~fp8_linen.families.dispatch.kernel_params`).
+  """
+  if (type(module) not in (nn.Dense, nn.DenseGeneral)
+      or module.promote_dtype is not linen_dtypes.promote_dtype
+      or module.dot_general is not None or module.dot_general_cls is not None
+      or not module.has_variable("params", "kernel")):
+    return None
+  param = nn.meta.unbox(module.get_variable("params", "kernel"))
+  if (jnp.shape(param) != jnp.shape(rhs) or jnp.result_type(param) == jnp.result_type(rhs)
+      or not jnp.issubdtype(jnp.result_type(param), jnp.floating)):
+    return None
+  return param
 
 
 def _warn_once(key, message: str) -> None:
@@ -77,7 +102,7 @@ class _LinenBackend(product_calls.Backend):
       return None, ("skipped", f"its variables have no {OWG!r} collection to hold the fp8 "
                     "state (a lifted transform such as nn.scan or nn.vmap that does not carry "
                     f"it: add {OWG!r} to its variable_axes, e.g. variable_axes={{True: 0}})")
-    return (frame, recipe), None
+    return (frame, recipe, rhs), None
 
   def unquantized(self, op, status, call):
     kind, reason = status
@@ -92,13 +117,16 @@ class _LinenBackend(product_calls.Backend):
 
   def run(self, target, op, product):
     """Runs ``product`` on the module's own state or on a per-call-site child."""
-    frame, recipe = target
+    frame, recipe, rhs = target
     module = frame.module
     below = frame.shared + frame.live()
     if isinstance(module, _OWN_STATE_LAYERS) and not frame.own_used and not below:
       frame.own_used = True
       fn = lambda m: product(LinenAccess(m), recipe)
-      with jax.named_scope(MARKERS["quantized"]):
+      with jax.named_scope(MARKERS["quantized"]), dispatch.kernel_params():
+        param = _cast_parameter(module, rhs) if op == "dot_general" else None
+        if param is not None:
+          dispatch.remember_kernel_param(rhs, param)
         return fn(module) if frame.kind == "own" else _Holder(parent=frame.home())(fn)
     i = frame.counts.get((below, op), 0)
     frame.counts[(below, op)] = i + 1

@@ -88,20 +88,20 @@ def _subjaxprs(params):
         yield item
 
 
+def _pallas_operand_dtypes(jaxpr, sizes) -> list:
+  """The dtypes of the operands of ``jaxpr``'s Pallas calls whose size is in ``sizes``."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      found.extend(str(v.aval.dtype) for v in eqn.invars if getattr(v.aval, "size", 0) in sizes)
+    for sub in _subjaxprs(eqn.params):
+      found.extend(_pallas_operand_dtypes(sub, sizes))
+  return found
+
+
 def _kernel_reads(fn, args):
   """The dtypes of the operands of the jaxpr's Pallas calls shaped as the (128, 96) weight."""
-  found = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "pallas_call":
-        found.extend(str(v.aval.dtype) for v in eqn.invars
-                     if getattr(v.aval, "size", 0) == 128 * 96)
-      for sub in _subjaxprs(eqn.params):
-        walk(sub)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return found
+  return _pallas_operand_dtypes(jax.make_jaxpr(fn)(*args).jaxpr, {128 * 96})
 
 
 @pytest.mark.parametrize("api", sorted(STEPS))
@@ -183,3 +183,49 @@ def test_rhs_compute_dtype_must_be_floating():
     fl.fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 4)), (((1,), (0,)), ((), ())),
                        input_state=st, kernel_state=st, output_grad_state=st,
                        rhs_compute_dtype=jnp.int8)
+
+
+class _OwnDense(nn.Dense):
+  """A subclass: its body could change the kernel, so its product gets flax's cast one."""
+
+
+class _OwnDenseGeneral(nn.DenseGeneral):
+  """As :class:`_OwnDense`."""
+
+
+class _Mlp(nn.Module):
+  own: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    dense, general = (_OwnDense, _OwnDenseGeneral) if self.own else (nn.Dense, nn.DenseGeneral)
+    h = dense(96, dtype=jnp.bfloat16, name="Dense_0")(x)
+    return general((2, 48), dtype=jnp.bfloat16, name="DenseGeneral_0")(h)
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK))
+def test_quantize_model_hands_flaxs_own_dense_layers_float32_kernels(name):
+  """An unmodified nn.Dense / nn.DenseGeneral: flax's body casts the parameter it passes."""
+  x = jax.random.normal(jax.random.key(0), (2, 32, 96), jnp.bfloat16)
+  steps = {}
+  for own in (False, True):
+    model = fl.quantize_model(_Mlp(own), BLOCK[name])
+    v = jax.jit(model.init)(jax.random.key(1), x)
+
+    def loss(v, x, model=model):
+      y = model.apply(v, x).astype(jnp.float32)
+      return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape)))
+
+    steps[own] = jax.value_and_grad(loss, argnums=(0, 1)), v
+  with fl.pallas_kernels("interpret"):
+    reads = {d: [] for d in steps}
+    for d, (fn, v) in steps.items():
+      jaxpr = jax.make_jaxpr(fn)(v, x)
+      reads[d] = _pallas_operand_dtypes(jaxpr.jaxpr, {96 * 96})
+    per_weight = 2 if name == "nvfp4" else 1
+    assert reads[False] == ["float32"] * 2 * per_weight
+    assert reads[True] == ["bfloat16"] * 2 * per_weight
+    got = jax.jit(steps[False][0])(steps[False][1], x)
+    want = jax.jit(steps[True][0])(steps[True][1], x)
+  # The same parameters (the subclass keeps nn.Dense's names), the same bits.
+  chex.assert_trees_all_equal(jax.tree.leaves(got), jax.tree.leaves(want))
