@@ -128,15 +128,17 @@ LOSS_RUNS = (("sum(y * r)", "estimate-passes.json"), ("mse", "estimate-passes-ms
 """The runs of the by-loss table in docs/accelerators.md: (column, JSON under results/)."""
 
 
-def loss_table(runs: dict, arms=("fp8_delayed", "fp8_delayed_split", "fp8_current")) -> str:
-  """The by-loss table of docs/accelerators.md: for each GPU target and arm, the
-  non-GEMM bytes vs bf16's step and the step estimate vs bf16's, one column
-  per run (``runs``: ``{column: results}``, each bf16 compiled in the same run)."""
+def loss_table(runs: dict, arms=("fp8_delayed", "fp8_delayed_split", "fp8_current", "mxfp8",
+                                  "nvfp4")) -> str:
+  """The by-loss table of docs/accelerators.md: for each GPU target and arm it
+  runs, the non-GEMM bytes vs bf16's step and the step estimate vs bf16's, one
+  column per run (``runs``: ``{column: results}``, each bf16 compiled in the
+  same run)."""
   cols = list(runs)
   lines = ["| target | recipe | " + " | ".join(f"{c}: bytes / step vs bf16" for c in cols) + " |",
            "| --- | --- |" + " ---: |" * len(cols)]
   for target in [t for t in TARGETS if all(t in r for r in runs.values())]:
-    for name in arms:
+    for name in [a for a in arms if all(a in r[target] for r in runs.values())]:
       cells = [f"{runs[c][target][name]['vs_bf16']:.2f} / "
                f"{runs[c][target][name]['step_vs_bf16_estimate']:.2f}" for c in cols]
       lines.append(f"| {target} | {name} | " + " | ".join(cells) + " |")
