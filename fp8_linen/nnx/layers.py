@@ -79,6 +79,12 @@ def promote_dtype(args, /, *, dtype=None, inexact=True):
   The layers' default: the product may then read a float32 kernel itself
   (:func:`~fp8_linen.families.dispatch.kernel_params`); the values are
   flax's.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> x, w, b = promote_dtype((jnp.ones(2), jnp.ones(2), None), dtype=jnp.bfloat16)
+    >>> w.dtype, b
+    (dtype(bfloat16), None)
   """
   out = nnx_dtypes.promote_dtype(args, dtype=dtype, inexact=inexact)
   if len(args) > 1:
