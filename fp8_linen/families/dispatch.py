@@ -30,8 +30,9 @@ from fp8_linen.families import calibration, lora, modes
 from fp8_linen.families.access import VariableAccess
 from fp8_linen.families.table import RecipeFamily, check_recipe, family_for
 
-__all__ = ["declare", "declare_ragged", "dot_general", "conv", "ragged_dot", "einsum", "einsum_operands", "einsum_kernel",
-           "servable_error", "kernel_params", "remember_kernel_param"]
+__all__ = ["declare", "declare_ragged", "dot_general", "conv", "ragged_dot", "einsum",
+           "einsum_operands", "einsum_kernel", "servable_error", "kernel_params",
+           "remember_kernel_param"]
 
 # The (cast kernel, parameter) pairs the running layer's promotion made.
 _PARAMS: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_kernel_params", default=None)

@@ -338,9 +338,10 @@ class WeightGradientDtypeTest(chex.TestCase):
     np.testing.assert_allclose(new, old, rtol=2 ** -6, atol=0)
 
 
-def test_rhs_grad_dtype_must_be_floating():
+@pytest.mark.parametrize("arg", ["rhs_grad_dtype", "rhs_compute_dtype"])
+def test_rhs_dtype_arguments_must_be_floating(arg):
   st = fl.RoleState(jnp.ones((1,)), jnp.zeros((4,)))
-  with pytest.raises(TypeError, match="rhs_grad_dtype must be a floating dtype"):
+  with pytest.raises(TypeError, match=f"{arg} must be a floating dtype"):
     fl.fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 2)), (((1,), (0,)), ((), ())),
                        input_state=st, kernel_state=st, output_grad_state=st,
-                       rhs_grad_dtype=jnp.int32)
+                       **{arg: jnp.int32})

@@ -177,14 +177,6 @@ class DirectOpTest(chex.TestCase):
       np.testing.assert_array_equal(np.asarray(gw), np.asarray(gw_ref.astype(jnp.float32)))
 
 
-def test_rhs_compute_dtype_must_be_floating():
-  st = fl.RoleState(jnp.ones((1,)), jnp.zeros((16,)))
-  with pytest.raises(TypeError, match="rhs_compute_dtype"):
-    fl.fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 4)), (((1,), (0,)), ((), ())),
-                       input_state=st, kernel_state=st, output_grad_state=st,
-                       rhs_compute_dtype=jnp.int8)
-
-
 class _OwnDense(nn.Dense):
   """A subclass: its body could change the kernel, so its product gets flax's cast one."""
 
@@ -227,5 +219,5 @@ def test_quantize_model_hands_flaxs_own_dense_layers_float32_kernels(name):
     assert reads[True] == ["bfloat16"] * 2 * per_weight
     got = jax.jit(steps[False][0])(steps[False][1], x)
     want = jax.jit(steps[True][0])(steps[True][1], x)
-  # The same parameters (the subclass keeps nn.Dense's names), the same bits.
+  # The same parameters (the layers are named alike), the same bits.
   chex.assert_trees_all_equal(jax.tree.leaves(got), jax.tree.leaves(want))
