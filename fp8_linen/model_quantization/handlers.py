@@ -44,19 +44,26 @@ SESSION: contextvars.ContextVar = contextvars.ContextVar("fp8_linen_qm_session",
 QUANTIZING = settings.TraceSetting("quantize_model", default=None)
 
 
-def _cast_parameter(module, rhs):
+# Flax's own layers whose body casts the kernel parameter and hands the result straight
+# to the product function (the intercepted op).
+_CASTING_BODIES = {nn.Dense: "dot_general", nn.DenseGeneral: "dot_general", nn.Einsum: "einsum"}
+
+
+def _cast_parameter(module, op: str, rhs):
   """The ``kernel`` parameter that ``rhs`` is flax's promotion of, or ``None``.
 
-  Only where flax's own code guarantees it: an ``nn.Dense`` or
-  ``nn.DenseGeneral`` itself (a subclass may change its kernel first) with
-  flax's ``promote_dtype`` and no ``dot_general`` of its own, whose body casts
-  the parameter and hands the result straight to ``lax.dot_general``. A
-  block product may then read the parameter and round it itself, as the
-  library's own layers let it (:func:`~fp8_linen.families.dispatch.kernel_params`).
+  Only where flax's own code guarantees it: an ``nn.Dense``,
+  ``nn.DenseGeneral`` or ``nn.Einsum`` itself (a subclass may change its
+  kernel first) with flax's ``promote_dtype`` and no ``dot_general`` of its
+  own, whose body casts the parameter and hands the result straight to
+  ``lax.dot_general`` / ``jnp.einsum``. A block product may then read the
+  parameter and round it itself, as the library's own layers let it
+  (:func:`~fp8_linen.families.dispatch.kernel_params`).
   """
-  if (type(module) not in (nn.Dense, nn.DenseGeneral)
+  if (_CASTING_BODIES.get(type(module)) != op
       or module.promote_dtype is not linen_dtypes.promote_dtype
-      or module.dot_general is not None or module.dot_general_cls is not None
+      or getattr(module, "dot_general", None) is not None
+      or getattr(module, "dot_general_cls", None) is not None
       or not module.has_variable("params", "kernel")):
     return None
   param = nn.meta.unbox(module.get_variable("params", "kernel"))
@@ -124,7 +131,7 @@ class _LinenBackend(product_calls.Backend):
       frame.own_used = True
       fn = lambda m: product(LinenAccess(m), recipe)
       with jax.named_scope(MARKERS["quantized"]), dispatch.kernel_params():
-        param = _cast_parameter(module, rhs) if op == "dot_general" else None
+        param = _cast_parameter(module, op, rhs)
         if param is not None:
           dispatch.remember_kernel_param(rhs, param)
         return fn(module) if frame.kind == "own" else _Holder(parent=frame.home())(fn)

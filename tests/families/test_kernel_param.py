@@ -185,19 +185,25 @@ class _OwnDenseGeneral(nn.DenseGeneral):
   """As :class:`_OwnDense`."""
 
 
+class _OwnEinsum(nn.Einsum):
+  """As :class:`_OwnDense`."""
+
+
 class _Mlp(nn.Module):
   own: bool = False
 
   @nn.compact
   def __call__(self, x):
-    dense, general = (_OwnDense, _OwnDenseGeneral) if self.own else (nn.Dense, nn.DenseGeneral)
+    dense, general, einsum = ((_OwnDense, _OwnDenseGeneral, _OwnEinsum) if self.own
+                              else (nn.Dense, nn.DenseGeneral, nn.Einsum))
     h = dense(96, dtype=jnp.bfloat16, name="Dense_0")(x)
+    h = einsum((96, 96), "btd,dh->bth", dtype=jnp.bfloat16, name="Einsum_0")(h)
     return general((2, 48), dtype=jnp.bfloat16, name="DenseGeneral_0")(h)
 
 
 @pytest.mark.parametrize("name", sorted(BLOCK))
 def test_quantize_model_hands_flaxs_own_dense_layers_float32_kernels(name):
-  """An unmodified nn.Dense / nn.DenseGeneral: flax's body casts the parameter it passes."""
+  """An unmodified nn.Dense / DenseGeneral / Einsum: flax's body casts the parameter it passes."""
   x = jax.random.normal(jax.random.key(0), (2, 32, 96), jnp.bfloat16)
   steps = {}
   for own in (False, True):
@@ -215,8 +221,8 @@ def test_quantize_model_hands_flaxs_own_dense_layers_float32_kernels(name):
       jaxpr = jax.make_jaxpr(fn)(v, x)
       reads[d] = _pallas_operand_dtypes(jaxpr.jaxpr, {96 * 96})
     per_weight = 2 if name == "nvfp4" else 1
-    assert reads[False] == ["float32"] * 2 * per_weight
-    assert reads[True] == ["bfloat16"] * 2 * per_weight
+    assert reads[False] == ["float32"] * 3 * per_weight
+    assert reads[True] == ["bfloat16"] * 3 * per_weight
     got = jax.jit(steps[False][0])(steps[False][1], x)
     want = jax.jit(steps[True][0])(steps[True][1], x)
   # The same parameters (the layers are named alike), the same bits.
