@@ -87,12 +87,13 @@ def declare(access, recipe: Fp8Recipe, kernel=None, kernel_contract=None) -> Non
 
 
 def dot_general(access, lhs, rhs, dimension_numbers, recipe: Fp8Recipe, out_dtype=None,
-                key: str = "dot"):
+                key: str = "dot", *, rhs_compute_dtype=None):
   """:func:`~fp8_linen.fp8_dot_general` on the layer's state, chained under ``key``."""
   st = _states(access, recipe)
   return access.chained(key, lambda chain: fp8_dot_general(
       lhs, rhs, dimension_numbers, input_state=st[0], kernel_state=st[1],
-      output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain), st[0].scale)
+      output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain,
+      rhs_compute_dtype=rhs_compute_dtype), st[0].scale)
 
 
 def dot_general_from_param(access, lhs, rhs, param, dimension_numbers, recipe: Fp8Recipe,
@@ -108,12 +109,8 @@ def dot_general_from_param(access, lhs, rhs, param, dimension_numbers, recipe: F
   rhs = jnp.asarray(rhs)
   if recipe.granularity != "block" or jnp.shape(param) != rhs.shape:
     return dot_general(access, lhs, rhs, dimension_numbers, recipe, out_dtype, key)
-  st = _states(access, recipe)
-  out_dtype = out_dtype or jnp.result_type(lhs, rhs)
-  return access.chained(key, lambda chain: fp8_dot_general(
-      lhs, param, dimension_numbers, input_state=st[0], kernel_state=st[1],
-      output_grad_state=st[2], recipe=recipe, out_dtype=out_dtype, chain=chain,
-      rhs_compute_dtype=rhs.dtype), st[0].scale)
+  return dot_general(access, lhs, param, dimension_numbers, recipe,
+                     out_dtype or jnp.result_type(lhs, rhs), key, rhs_compute_dtype=rhs.dtype)
 
 
 def conv(access, lhs, rhs, conv_kwargs: dict, recipe: Fp8Recipe, out_dtype=None,
