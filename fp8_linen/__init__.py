@@ -99,6 +99,7 @@ from fp8_linen.training import (
     reduce_gradients,
     resize_histories,
     split_first_step,
+    quantize_once_per_window,
     split_owg,
 )
 
@@ -225,6 +226,7 @@ __all__ = [
     "load_float_state",
     "switch_precision",
     "split_first_step",
+    "quantize_once_per_window",
     "histories_ready",
     # coming from flax's own fp8 ops (flax.linen.fp8_ops)
     "from_flax_fp8",

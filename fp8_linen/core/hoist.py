@@ -41,7 +41,8 @@ from jax.extend import core as jex
 
 from fp8_linen.core import lowering
 
-__all__ = ["Split", "split", "accumulate", "filled", "hoist_by_default"]
+__all__ = ["Split", "split", "accumulate", "filled", "hoist_by_default", "window_programs",
+           "WindowClock"]
 
 _SMALL = 1 << 12  # bytes: a result this small may be carried whatever made it
 
@@ -413,3 +414,74 @@ def accumulate(fn: Callable, invariant: Any, xs: Any, *, init: Callable, add: Ca
 
   acc, aux = jax.lax.scan(step, init(out_shape[0] if has_aux else out_shape), xs)
   return acc, n, aux
+
+
+def window_programs(fn: Callable[[Any, Any, Any], Any], now: Callable[[Any], Any], *,
+                    donate: bool = False) -> tuple[Callable, Callable]:
+  """The two jitted programs of a window whose invariant work is kept from call to call.
+
+  A loop that calls a jitted step once per micro-batch (``optax.MultiSteps``)
+  has no loop inside one program to split: the work on the invariant inputs
+  must be kept by the caller between calls.
+
+  Args:
+    fn: ``fn(invariant, carried, extra) -> out``, a step: ``carried`` the
+      state it updates besides ``invariant``, ``extra`` its other inputs.
+    now: ``now(carried)``: an integer array that changes whenever
+      ``invariant`` may have (an optimizer's step count).
+    donate: donate ``invariant``'s and ``carried``'s buffers to the step.
+
+  Returns:
+    ``(prologue, steady)``: ``prologue(invariant, carried, extra) -> hoisted``
+    (the work on ``invariant`` alone, :func:`split`), and ``steady(invariant,
+    carried, hoisted, built_at, extra) -> out``, which reads ``hoisted`` only
+    if ``built_at == now(carried)`` and otherwise does that work again. The
+    step is held twice, in one conditional: a branch that returned the cache
+    as it came would make XLA copy it every call.
+  """
+  two = lambda invariant, rest: fn(invariant, *rest)
+
+  @jax.jit
+  def prologue(invariant, carried, extra):
+    return split(two, invariant, (carried, extra)).prologue(invariant)
+
+  def steady(invariant, carried, hoisted, built_at, extra):
+    parts = split(two, invariant, (carried, extra))
+    return jax.lax.cond(built_at == now(carried),
+                        lambda i, h, r: parts.body(i, h, r),
+                        lambda i, h, r: parts.body(i, parts.prologue(i), r),
+                        invariant, hoisted, (carried, extra))
+
+  return prologue, jax.jit(steady, donate_argnums=(0, 1) if donate else ())
+
+
+class WindowClock:
+  """Where a window starts, counted on the host: no call waits for the device.
+
+  The position is read from the device once, when a caller has no cache
+  (``mini_step``, the call's index in its window); afterwards every
+  ``every_k``-th call starts a window. A wrong guess costs time, never
+  values: :func:`window_programs`' step does not read a stale cache.
+
+  Args:
+    every_k: calls to a window.
+    caller: the public name errors name.
+
+  Raises:
+    ValueError: if ``every_k`` is not a positive int.
+  """
+
+  def __init__(self, every_k: int, caller: str):
+    if isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer)) or every_k < 1:
+      raise ValueError(f"{caller}: every_k must be a positive int (the micro-batches of one "
+                       f"optax.MultiSteps window), got {every_k!r}")
+    self.every_k = int(every_k)
+    self._position = 0
+
+  def starts(self, has_cache: bool, mini_step) -> bool:
+    """Whether this call starts a window (and the cache is to be built); counts the call."""
+    if not has_cache:
+      self._position = int(mini_step)  # (the one wait for the device)
+    start = not has_cache or self._position % self.every_k == 0
+    self._position += 1
+    return start
