@@ -15,6 +15,12 @@ The byte counter charges a kernel that slices one micro-batch out of the
 stacked batch with the whole stacked operand, so every arm's figure includes
 the same overcount; compare arms, not absolute bytes.
 
+The same MLP is also stepped under ``optax.MultiSteps`` (Adam, one call per
+micro-batch): the plain train step against ``fl.quantize_once_per_window``'s,
+whose later calls of a window read the work on the parameters from a cache
+(the branch of its program such a call runs), and whose first call also runs
+the program that builds the cache. A window is ``--micro`` calls.
+
   python benchmarks/bench_accumulate.py --out benchmarks/results/estimate-accumulate.json
   python benchmarks/bench_accumulate.py --d 256 --tokens 128 --targets h100   # quick
 
@@ -34,6 +40,8 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 
 import fp8_linen as fl
 from fp8_linen.testing import compile as compile_lib
@@ -91,6 +99,52 @@ def window(recipe, d: int, tokens: int, micro: int, *, hoist: bool, concrete: bo
   return fn, (variables, xs, ys)
 
 
+def multisteps(recipe, d: int, tokens: int, micro: int):
+  """``(plain step, wrapped step, state, (x, y))``: one ``optax.MultiSteps`` call of the MLP
+  (abstract state and micro-batch)."""
+  make = ((lambda n: nn.Dense(n, dtype=jnp.bfloat16)) if recipe is None else
+          (lambda n: fl.QDense(n, dtype=jnp.bfloat16, recipe=recipe)))
+  model = Mlp(make, d)
+  tx = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=micro)
+  state = jax.eval_shape(lambda: fl.TrainState.create(
+      apply_fn=model.apply, tx=tx,
+      params=model.init(jax.random.key(0), jnp.ones((8, d), jnp.bfloat16))))
+
+  def step(state, x, y):
+    def loss(v):
+      out = model.apply(v, x).astype(jnp.float32)
+      return 0.5 * jnp.mean(jnp.sum((out - y.astype(jnp.float32)) ** 2, axis=-1))
+    return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+  xy = (jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16))
+  return step, fl.quantize_once_per_window(step, every_k=micro), state, xy
+
+
+def multisteps_arms(target: str, recipe, d: int, tokens: int, micro: int) -> dict:
+  """The plain call, a cached call and the cache's program, compiled for ``target`` and read."""
+  step, wrapped, state, xy = multisteps(recipe, d, tokens, micro)
+  t = targets.get_target(target)
+  rest, extra = state.replace(params=None), (xy, {})
+  with fl.target_backend(t.platform, block_scaled=t.block_scaled_gemms):
+    cache = jax.eval_shape(wrapped.prologue, state.params, rest, extra)
+  reports = {
+      "plain": compile_lib.compile_for(target, step, state, *xy),
+      "cached": compile_lib.compile_for(target, wrapped.steady, state.params, rest, cache,
+                                        state.opt_state.gradient_step, extra),
+      "prologue": compile_lib.compile_for(target, wrapped.prologue, state.params, rest, extra)}
+  out = {}
+  for arm, report in reports.items():
+    est = estimate.estimate(report.kernel_list, estimate.PEAKS[target])
+    out[arm] = {"non_gemm_bytes": float(sum(p.bytes for p in passes.passes(report)
+                                            if p.every_step)),
+                "seconds_estimate": est.seconds,
+                "products": sorted({"x".join(p.operands) for p in report.product_list})}
+  out["cache_bytes"] = float(sum(np.prod(a.shape) * np.dtype(a.dtype).itemsize
+                                 for a in jax.tree.leaves(cache)))
+  return out
+
+
 def run(d: int, tokens: int, micro: int, target_names) -> dict:
   rows = {}
   for target in common.compilable(target_names):
@@ -146,6 +200,34 @@ def markdown(rows: dict) -> str:
   return "\n".join(lines)
 
 
+def run_multisteps(d: int, tokens: int, micro: int, target_names) -> dict:
+  """``{target: {recipe: arms}}`` of :func:`multisteps_arms`."""
+  return {target: {name: multisteps_arms(target, recipe, d, tokens, micro)
+                   for name, recipe in recipes(target).items()}
+          for target in common.compilable(target_names)}
+
+
+def multisteps_markdown(rows: dict, micro: int) -> str:
+  """Per target and recipe under ``optax.MultiSteps``: a later call of the window and the whole
+  window (the cache's program once, ``micro`` calls), plain -> cached, against bf16's plain."""
+  lines = ["| target | recipe | a later call vs bf16's: plain -> cached | "
+           f"window ({micro} calls) vs bf16's: plain -> cached | "
+           "non-GEMM GiB of a later call: plain -> cached | cache (MiB) |",
+           "| --- | --- | ---: | ---: | ---: | ---: |"]
+  for target in sorted(rows, key=lambda t: TARGETS.index(t) if t in TARGETS else len(TARGETS)):
+    table = rows[target]
+    base = table["bf16"]["plain"]
+    for name, arms in table.items():
+      call = lambda a: arms[a]["seconds_estimate"] / base["seconds_estimate"]
+      window = (arms["prologue"]["seconds_estimate"] + micro * arms["cached"]["seconds_estimate"])
+      moved = lambda a: arms[a]["non_gemm_bytes"] / 2**30
+      lines.append(f"| {target} | {name} | {call('plain'):.2f} -> {call('cached'):.2f} | "
+                   f"{call('plain'):.2f} -> {window / micro / base['seconds_estimate']:.2f} | "
+                   f"{moved('plain'):.2f} -> {moved('cached'):.2f} | "
+                   f"{arms['cache_bytes'] / 2**20:.0f} |")
+  return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--d", type=int, default=4096)
@@ -168,9 +250,13 @@ def main(argv=None) -> dict:
     shape["reps"] = args.reps
   else:
     rows, device = run(args.d, args.tokens, args.micro, args.targets), DEVICE
-    table = f"{head} ({DEVICE})\n{markdown(rows)}"
+    steps = run_multisteps(args.d, args.tokens, args.micro, args.targets)
+    table = (f"{head} ({DEVICE})\n{markdown(rows)}\n\nunder optax.MultiSteps, one call "
+             f"per micro-batch ({DEVICE})\n{multisteps_markdown(steps, args.micro)}")
   payload = {"meta": {"device": device, "shape": shape, **common.environment()},
              "results": rows}
+  if not args.measure:
+    payload["multisteps"] = steps
   return common.finish(payload, table, args.out)
 
 

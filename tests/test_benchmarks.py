@@ -175,13 +175,22 @@ def test_bench_accumulate_tiny(tmp_path, require_target):
   require_target("h100")
   ba = _load("bench_accumulate")
   out = tmp_path / "accumulate.json"
-  rows = ba.main(["--d", "64", "--tokens", "32", "--micro", "2", "--targets", "h100", "--out",
-                  str(out)])["results"]["h100"]
+  payload = ba.main(["--d", "64", "--tokens", "32", "--micro", "2", "--targets", "h100",
+                     "--out", str(out)])
+  rows = payload["results"]["h100"]
   assert set(rows) == {f"{a}{h}" for a in ("bf16", "fp8_delayed", "fp8_current")
                        for h in ("", "_hoisted")}
   assert rows["bf16"]["vs_bf16"] == 1.0
   # Once per window moves fewer bytes than once per micro-batch.
   assert rows["fp8_delayed_hoisted"]["non_gemm_bytes"] < rows["fp8_delayed"]["non_gemm_bytes"]
+  # Under optax.MultiSteps a cached call moves fewer bytes than a plain one, and multiplies
+  # the same dtypes; the cache's own program multiplies nothing.
+  steps = payload["multisteps"]["h100"]
+  assert set(steps) == {"bf16", "fp8_delayed", "fp8_current"}
+  for arms in steps.values():
+    assert arms["cached"]["non_gemm_bytes"] < arms["plain"]["non_gemm_bytes"]
+    assert arms["cached"]["products"] == arms["plain"]["products"]
+    assert arms["prologue"]["products"] == [] and arms["cache_bytes"] > 0
   assert json.loads(out.read_text())["meta"]["device"] == "estimate (compile only)"
 
 

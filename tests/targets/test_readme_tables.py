@@ -180,11 +180,22 @@ def test_accumulate_table_is_the_benchmark_output():
   """Weights quantized once per accumulation window: the docs table and its figures."""
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import bench_accumulate  # pylint: disable=import-outside-toplevel
-  res = json.loads((ROOT / "benchmarks/results/estimate-accumulate.json").read_text())["results"]
+  payload = json.loads((ROOT / "benchmarks/results/estimate-accumulate.json").read_text())
+  res = payload["results"]
   want = [[c.strip() for c in line.strip("|").split("|")]
           for line in bench_accumulate.markdown(res).splitlines()]
   doc = ROOT.joinpath("docs/accelerators.md").read_text()
   assert _table_after(doc, "<!-- accumulate table") == want
+  steps = payload["multisteps"]
+  want = [[c.strip() for c in line.strip("|").split("|")] for line in
+          bench_accumulate.multisteps_markdown(steps, payload["meta"]["shape"]["micro"])
+          .splitlines()]
+  assert _table_after(doc, "<!-- multisteps table") == want
+  for target in ("h100", "b200"):
+    for arm in ("fp8_delayed", "fp8_current"):
+      cached, plain = steps[target][arm]["cached"], steps[target][arm]["plain"]
+      assert cached["seconds_estimate"] < plain["seconds_estimate"]
+      assert cached["products"] == plain["products"] and all("f8" in p for p in plain["products"])
   for t in ("h100", "b200"):
     for arm in ("fp8_delayed", "fp8_current"):
       # Once per window is faster and keeps every product in fp8.
