@@ -1,4 +1,5 @@
-"""``fl.quantize_once_per_window``: under ``optax.MultiSteps``, weights quantized once per window.
+"""``quantize_once_per_window`` (Linen, NNX): under ``optax.MultiSteps``, weights quantized once
+per window.
 
 The wrapped step must leave the state exactly where the plain step leaves it,
 call after call, for fp8, integer and float models, plain, rematerialized and
@@ -8,6 +9,8 @@ step's values whenever the cache is stale (a wrong ``every_k``, a skipped
 micro-batch, a state whose parameters were replaced).
 """
 
+from unittest import mock
+
 import chex
 from absl.testing import parameterized
 import flax.linen as nn
@@ -16,8 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import fp8_linen as fl
+from fp8_linen.core import hoist
 
 D = 16
 K = 3
@@ -267,3 +272,72 @@ def test_h100_steady_call_casts_no_weight_and_moves_less(require_target):
   classes = lambda ks: sorted(c for k in ks for c, _ in k.flops)
   assert classes(k for k in steady.kernel_list if k.branch in keep) == classes(plain.kernel_list)
   assert plain.fp8_gemms == 5
+
+
+class NnxMlp(nnx.Module):
+
+  def __init__(self, recipe, rngs):
+    self.up = fl.nnx.Linear(D, 4 * D, dtype=jnp.bfloat16, recipe=recipe, rngs=rngs)
+    self.down = fl.nnx.Linear(4 * D, D, dtype=jnp.bfloat16, recipe=recipe, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(jax.nn.gelu(self.up(x)))
+
+
+def _nnx_step(model, opt, x, y):
+  loss, grads = fl.nnx.value_and_grad(
+      lambda m: jnp.mean((m(x).astype(jnp.float32) - y) ** 2))(model)
+  opt.update(model, grads)
+  return loss
+
+
+def _nnx_run(step, recipe, batches):
+  model = NnxMlp(recipe, nnx.Rngs(0))
+  opt = fl.nnx.Optimizer(model, optax.MultiSteps(optax.adam(1e-2), every_k_schedule=K))
+  losses = [step(model, opt, x, y) for x, y in batches]
+  return nnx.to_flat_state(nnx.state((model, opt))), losses
+
+
+class NnxWindowCacheTest(chex.TestCase):
+
+  @parameterized.named_parameters(
+      ("delayed", fl.delayed_scaling(), K), ("int8", fl.IntRecipe(), K),
+      ("wrong_every_k", fl.delayed_scaling(), K + 1))
+  def test_same_state_as_the_plain_step(self, recipe, every_k):
+    batches = _batches(2 * K + 1)
+    want_state, want_losses = _nnx_run(nnx.jit(_nnx_step), recipe, batches)
+    got_state, got_losses = _nnx_run(
+        fl.nnx.quantize_once_per_window(_nnx_step, every_k=every_k), recipe, batches)
+    chex.assert_trees_all_equal(got_losses, want_losses)
+    want = dict(want_state)
+    assert {p for p, _ in got_state} == set(want)
+    for path, v in got_state:
+      np.testing.assert_array_equal(v[...], want[path][...], err_msg=str(path))
+    assert int(want[(1, "opt_state", "gradient_step")][...]) == 2
+
+  def test_the_cache_is_built_once_per_window(self):
+    built, real = [], hoist.window_programs
+
+    def counting(*a, **k):
+      prologue, steady = real(*a, **k)
+      return (lambda *x: built.append(1) or prologue(*x)), steady
+
+    with mock.patch.object(hoist, "window_programs", counting):
+      wrapped = fl.nnx.quantize_once_per_window(_nnx_step, every_k=K)
+      _nnx_run(wrapped, fl.delayed_scaling(), _batches(2 * K))
+    assert len(built) == 2
+
+  def test_bad_arguments_are_refused(self):
+    with pytest.raises(ValueError, match="every_k must be a positive int"):
+      fl.nnx.quantize_once_per_window(_nnx_step, every_k=0)
+    model = NnxMlp(fl.delayed_scaling(), nnx.Rngs(0))
+    x, y = _batches(1)[0]
+    plain = fl.nnx.Optimizer(model, optax.adam(1e-2))
+    wrapped = fl.nnx.quantize_once_per_window(_nnx_step, every_k=K)
+    with pytest.raises(ValueError, match="nnx.Optimizer over optax.MultiSteps"):
+      wrapped(model, plain, x, y)
+    opt = fl.nnx.Optimizer(model, optax.MultiSteps(optax.adam(1e-2), every_k_schedule=K))
+    returns_model = fl.nnx.quantize_once_per_window(
+        lambda m, o, x, y: (_nnx_step(m, o, x, y), m), every_k=K)
+    with pytest.raises(ValueError, match="must return arrays, not modules"):
+      returns_model(model, opt, x, y)

@@ -38,8 +38,9 @@ from fp8_linen.nnx.ptq import PtqResult, ptq
 from fp8_linen.nnx.quantize import quantize_model, switch_precision
 from fp8_linen.nnx.sensitivity import sensitivity
 from fp8_linen.nnx.state import DIFF, QuantState, register_owg_collection
-from fp8_linen.nnx.training import (Optimizer, accumulate_microbatches, grad, split_first_step,
-                                    update_state, value_and_grad)
+from fp8_linen.nnx.training import (Optimizer, accumulate_microbatches, grad,
+                                    quantize_once_per_window, split_first_step, update_state,
+                                    value_and_grad)
 
 # flax's bridge looks the OWG collection's variable type up when it wraps a
 # Linen layer, before any fl.nnx object exists: map it to QuantState now.
@@ -59,6 +60,7 @@ __all__ = [
     "grad",
     "update_state",
     "split_first_step",
+    "quantize_once_per_window",
     "accumulate_microbatches",
     "calibrate",
     "quantize_model",

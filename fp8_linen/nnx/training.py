@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -37,7 +38,7 @@ from fp8_linen.core import numerics, owg
 from fp8_linen.nnx.state import DIFF, QuantState
 
 __all__ = ["DIFF", "Optimizer", "value_and_grad", "grad", "update_state", "split_first_step",
-           "accumulate_microbatches"]
+           "accumulate_microbatches", "quantize_once_per_window"]
 
 
 def value_and_grad(f, argnums: int = 0, *, has_aux: bool = False):
@@ -285,3 +286,114 @@ def accumulate_microbatches(grad_fn: Callable, model: nnx.Module, microbatches: 
       lambda v: v if isinstance(v, QuantState) else jax.tree.map(lambda a: a / n, v),
       acc, is_leaf=_is_variable)
   return (grads, aux) if has_aux else grads
+
+
+def _multisteps_state(opt: nnx.Optimizer):
+  state = nnx.as_pure(opt.opt_state)
+  return state if isinstance(state, optax.MultiStepsState) else None
+
+
+def quantize_once_per_window(step: Callable, *, every_k: int, donate: bool = False) -> Callable:
+  """:func:`fp8_linen.quantize_once_per_window` for NNX steps: modules among the arguments.
+
+  ``step(*args, **kwargs)`` updates its module arguments in place (an
+  :class:`Optimizer` over ``optax.MultiSteps`` among them) and returns
+  arrays. The work on the modules' ``nnx.Param`` and :class:`QuantState`
+  variables alone (fixed within a window) runs once at the window's first
+  call; the window's other calls read it. The values are those of the plain
+  step. The cache is held by the wrapper, one per optimizer: after changing
+  the parameters yourself (``nnx.update``, a restored checkpoint) in the
+  middle of a window, call ``wrapped.reset()``. The wrapper jits the step
+  itself (do not wrap it in ``nnx.jit``).
+
+  Args:
+    step: the train step.
+    every_k: micro-batches to a window: ``MultiSteps``' ``every_k_schedule``.
+    donate: donate the modules' buffers to the step.
+
+  Returns:
+    The wrapped step, with ``reset()`` (drops every cache).
+
+  Raises:
+    ValueError: if ``every_k`` is not a positive int; (when called) if no
+      argument is an ``nnx.Optimizer`` over ``optax.MultiSteps``, or the step
+      returns a module.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import fp8_linen as fl
+    >>> model = fl.nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    >>> opt = fl.nnx.Optimizer(model, optax.MultiSteps(optax.sgd(0.1), 2))
+    >>> def train_step(model, opt, x):
+    ...   loss, grads = fl.nnx.value_and_grad(lambda m: m(x).sum())(model)
+    ...   opt.update(model, grads)
+    ...   return loss
+    >>> train_step = fl.nnx.quantize_once_per_window(train_step, every_k=2)
+    >>> for a in (3.0, 5.0, 1.0, 2.0):
+    ...   _ = train_step(model, opt, jnp.full((4, 3), a))
+    >>> model.input_amax_history[...][:2].tolist()
+    [2.0, 5.0]
+  """
+  name = "fl.nnx.quantize_once_per_window"
+  hoist_lib.WindowClock(every_k, name)  # (checks every_k now)
+  fixed = (nnx.Param, QuantState)
+  is_node = nnx.graph.is_graph_node
+  # Per optimizer: where its windows start and its cache; per module structure: the programs.
+  windows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+  programs = {}
+
+  def programs_for(graphdef, treedef, where):
+    def run(invariant, carried, extra):
+      nodes = nnx.merge(graphdef, invariant, carried)
+      others = iter(extra)
+      leaves = [nodes[where.index(i)] if i in where else next(others)
+                for i in range(treedef.num_leaves)]
+      a, k = jax.tree.unflatten(treedef, leaves)
+      out = step(*a, **k)
+      if any(is_node(x) for x in jax.tree.leaves(out, is_leaf=is_node)):
+        raise ValueError(f"{name}: the step must return arrays, not modules (it updates its "
+                         "module arguments in place)")
+      _, new_invariant, new_carried = nnx.split(nodes, fixed, ...)
+      return out, new_invariant, new_carried
+
+    key = (graphdef, treedef, where)
+    if key not in programs:
+      programs[key] = hoist_lib.window_programs(run, _gradient_step, donate=donate)
+    return programs[key]
+
+  @functools.wraps(step)
+  def wrapped(*args, **kwargs):
+    leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_node)
+    where = tuple(i for i, x in enumerate(leaves) if is_node(x))
+    nodes = tuple(leaves[i] for i in where)
+    opts = [n for n in nodes if isinstance(n, nnx.Optimizer) and _multisteps_state(n)]
+    if len(opts) != 1:
+      raise ValueError(f"{name}: one argument must be an nnx.Optimizer over optax.MultiSteps "
+                       f"(a window is MultiSteps' micro-batches), got {len(opts)}; to "
+                       "accumulate a window in one call use fl.nnx.accumulate_microbatches")
+    (opt,) = opts
+    graphdef, invariant, carried = nnx.split(nodes, fixed, ...)
+    prologue, steady = programs_for(graphdef, treedef, where)
+    extra = [x for i, x in enumerate(leaves) if i not in where]
+    ms = _multisteps_state(opt)
+    window = windows.setdefault(opt, {"clock": hoist_lib.WindowClock(every_k, name)})
+    cache = window.get("cache")
+    if window["clock"].starts(cache is not None, ms.mini_step):
+      # (A copy: the optimizer's own counter may be donated to the step.)
+      cache = (jnp.array(ms.gradient_step, copy=True), prologue(invariant, carried, extra))
+      window["cache"] = cache
+    out, new_invariant, new_carried = steady(invariant, carried, cache[1], cache[0], extra)
+    nnx.update(nodes, new_invariant, new_carried)
+    return out
+
+  wrapped.reset = windows.clear
+  return wrapped
+
+
+def _gradient_step(carried):
+  """``optax.MultiSteps``' count of optimizer steps, found in a split state by its name."""
+  (count,) = [v for path, v in jax.tree_util.tree_leaves_with_path(carried)
+              if any(getattr(k, "key", getattr(k, "name", None)) == "gradient_step"
+                     for k in path)]
+  return count
