@@ -455,19 +455,23 @@ def test_a_jitted_grad_fn_is_seen_through():
   chex.assert_trees_all_equal(run(variables, batches), want(variables, batches))
 
 
-def test_a_window_sharded_over_a_data_mesh():
-  """Micro-batches split over 8 devices (their tokens; GSPMD's automatic axes), variables
-  replicated: the split gives the values of the unsplit window there, and the fp8 state of one
-  device."""
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_a_window_sharded_over_a_data_mesh(axis_type):
+  """Micro-batches split over 8 devices (their tokens; GSPMD's automatic axes, or Explicit ones
+  whose sharding types the split traces with), variables replicated: the split gives the values
+  of the unsplit window there, and the fp8 state of one device."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
 
   variables, batches, loss = _setup(Mlp(), rows=16)
   grad_fn = jax.grad(loss)
   window = lambda h: jax.jit(lambda v, b: fl.accumulate_microbatches(grad_fn, v, b, hoist=h))
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  sharded = jax.device_put(batches, NamedSharding(mesh, P(None, "data")))
-  got = window(True)(variables, sharded)
-  chex.assert_trees_all_equal(got, window(False)(variables, sharded))
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(
+      AxisType.Auto if axis_type == "auto" else AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put(batches, NamedSharding(mesh, P(None, "data")))
+    replicated = jax.device_put(variables, NamedSharding(mesh, P()))
+    got = window(True)(replicated, sharded)
+    chex.assert_trees_all_equal(got, window(False)(replicated, sharded))
   # The amaxes are global maxes; the bf16 bias sums are added in another order.
   one = window(True)(variables, batches)
   chex.assert_trees_all_equal(got[fl.OWG], one[fl.OWG])

@@ -341,3 +341,21 @@ class NnxWindowCacheTest(chex.TestCase):
         lambda m, o, x, y: (_nnx_step(m, o, x, y), m), every_k=K)
     with pytest.raises(ValueError, match="must return arrays, not modules"):
       returns_model(model, opt, x, y)
+
+
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_on_a_mesh_the_state_is_the_plain_steps(axis_type):
+  """Data parallel over 8 devices (Explicit and Auto axes): the wrapped step's state is the plain
+  jitted step's on the same mesh."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  types = (AxisType.Explicit if axis_type == "explicit" else AxisType.Auto,)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=types)
+  batches = _batches(2 * K + 1, rows=16)
+  with jax.set_mesh(mesh):
+    runs = []
+    for wrap in (jax.jit, lambda s: fl.quantize_once_per_window(s, every_k=K)):
+      state, step = _setup(Mlp())
+      state = jax.device_put(state, NamedSharding(mesh, P()))
+      sharded = [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in batches]
+      runs.append(_run(wrap(step), state, sharded))
+  _assert_same(*runs[::-1])

@@ -309,7 +309,14 @@ def split(fn: Callable[[Any, Any], Any], invariant: Any, x: Any) -> Split:
     out_tree.append(tree)
     return out_leaves
 
-  abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype)
+  # Traced with each input's type, its sharding included (an Explicit mesh axis shapes the
+  # program: traced without it, the split's reductions ran in another order than the step's).
+  def abstract(a):
+    if isinstance(a, jax.ShapeDtypeStruct):
+      return a
+    return jax.ShapeDtypeStruct(np.shape(a), a.dtype,
+                                sharding=getattr(jax.typeof(a), "sharding", None))
+
   closed = jax.make_jaxpr(flat)(*map(abstract, inv_leaves), *map(abstract, x_leaves))
   roots = list(closed.jaxpr.constvars) + list(closed.jaxpr.invars[:n])
   jaxpr = _jaxpr(closed.jaxpr, closed.jaxpr.constvars, closed.jaxpr.invars,
@@ -358,6 +365,15 @@ def filled(shape_tree: Any, value) -> Any:
   return jax.tree.map(lambda s: jax.numpy.full(s.shape, value, s.dtype), shape_tree)
 
 
+def _one_of(stacked) -> jax.ShapeDtypeStruct:
+  """One micro-batch of ``stacked`` (its leading axis dropped), with its sharding type."""
+  sharding = getattr(jax.typeof(stacked), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  sharding = (None if spec is None else
+              jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:])))
+  return jax.ShapeDtypeStruct(np.shape(stacked)[1:], stacked.dtype, sharding=sharding)
+
+
 def accumulate(fn: Callable, invariant: Any, xs: Any, *, init: Callable, add: Callable,
                has_aux: bool = False, hoist: bool | None = None,
                caller: str = "accumulate_microbatches") -> tuple:
@@ -397,7 +413,7 @@ def accumulate(fn: Callable, invariant: Any, xs: Any, *, init: Callable, add: Ca
         f"{caller}: every array of microbatches needs the same leading (micro-batch) axis "
         f"of length >= 1; got leading sizes {sorted(map(str, lengths))}")
   (n,) = lengths
-  one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), xs)
+  one = jax.tree.map(_one_of, xs)
   if hoist:
     parts = split(fn, invariant, one)
     hoisted = parts.prologue(invariant)
