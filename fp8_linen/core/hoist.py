@@ -454,6 +454,17 @@ def window_programs(fn: Callable[[Any, Any, Any], Any], now: Callable[[Any], Any
     if ``built_at == now(carried)`` and otherwise does that work again. The
     step is held twice, in one conditional: a branch that returned the cache
     as it came would make XLA copy it every call.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import hoist
+    >>> fn = lambda w, count, x: (x @ jnp.tanh(w), count + 1)
+    >>> prologue, steady = hoist.window_programs(fn, lambda count: count)
+    >>> w, count, x = jnp.ones((3, 2)), jnp.int32(0), jnp.ones((4, 3))
+    >>> kept = prologue(w, count, x)  # tanh(w), once per window
+    >>> y, count = steady(w, count, kept, jnp.int32(0), x)
+    >>> y.shape, int(count)
+    ((4, 2), 1)
   """
   two = lambda invariant, rest: fn(invariant, *rest)
 
@@ -485,6 +496,12 @@ class WindowClock:
 
   Raises:
     ValueError: if ``every_k`` is not a positive int.
+
+  Example:
+    >>> from fp8_linen.core import hoist
+    >>> clock = hoist.WindowClock(3, "example")
+    >>> [clock.starts(i > 0, 1) for i in range(5)]  # first call: 2nd of its window
+    [True, False, True, False, False]
   """
 
   def __init__(self, every_k: int, caller: str):
