@@ -302,12 +302,14 @@ class NnxWindowCacheTest(chex.TestCase):
 
   @parameterized.named_parameters(
       ("delayed", fl.delayed_scaling(), K), ("int8", fl.IntRecipe(), K),
-      ("wrong_every_k", fl.delayed_scaling(), K + 1))
-  def test_same_state_as_the_plain_step(self, recipe, every_k):
+      ("wrong_every_k", fl.delayed_scaling(), K + 1),
+      ("donated", fl.delayed_scaling(), K, True))
+  def test_same_state_as_the_plain_step(self, recipe, every_k, donate=False):
     batches = _batches(2 * K + 1)
     want_state, want_losses = _nnx_run(nnx.jit(_nnx_step), recipe, batches)
     got_state, got_losses = _nnx_run(
-        fl.nnx.quantize_once_per_window(_nnx_step, every_k=every_k), recipe, batches)
+        fl.nnx.quantize_once_per_window(_nnx_step, every_k=every_k, donate=donate), recipe,
+        batches)
     chex.assert_trees_all_equal(got_losses, want_losses)
     want = dict(want_state)
     assert {p for p, _ in got_state} == set(want)

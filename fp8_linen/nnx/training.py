@@ -343,7 +343,7 @@ def quantize_once_per_window(step: Callable, *, every_k: int, donate: bool = Fal
   windows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
   programs = {}
 
-  def programs_for(graphdef, treedef, where):
+  def programs_for(graphdef, treedef, where, opt_index):
     def run(invariant, carried, extra):
       nodes = nnx.merge(graphdef, invariant, carried)
       others = iter(extra)
@@ -357,9 +357,10 @@ def quantize_once_per_window(step: Callable, *, every_k: int, donate: bool = Fal
       _, new_invariant, new_carried = nnx.split(nodes, fixed, ...)
       return out, new_invariant, new_carried
 
-    key = (graphdef, treedef, where)
+    key = (graphdef, treedef, where, opt_index)
     if key not in programs:
-      programs[key] = hoist_lib.window_programs(run, _gradient_step, donate=donate)
+      programs[key] = hoist_lib.window_programs(
+          run, functools.partial(_gradient_step, opt_index), donate=donate)
     return programs[key]
 
   @functools.wraps(step)
@@ -374,7 +375,7 @@ def quantize_once_per_window(step: Callable, *, every_k: int, donate: bool = Fal
                        "accumulate a window in one call use fl.nnx.accumulate_microbatches")
     (opt,) = opts
     graphdef, invariant, carried = nnx.split(nodes, fixed, ...)
-    prologue, steady = programs_for(graphdef, treedef, where)
+    prologue, steady = programs_for(graphdef, treedef, where, nodes.index(opt))
     extra = [x for i, x in enumerate(leaves) if i not in where]
     ms = _multisteps_state(opt)
     window = windows.setdefault(opt, {"clock": hoist_lib.WindowClock(every_k, name)})
@@ -391,9 +392,10 @@ def quantize_once_per_window(step: Callable, *, every_k: int, donate: bool = Fal
   return wrapped
 
 
-def _gradient_step(carried):
-  """``optax.MultiSteps``' count of optimizer steps, found in a split state by its name."""
+def _gradient_step(opt_index: int, carried):
+  """``optax.MultiSteps``' count of optimizer steps: the ``gradient_step`` leaf under the
+  optimizer's entry (``opt_index``) of the split modules' state."""
+  name = lambda k: getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))
   (count,) = [v for path, v in jax.tree_util.tree_leaves_with_path(carried)
-              if any(getattr(k, "key", getattr(k, "name", None)) == "gradient_step"
-                     for k in path)]
+              if name(path[0]) == opt_index and "gradient_step" in map(name, path)]
   return count
