@@ -162,9 +162,22 @@ def _run_child(target: str, d: int, arms: list[str], quick: bool, timeout: float
       for arm in missing:
         rows.update(_run_child(target, d, [arm], quick, timeout, loss, optimizer))
     else:
-      tail = [l for l in out.stderr.splitlines() if "SIGSEGV" in l or "Error" in l]
-      rows[arms[0]] = {"error": (tail[-1] if tail else f"exit {out.returncode}")[:200]}
+      rows[arms[0]] = {"error": _crash_reason(out.stderr, out.returncode)}
   return rows
+
+
+# libtpu logs this on every load here (no TPU worker hostnames); it is no reason for a crash.
+_NOISE = "unexpected worker hostname"
+
+
+def _crash_reason(stderr: str, returncode: int) -> str:
+  """The line of a crashed child's stderr that says why: a compiler check, then an error."""
+  lines = [l for l in stderr.splitlines() if _NOISE not in l]
+  for marks in (("Check failed",), ("SIGSEGV", "Error")):
+    found = [l for l in lines if any(m in l for m in marks)]
+    if found:
+      return found[-1][:300]
+  return f"exit {returncode}"
 
 
 def _ratios(rows: dict) -> None:

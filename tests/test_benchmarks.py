@@ -651,3 +651,16 @@ def test_bench_compile_child_and_best_flags(tmp_path):
   assert bc.best_flags({"variants": runs}) == "--b"  # faster to compile, same kernels and speed
   runs["no_triton_gemm"] = run("--b", 20.0, 25.2, fp8_gemms=0)  # other kernels: not taken
   assert bc.best_flags({"variants": runs}) == ""
+
+
+def test_bench_targets_names_why_a_child_crashed():
+  """A compiler check that aborted the child is the reason given, not libtpu's hostname line,
+  which every TPU compile here logs."""
+  bt = _load("bench_targets")
+  noise = ("E0000 common_lib.cc:554] INVALID_ARGUMENT: Error: unexpected worker hostname "
+           "'WARNING: could not determine TPU worker hostnames'")
+  check = "F1128 fusion_util.cc:3959] Check failed: chunk_counts[new_window_dim] == 1"
+  assert bt._crash_reason("\n".join([noise, check, noise]), 134) == check
+  assert bt._crash_reason("\n".join([noise, "RuntimeError: out of memory"]), 1) == (
+      "RuntimeError: out of memory")
+  assert bt._crash_reason(noise, 139) == "exit 139"
