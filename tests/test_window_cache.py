@@ -361,3 +361,17 @@ def test_on_a_mesh_the_state_is_the_plain_steps(axis_type):
       sharded = [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in batches]
       runs.append(_run(wrap(step), state, sharded))
   _assert_same(*runs[::-1])
+
+
+def test_the_split_traces_python_numbers_as_jit_does():
+  """Outside ``jit`` a TrainState's step counter is a Python int: the split traces it weakly
+  typed, as ``jax.jit`` would, and the body gives the step's values."""
+  state, step = _setup(Mlp())
+  x, y = _batches(1)[0]
+  run = lambda p, rest: step(rest[0].replace(params=p), *rest[1])[1]
+  rest = (state.replace(params=None), (x, y))
+  parts = hoist.split(run, state.params, rest)
+  assert parts.hoisted_bytes > 0
+  # (Compiled: eager bf16 ops round each result, XLA's fusions do not.)
+  got = jax.jit(lambda p, r: parts.body(p, parts.prologue(p), r))(state.params, rest)
+  np.testing.assert_array_equal(got, jax.jit(step)(state, x, y)[1])

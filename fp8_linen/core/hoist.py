@@ -314,8 +314,9 @@ def split(fn: Callable[[Any, Any], Any], invariant: Any, x: Any) -> Split:
   def abstract(a):
     if isinstance(a, jax.ShapeDtypeStruct):
       return a
-    return jax.ShapeDtypeStruct(np.shape(a), a.dtype,
-                                sharding=getattr(jax.typeof(a), "sharding", None))
+    t = jax.typeof(a)  # (a Python number too: weakly typed, as jit would trace it)
+    return jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=getattr(t, "sharding", None),
+                                weak_type=t.weak_type)
 
   closed = jax.make_jaxpr(flat)(*map(abstract, inv_leaves), *map(abstract, x_leaves))
   roots = list(closed.jaxpr.constvars) + list(closed.jaxpr.invars[:n])
