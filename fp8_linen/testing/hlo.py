@@ -233,7 +233,9 @@ def parse(text: str) -> Module:
         if m.group(1):
           entry = current
       continue
-    if line.strip() == "}":
+    # A computation ends at its closing brace, which may carry attributes
+    # (TPU7x's SparseCore computations: `}, execution_thread="sparsecore"`).
+    if line.startswith("}"):
       current = None
       continue
     m = _INSTR.match(line)

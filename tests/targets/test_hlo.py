@@ -204,3 +204,25 @@ def test_count_products_reads_optimized_gpu_hlo():
   assert c.other_dots == 1
   assert (c.fp8_products, c.products) == (3, 7)
   assert dict(c.custom_calls)["__cublas$lt$matmul$f8"] == 1
+
+
+def test_a_computation_closed_with_attributes_ends_there():
+  """TPU7x's SparseCore computations close with ``}, execution_thread=...``: the ENTRY after
+  one is still found, with its own instructions."""
+  text = """\
+HloModule m
+
+%on_sparsecore (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %c = f32[8]{0} copy(%p)
+}, execution_thread="sparsecore"
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %n = f32[8]{0} negate(%a)
+}
+"""
+  module = hlo.parse(text)
+  assert module.entry == "main"
+  assert [i.name for i in module.computations["main"]] == ["a", "n"]
+  assert [i.name for i in module.computations["on_sparsecore"]] == ["p", "c"]
