@@ -74,21 +74,29 @@ def recipes(target: str) -> dict:
           "int8_grad8": fl.IntRecipe(grad_bits=8)}
 
 
-def window(recipe, d: int, tokens: int, micro: int, *, hoist: bool, concrete: bool = False):
-  """``(fn, args)``: one accumulation window's gradients of the MLP (abstract arguments,
-  or initialized variables and random micro-batches with ``concrete``)."""
+def mlp_and_loss(recipe, d: int):
+  """``(model, loss)``: the MLP (bf16 over float32 parameters; ``recipe`` None: flax's
+  ``nn.Dense``) and its mean squared error ``loss(variables, (x, y))``."""
   make = ((lambda n: nn.Dense(n, dtype=jnp.bfloat16)) if recipe is None else
           (lambda n: fl.QDense(n, dtype=jnp.bfloat16, recipe=recipe)))
   model = Mlp(make, d)
-  init = lambda: model.init(jax.random.key(0), jnp.ones((8, d), jnp.bfloat16))
-  variables = init() if concrete else jax.eval_shape(init)
-  xs = jax.ShapeDtypeStruct((micro, tokens, d), jnp.bfloat16)
-  ys = jax.ShapeDtypeStruct((micro, tokens, d), jnp.bfloat16)
 
   def loss(v, batch):
     x, y = batch
     out = model.apply(v, x).astype(jnp.float32)
     return 0.5 * jnp.mean(jnp.sum((out - y.astype(jnp.float32)) ** 2, axis=-1))
+
+  return model, loss
+
+
+def window(recipe, d: int, tokens: int, micro: int, *, hoist: bool, concrete: bool = False):
+  """``(fn, args)``: one accumulation window's gradients of the MLP (abstract arguments,
+  or initialized variables and random micro-batches with ``concrete``)."""
+  model, loss = mlp_and_loss(recipe, d)
+  init = lambda: model.init(jax.random.key(0), jnp.ones((8, d), jnp.bfloat16))
+  variables = init() if concrete else jax.eval_shape(init)
+  xs = jax.ShapeDtypeStruct((micro, tokens, d), jnp.bfloat16)
+  ys = jax.ShapeDtypeStruct((micro, tokens, d), jnp.bfloat16)
 
   grad_fn = jax.grad(loss)
   fn = lambda v, xs, ys: fl.accumulate_microbatches(grad_fn, v, (xs, ys), hoist=hoist)
@@ -102,19 +110,14 @@ def window(recipe, d: int, tokens: int, micro: int, *, hoist: bool, concrete: bo
 def multisteps(recipe, d: int, tokens: int, micro: int):
   """``(plain step, wrapped step, state, (x, y))``: one ``optax.MultiSteps`` call of the MLP
   (abstract state and micro-batch)."""
-  make = ((lambda n: nn.Dense(n, dtype=jnp.bfloat16)) if recipe is None else
-          (lambda n: fl.QDense(n, dtype=jnp.bfloat16, recipe=recipe)))
-  model = Mlp(make, d)
+  model, loss = mlp_and_loss(recipe, d)
   tx = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=micro)
   state = jax.eval_shape(lambda: fl.TrainState.create(
       apply_fn=model.apply, tx=tx,
       params=model.init(jax.random.key(0), jnp.ones((8, d), jnp.bfloat16))))
 
   def step(state, x, y):
-    def loss(v):
-      out = model.apply(v, x).astype(jnp.float32)
-      return 0.5 * jnp.mean(jnp.sum((out - y.astype(jnp.float32)) ** 2, axis=-1))
-    return state.apply_gradients(grads=jax.grad(loss)(state.params))
+    return state.apply_gradients(grads=jax.grad(loss)(state.params, (x, y)))
 
   xy = (jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16),
         jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16))

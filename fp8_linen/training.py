@@ -310,13 +310,10 @@ def quantize_once_per_window(step: Callable, *, every_k: int,
       raise ValueError("quantize_once_per_window: the first argument must be an fl.TrainState "
                        "whose tx is optax.MultiSteps (a window is MultiSteps' micro-batches); "
                        "to accumulate a window in one call use fl.accumulate_microbatches")
-    cache = state.window_cache
-    rest = state.replace(params=None, window_cache=None)
-    if clock.starts(cache is not None, state.opt_state.mini_step):
-      # (A copy: the state's own counter may be donated to the step.)
-      cache = (jnp.array(state.opt_state.gradient_step, copy=True),
-               prologue(state.params, rest, (args, kwargs)))
-    out = steady(state.params, rest, cache[1], cache[0], (args, kwargs))
+    out, cache = hoist_lib.window_call(
+        (prologue, steady), clock, state.window_cache, invariant=state.params,
+        carried=state.replace(params=None, window_cache=None), extra=(args, kwargs),
+        mini_step=state.opt_state.mini_step, step_count=state.opt_state.gradient_step)
     return _with_state(out, _state_of(out).replace(window_cache=cache))
 
   wrapped.prologue = prologue

@@ -42,7 +42,7 @@ from jax.extend import core as jex
 from fp8_linen.core import lowering
 
 __all__ = ["Split", "split", "accumulate", "filled", "hoist_by_default", "window_programs",
-           "WindowClock"]
+           "window_call", "WindowClock"]
 
 _SMALL = 1 << 12  # bytes: a result this small may be carried whatever made it
 
@@ -481,6 +481,40 @@ def window_programs(fn: Callable[[Any, Any, Any], Any], now: Callable[[Any], Any
                         invariant, hoisted, (carried, extra))
 
   return prologue, jax.jit(steady, donate_argnums=(0, 1) if donate else ())
+
+
+def window_call(programs: tuple[Callable, Callable], clock: "WindowClock", cache, *,
+                invariant, carried, extra, mini_step, step_count) -> tuple[Any, tuple]:
+  """One call of a window: the cache built if ``clock`` says the window starts, then the step.
+
+  Args:
+    programs: ``(prologue, steady)`` of :func:`window_programs`.
+    clock: the caller's :class:`WindowClock`.
+    cache: ``(built_at, hoisted)`` from the previous call, or None.
+    invariant, carried, extra: the step's inputs (see :func:`window_programs`).
+    mini_step: the call's index in its window, read once when ``cache`` is None.
+    step_count: ``now(carried)``: the optimizer step the cache is built for.
+
+  Returns:
+    ``(out, cache)``: the step's output and the cache to pass to the next call.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fp8_linen.core import hoist
+    >>> programs = hoist.window_programs(lambda w, n, x: (x @ jnp.tanh(w), n), lambda n: n)
+    >>> clock, cache = hoist.WindowClock(2, "example"), None
+    >>> for _ in range(3):
+    ...   (y, n), cache = hoist.window_call(programs, clock, cache, invariant=jnp.ones((3, 2)),
+    ...                                     carried=jnp.int32(0), extra=jnp.ones((4, 3)),
+    ...                                     mini_step=0, step_count=jnp.int32(0))
+    >>> y.shape, int(cache[0])
+    ((4, 2), 0)
+  """
+  prologue, steady = programs
+  if clock.starts(cache is not None, mini_step):
+    # (A copy: the caller's own counter may be donated to the step.)
+    cache = (jax.numpy.array(step_count, copy=True), prologue(invariant, carried, extra))
+  return steady(invariant, carried, cache[1], cache[0], extra), cache
 
 
 class WindowClock:

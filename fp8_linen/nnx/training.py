@@ -375,16 +375,13 @@ def quantize_once_per_window(step: Callable, *, every_k: int, donate: bool = Fal
                        "accumulate a window in one call use fl.nnx.accumulate_microbatches")
     (opt,) = opts
     graphdef, invariant, carried = nnx.split(nodes, fixed, ...)
-    prologue, steady = programs_for(graphdef, treedef, where, nodes.index(opt))
-    extra = [x for i, x in enumerate(leaves) if i not in where]
     ms = _multisteps_state(opt)
     window = windows.setdefault(opt, {"clock": hoist_lib.WindowClock(every_k, name)})
-    cache = window.get("cache")
-    if window["clock"].starts(cache is not None, ms.mini_step):
-      # (A copy: the optimizer's own counter may be donated to the step.)
-      cache = (jnp.array(ms.gradient_step, copy=True), prologue(invariant, carried, extra))
-      window["cache"] = cache
-    out, new_invariant, new_carried = steady(invariant, carried, cache[1], cache[0], extra)
+    (out, new_invariant, new_carried), window["cache"] = hoist_lib.window_call(
+        programs_for(graphdef, treedef, where, nodes.index(opt)), window["clock"],
+        window.get("cache"), invariant=invariant, carried=carried,
+        extra=[x for i, x in enumerate(leaves) if i not in where], mini_step=ms.mini_step,
+        step_count=ms.gradient_step)
     nnx.update(nodes, new_invariant, new_carried)
     return out
 
