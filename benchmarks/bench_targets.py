@@ -108,7 +108,9 @@ def row_of(report, est) -> dict:
           "all_products": len(report.product_list), "by_kind": report.by_kind,
           "low_precision_share": est.low_precision_share,
           "product_ms": est.product_seconds * 1e3, "other_bytes": est.other_bytes,
-          "flops": est.flops, "kernels": len(est.kernels), "temp_bytes": report.temp_bytes,
+          "flops": est.flops, "kernels": len(est.kernels),
+          "scalar_ops": sum(t.kernel.count for t in est.kernels if t.kernel.scalar),
+          "temp_bytes": report.temp_bytes,
           "compile_s": report.compile_seconds}
 
 

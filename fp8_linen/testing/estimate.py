@@ -5,7 +5,10 @@ of the optimized program (:func:`fp8_linen.testing.hlo_kernels.kernels`) the tim
 the larger of its FLOPs at the peak rate of its operand class (bf16, fp8,
 int8, fp4, f32) and its bytes at the HBM bandwidth; the step is the sum over
 kernels plus a fixed per-kernel floor (launch and pipeline fill, which the
-roofline leaves out). A ``conditional`` counts its cheapest branch (a step
+roofline leaves out); on a TPU the arithmetic XLA leaves on one-element
+arrays in scalar memory runs on the TensorCore's scalar unit
+(:func:`~fp8_linen.testing.hlo_kernels.is_scalar_unit`) and costs a much
+smaller floor of its own. A ``conditional`` counts its cheapest branch (a step
 runs one; delayed scaling's first-step branch runs once). Collectives are not included (see
 :func:`fp8_linen.testing.hlo_collectives.collectives`). It ignores caches, overlap,
 fusion inside library kernels and partial-tile waste, so it is a lower bound
@@ -51,12 +54,15 @@ class Peaks:
     kernel_floor: seconds every kernel costs at least on top of its roofline
       time (launch and pipeline fill).
     source: where the figures come from.
+    scalar_floor: seconds a scalar-unit instruction costs (a TPU's; None: such
+      an instruction is a kernel like any other).
   """
 
   flops: Mapping[str, float]
   hbm: float
   kernel_floor: float
   source: str
+  scalar_floor: float | None = None
 
   def rate(self, operand_class: str) -> float:
     return self.flops.get(operand_class) or self.flops["bf16"]
@@ -78,6 +84,11 @@ _JAX_TPU = ("JAX Pallas 'TPU hardware reference' (docs.jax.dev/en/latest/pallas/
             "hardware.html; jax 0.10.2) and Cloud TPU docs, per JAX device")
 _GPU_FLOOR = 2e-6   # a kernel launch plus its tail on a busy stream
 _TPU_FLOOR = 1e-6   # one TPU program step (no host launch)
+# A scalar-unit instruction of a TPU: a few scalar instructions, each bundle issuing in one
+# cycle and a scalar-memory load taking 4 (measured on a TPU v4 at 1050 MHz:
+# ayaka14732.github.io/pallas-tpu-tutorial, chapter 1), so about 10 cycles: an assumption,
+# 100 times below a vector kernel's floor.
+_TPU_SCALAR_FLOOR = 1e-8
 
 PEAKS: dict[str, Peaks] = {
     "h100": Peaks(flops={"bf16": 989e12, "fp8": 1979e12, "int8": 1979e12, "f32": 494.5e12},
@@ -89,17 +100,17 @@ PEAKS: dict[str, Peaks] = {
                   hbm=8e12, kernel_floor=_GPU_FLOOR, source=_NVIDIA_B200),
     # v5e: no fp8 mode: e4m3fn products run at the bf16 rate (XLA's cycles agree).
     "tpu-v5e": Peaks(flops={"bf16": 197e12, "fp8": 197e12, "int8": 394e12, "f32": 197e12},
-                     hbm=819e9, kernel_floor=_TPU_FLOOR,
+                     hbm=819e9, kernel_floor=_TPU_FLOOR, scalar_floor=_TPU_SCALAR_FLOOR,
                      source=_JAX_TPU + ": v5e BF16 197, INT8 394 TOPS, no FP8; HBM 819 GB/s"),
     # v6e: the table's FP8 peak equals BF16's.
     "tpu-v6e": Peaks(flops={"bf16": 918e12, "fp8": 918e12, "int8": 1836e12, "f32": 918e12},
-                     hbm=1640e9, kernel_floor=_TPU_FLOOR,
+                     hbm=1640e9, kernel_floor=_TPU_FLOOR, scalar_floor=_TPU_SCALAR_FLOOR,
                      source=_JAX_TPU + ": v6e BF16 918, FP8 918 (= BF16), INT8 1836 TOPS; "
                                        "HBM 1640 GB/s"),
     # TPU7x: 2 TensorCores per chip, each a JAX device; no int8 mode.
     "tpu7x": Peaks(flops={"bf16": 1153.5e12, "fp8": 2307e12, "int8": 1153.5e12,
                           "f32": 640e12},
-                   hbm=3.7e12, kernel_floor=_TPU_FLOOR,
+                   hbm=3.7e12, kernel_floor=_TPU_FLOOR, scalar_floor=_TPU_SCALAR_FLOOR,
                    source=_JAX_TPU + ": TPU7x per chip BF16 2307, FP8 4614 TFLOP/s, no INT8; "
                                      "HBM 7.4 TB/s; halved per device (2 per chip)"),
 }
@@ -162,7 +173,9 @@ def estimate(kernels: Iterable[hlo_kernels.Kernel], peaks: Peaks) -> Estimate:
   for k in kernels:
     compute = sum(f / peaks.rate(c) for c, f in k.flops)
     memory = (k.bytes_read + k.bytes_written) / peaks.hbm
-    t = (max(compute, memory) + peaks.kernel_floor) * k.count
+    floor = peaks.scalar_floor if k.scalar and peaks.scalar_floor is not None else \
+        peaks.kernel_floor
+    t = (max(compute, memory) + floor) * k.count
     times.append(KernelTime(k, t, "compute" if compute >= memory else "memory"))
     acc = parts[k.branch]
     acc[0] += t

@@ -31,7 +31,7 @@ from fp8_linen.testing.hlo import Module, branches, reachable
 from fp8_linen.testing.hlo_collectives import KINDS as COLLECTIVE_KINDS
 from fp8_linen.testing.hlo_products import Product, products
 
-__all__ = ["Kernel", "kernels", "every_step_branches", "trip_count"]
+__all__ = ["Kernel", "kernels", "every_step_branches", "is_scalar_unit", "trip_count"]
 
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
@@ -59,6 +59,8 @@ class Kernel:
       ``estimated_cycles`` of its backend config), or None (other targets).
     branch: ``(conditional, branch index)`` when the kernel runs only in one
       branch of a ``conditional`` (a ``lax.cond``), else None.
+    scalar: an instruction XLA:TPU runs on the TensorCore's scalar unit, not
+      as a vector kernel (:func:`is_scalar_unit`).
   """
 
   name: str
@@ -69,10 +71,41 @@ class Kernel:
   count: int = 1
   xla_cycles: int | None = None
   branch: tuple[str, int] | None = None
+  scalar: bool = False
 
   @property
   def is_product(self) -> bool:
     return bool(self.flops)
+
+
+# A copy into scalar memory is a DMA from HBM; the others are vector kernels whenever
+# XLA:TPU leaves them unfused.
+_NOT_SCALAR_UNIT = {"copy", "custom-call", "fusion", "reduce", "rng", "rng-bit-generator"}
+
+
+def is_scalar_unit(inst) -> bool:
+  """Whether XLA:TPU runs the top-level instruction ``inst`` on the scalar unit.
+
+  XLA:TPU leaves the arithmetic on one-element arrays (a scale, a finite
+  check, a history's bookkeeping) unfused, in scalar memory, and gives it no
+  vector-kernel configuration (``window_config``, with the ``estimated_cycles``
+  of its cost model) in the backend config it writes on every instruction
+  (``flag_configs``). Such an instruction is a few scalar instructions of the
+  TensorCore (a bundle issues per cycle, a scalar-memory load takes 4), not
+  a kernel with a pipeline to fill. No GPU program has one: XLA:GPU runs
+  every top-level instruction as a kernel.
+
+  Example:
+    >>> from fp8_linen.testing import hlo, hlo_kernels
+    >>> text = '''ENTRY %main (a: f32[1]) -> pred[1] {
+    ...   %a = f32[1]{0:T(128)S(6)} parameter(0)
+    ...   ROOT %f = pred[1]{0:T(512)S(6)} is-finite(%a), backend_config={"flag_configs":[]}
+    ... }'''
+    >>> [k.scalar for k in hlo_kernels.kernels(hlo.parse(text))]
+    [True]
+  """
+  return ('"flag_configs"' in inst.attrs and '"window_config"' not in inst.attrs
+          and inst.opcode not in _NOT_SCALAR_UNIT and all(a.size <= 1 for a in inst.result))
 
 
 def trip_count(module: Module, comp: str, loop) -> int:
@@ -179,7 +212,8 @@ def kernels(module: Module) -> list[Kernel]:
       cycles = _CYCLES.search(inst.attrs)
       out.append(Kernel(inst.name, op, tuple(sorted(flops.items())), read,
                         sum(a.nbytes for a in res), times,
-                        int(cycles.group(1)) if cycles else None, branch))
+                        int(cycles.group(1)) if cycles else None, branch,
+                        is_scalar_unit(inst)))
   return out
 
 

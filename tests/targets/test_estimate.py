@@ -96,3 +96,49 @@ def test_delayed_scaling_first_step_branch_is_not_in_the_estimate(require_target
   everything = estimate.estimate([dataclasses.replace(k, branch=None) for k in ks],
                                  estimate.PEAKS["tpu-v5e"])
   assert est.seconds < everything.seconds
+
+
+def test_a_scalar_unit_instruction_costs_the_scalar_floor_where_the_target_has_one():
+  scalar = dataclasses.replace(_k(read=8, written=4), scalar=True)
+  tpu = estimate.Peaks(flops={"bf16": 1e12}, hbm=1e12, kernel_floor=1e-6, scalar_floor=1e-8,
+                       source="test")
+  gpu = dataclasses.replace(tpu, scalar_floor=None)
+  assert estimate.estimate([scalar], tpu).seconds == pytest.approx(1e-8 + 12e-12)
+  assert estimate.estimate([scalar], gpu).seconds == pytest.approx(1e-6 + 12e-12)
+  # A vector kernel keeps the kernel floor on a TPU.
+  assert estimate.estimate([_k(read=8, written=4)], tpu).seconds == pytest.approx(1e-6 + 12e-12)
+
+
+@pytest.mark.parametrize("target", ["tpu7x", "h100"])
+def test_scalar_unit_instructions_are_a_tpu_programs_one_element_bookkeeping(require_target,
+                                                                            target):
+  """An fp8 step compiled for TPU7x leaves its scales' arithmetic as unfused
+  one-element instructions (XLA writes them no vector-kernel configuration):
+  those, and only those, are scalar-unit work; bf16's step has none, and no
+  GPU program has any. On the TPU they were most of the fp8 step's kernels.
+  """
+  require_target(target)
+  import flax.linen as nn
+  import fp8_linen as fl
+  from fp8_linen.testing import hlo  # pylint: disable=import-outside-toplevel
+  fp8 = compile_train_step(fl.QDense(1024, dtype=jnp.bfloat16), (2048, 1024), jnp.bfloat16,
+                           target=target)
+  bf16 = compile_train_step(nn.Dense(1024, dtype=jnp.bfloat16), (2048, 1024), jnp.bfloat16,
+                            target=target)
+  scalar = [k for k in fp8.kernel_list if k.scalar]
+  assert not [k for k in bf16.kernel_list if k.scalar]
+  if target == "h100":
+    assert not scalar
+    return
+  assert len(scalar) > len(fp8.kernel_list) / 3, (len(scalar), len(fp8.kernel_list))
+  module = hlo.parse(fp8.hlo)
+  names = {k.name for k in scalar}
+  for comp, insts in module.computations.items():
+    for inst in insts:
+      if inst.name in names:
+        assert all(a.size <= 1 for a in inst.result) and "window_config" not in inst.attrs
+  # Every product, and every instruction moving more than a few scalars, is a kernel.
+  assert not [k for k in scalar if k.is_product or k.bytes_read + k.bytes_written > 64]
+  est = fp8.estimate()
+  old = estimate.estimate(fp8.kernel_list, dataclasses.replace(est.peaks, scalar_floor=None))
+  assert est.seconds < old.seconds
