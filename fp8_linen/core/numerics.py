@@ -138,7 +138,7 @@ def scale_product(*scales) -> jnp.ndarray:
   return jnp.minimum(out, _F32_MAX)
 
 
-def amax(x: jnp.ndarray, *, columns_first: bool = False) -> jnp.ndarray:
+def amax(x: jnp.ndarray, *, columns_first: bool = False, weight: bool = False) -> jnp.ndarray:
   """``max(|x|)`` over all elements, as a float32 scalar (NaN if any is NaN).
 
   An empty ``x`` has amax 0 ("nothing observed").
@@ -154,10 +154,12 @@ def amax(x: jnp.ndarray, *, columns_first: bool = False) -> jnp.ndarray:
   On a GPU or a CPU one reduction is fewer kernels than two: two max
   reductions (``max(x)`` and ``max(-x)``) each took a kernel to finish and
   a third to combine them (the README's decoder block, H100, d_model 1024,
-  compile only: 239 -> 202 kernels with the history update below, the step
-  estimate 1.05 -> 1.00x bf16's). XLA:TPU joins the two-reduction form into
-  its producers better (TPU7x, the same block: 1.8% less step estimate), so
-  a TPU keeps it.
+  compile only: 239 -> 234 kernels, the step estimate 1.05 -> 1.03x
+  bf16's). Two forms keep the two reductions: on a TPU, where XLA joins
+  them into their producers better (TPU7x, the same block: 5% fewer
+  non-GEMM bytes), and a weight's (``weight=True``), whose single reduction
+  XLA:GPU took into Adam's update, which then copied the donated weight
+  (``test_steady_weight_amax_stays_out_of_the_optimizer_update``).
 
   ``columns_first=True`` (an output gradient) reduces the leading axes
   first, then the last, in the two-reduction form: a bias gradient reduces
@@ -175,7 +177,7 @@ def amax(x: jnp.ndarray, *, columns_first: bool = False) -> jnp.ndarray:
     # (No reshape: merging a sharded axis would make the partitioner gather x.)
     lead = tuple(range(x.ndim - 1))
     return jnp.max(jnp.maximum(jnp.max(x, axis=lead), jnp.max(-x, axis=lead))).astype(jnp.float32)
-  if lowering.current_backend() == "tpu":
+  if weight or lowering.current_backend() == "tpu":
     return jnp.maximum(jnp.max(x), jnp.max(-x)).astype(jnp.float32)
   return jnp.max(jnp.maximum(x, -x)).astype(jnp.float32)
 
@@ -351,10 +353,13 @@ def roll_history(history: jnp.ndarray, new_amax: jnp.ndarray) -> jnp.ndarray:
   A non-finite ``new_amax`` (from a NaN/Inf batch) is recorded as 0 ("nothing
   observed"), so it can never reach a later scale.
 
-  Written as one element-wise select over the shifted history, not a roll
-  (a concatenation) followed by an update of element 0: XLA makes the select
-  one loop kernel, often joined with the history's max, where the update of
-  a slice was a kernel of its own for every role of every layer.
+  A roll and an update of element 0, which XLA does in place. Written as one
+  select over the shifted history (or one concatenation) it took a GPU
+  kernel less per role, but XLA:GPU then kept a data-parallel step's state
+  all-reduces apart (one per layer instead of two in all,
+  ``tests/test_collectives.py``) and laid out Adam's update of a cached
+  window's weights transposed (``tests/test_window_cache.py``); so did
+  updating a layer's roles as one stacked array.
 
   Example:
     >>> import jax.numpy as jnp
@@ -363,9 +368,7 @@ def roll_history(history: jnp.ndarray, new_amax: jnp.ndarray) -> jnp.ndarray:
     [4.0, 3.0, 2.0]
   """
   new_amax = finite_or_zero(jnp.asarray(new_amax, jnp.float32))
-  shifted = jnp.pad(history[:-1], [(1, 0)] + [(0, 0)] * (history.ndim - 1))
-  first = lax.broadcasted_iota(jnp.int32, history.shape, 0) == 0
-  return jnp.where(first, jnp.reshape(new_amax, (1,) * history.ndim), shifted)
+  return jnp.roll(history, 1, axis=0).at[0].set(new_amax)
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
@@ -649,10 +652,9 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
     non-GEMM bytes). There a weight on a mesh keeps the amax-measured cast
     (its codes would be flattened). On any GPU a weight's codes and amax
     pass the barrier (unflattened where the GEMMs are block-scaled: B200),
-    so the amax is taken in the cast's pass; when :func:`amax` was two
-    reductions XLA otherwise took one in the optimizer's update and copied
-    the donated weight (B200, TE's layer with Adam: 1.04x -> 0.91x with the
-    barrier). ``barrier=False`` (a convolution's kernel) keeps the cast out
+    so the amax is taken in the cast's pass, not in the optimizer's update
+    (which then copies the donated weight: B200, TE's layer with Adam, 1.04x
+    -> 0.91x). ``barrier=False`` (a convolution's kernel) keeps the cast out
     of all this: with its codes flattened XLA:GPU ran a convolution in
     float32. A weight cast per element differs from a measured one only
     when the weight is not finite.
@@ -672,7 +674,7 @@ def quantize_with(cfg: ScalingConfig, scale: jnp.ndarray, history: jnp.ndarray, 
   gpu = lowering.current_backend() == "gpu"
   waits = cfg.scaling == "current" or (gpu and (weight or not lowering.on_mesh(x)))
   # Inside shard_map every device must pick the scale one device would.
-  a = lowering.global_max(amax(x, columns_first=gradient))
+  a = lowering.global_max(amax(x, columns_first=gradient, weight=weight))
   if cfg.scaling == "delayed" and _OBSERVED.get():
     s = scale_from_amax(history_amax(cfg, history), scale, cfg)
     k_major = gpu and not lowering.block_scaled_gemms()
