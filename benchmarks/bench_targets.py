@@ -350,9 +350,11 @@ def _payload(args, results, t0, measured, *, complete: bool) -> dict:
                 "heads": "d/64 (quick)" if args.quick else "d/128", "mlp": "4 d",
                 "activations": "bfloat16", "params": "float32"},
       "method": "estimate (compile only): per top-level kernel max(FLOPs/peak for its operand "
-                "class, bytes/HBM bandwidth) + a per-kernel floor, summed; collectives excluded",
+                "class, bytes/HBM bandwidth) + a per-kernel floor (on a TPU, the scalar "
+                "floor for a scalar-unit instruction), summed; collectives excluded",
       "peaks": {t: {"flops": dict(estimate.PEAKS[t].flops), "hbm": estimate.PEAKS[t].hbm,
                     "kernel_floor_s": estimate.PEAKS[t].kernel_floor,
+                    "scalar_floor_s": estimate.PEAKS[t].scalar_floor,
                     "source": estimate.PEAKS[t].source} for t in args.targets},
       "results": results, "measured": measured, "complete": complete}
 
