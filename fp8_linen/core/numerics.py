@@ -155,7 +155,8 @@ def amax(x: jnp.ndarray, *, columns_first: bool = False, weight: bool = False) -
   reductions (``max(x)`` and ``max(-x)``) each took a kernel to finish and
   a third to combine them (the README's decoder block, H100, d_model 1024,
   compile only: 239 -> 234 kernels, the step estimate 1.05 -> 1.03x
-  bf16's). Two forms keep the two reductions: on a TPU, where XLA joins
+  bf16's). Besides an output gradient's (below), two keep the two
+  reductions: on a TPU, where XLA joins
   them into their producers better (TPU7x, the same block: 5% fewer
   non-GEMM bytes), and a weight's (``weight=True``), whose single reduction
   XLA:GPU took into Adam's update, which then copied the donated weight
