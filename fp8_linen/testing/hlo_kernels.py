@@ -37,11 +37,16 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 
 # Asynchronous copies (prefetches between memory spaces) overlap the kernels around them,
-# and the kernel that reads the copy counts those bytes itself.
+# and the kernel that reads the copy counts those bytes itself. XLA:TPU's memory-space
+# assignment also prefetches a buffer in slices: a ``slice-start`` per slice (an
+# asynchronous slice into the alternate memory, whose result tuple repeats the whole
+# operand) and a ``ConcatBitcast`` custom call that names the slices, already contiguous
+# there, as one buffer; neither moves data of its own either.
 _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
                 "conditional", "call", "after-all", "partition-id", "replica-id",
                 "add-dependency", "opt-barrier", "domain", "copy-start", "copy-done",
-                "send-done", "recv-done", "async-done", "async-update", ""}
+                "slice-start", "send-done", "recv-done", "async-done", "async-update", ""}
+_NOT_KERNEL_CALLS = ('custom_call_target="ConcatBitcast"',)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +180,8 @@ def kernels(module: Module) -> list[Kernel]:
   Collectives are not kernels here (see
   :func:`~fp8_linen.testing.hlo_collectives.collectives`); nor are
   parameters, tuples, bitcasts and control flow, whose bodies are read in
-  their place (a ``while`` body counts its known trip count).
+  their place (a ``while`` body counts its known trip count), nor
+  prefetches between memory spaces (their readers count the bytes).
   """
   by_comp: dict[str, list[Product]] = collections.defaultdict(list)
   for p in products(module):
@@ -197,6 +203,8 @@ def kernels(module: Module) -> list[Kernel]:
       op = inst.opcode
       base = op[:-len("-start")] if op.endswith("-start") else op
       if op in _NOT_KERNELS or base in COLLECTIVE_KINDS or op.endswith("-done"):
+        continue
+      if op == "custom-call" and any(c in inst.attrs for c in _NOT_KERNEL_CALLS):
         continue
       if op == "fusion" and inst.calls and inst.name not in own:
         prods = inner_products(inst.calls)

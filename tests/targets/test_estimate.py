@@ -109,6 +109,37 @@ def test_a_scalar_unit_instruction_costs_the_scalar_floor_where_the_target_has_o
   assert estimate.estimate([_k(read=8, written=4)], tpu).seconds == pytest.approx(1e-6 + 12e-12)
 
 
+# A buffer prefetched into the TPU's alternate memory (S(1)) in two slices, then read by a
+# fusion: the only kernel is the reader, charged its operand's and result's bytes once.
+_SLICED_PREFETCH = """
+%f (p: bf16[8,128]) -> bf16[8,128] {
+  %p = bf16[8,128]{1,0} parameter(0)
+  ROOT %n = bf16[8,128]{1,0} negate(%p)
+}
+
+ENTRY %main (a: s8[2048]) -> bf16[8,128] {
+  %a = s8[2048]{0} parameter(0)
+  %slice-start = ((s8[2048]{0}), s8[1024]{0:S(1)}, s32[]{:S(2)}) slice-start(%a), slice={[0:1024]}
+  %slice-start.1 = ((s8[2048]{0}), s8[1024]{0:S(1)}, s32[]{:S(2)}) slice-start(%a), slice={[1024:2048]}
+  %slice-done = s8[1024]{0:S(1)} slice-done(%slice-start)
+  %slice-done.1 = s8[1024]{0:S(1)} slice-done(%slice-start.1)
+  %cc = bf16[8,128]{1,0:S(1)} custom-call(%slice-done, %slice-done.1), custom_call_target="ConcatBitcast"
+  ROOT %r = bf16[8,128]{1,0} fusion(%cc), kind=kLoop, calls=%f
+}
+"""
+
+
+def test_a_sliced_prefetch_is_no_kernel():
+  """XLA:TPU's memory-space assignment prefetches a buffer as asynchronous slices joined by a
+  ``ConcatBitcast`` custom call (the slices are contiguous already). Like a ``copy-start``,
+  neither is a kernel: each ``slice-start``'s result tuple repeats the whole operand, so
+  charging it would count a quarter-slice as more than the buffer itself.
+  """
+  from fp8_linen.testing import hlo  # pylint: disable=import-outside-toplevel
+  ks = hlo_kernels.kernels(hlo.parse(_SLICED_PREFETCH))
+  assert [(k.name, k.bytes_read, k.bytes_written) for k in ks] == [("r", 2048, 2048)]
+
+
 @pytest.mark.parametrize("target", ["tpu7x", "h100"])
 def test_scalar_unit_instructions_are_a_tpu_programs_one_element_bookkeeping(require_target,
                                                                             target):
