@@ -133,7 +133,7 @@ def test_a_sliced_prefetch_is_no_kernel():
   """XLA:TPU's memory-space assignment prefetches a buffer as asynchronous slices joined by a
   ``ConcatBitcast`` custom call (the slices are contiguous already). Like a ``copy-start``,
   neither is a kernel: each ``slice-start``'s result tuple repeats the whole operand, so
-  charging it would count a quarter-slice as more than the buffer itself.
+  charging it would count one slice as more than the whole buffer.
   """
   from fp8_linen.testing import hlo  # pylint: disable=import-outside-toplevel
   ks = hlo_kernels.kernels(hlo.parse(_SLICED_PREFETCH))

@@ -46,8 +46,8 @@ RECORD = {
     ("b200", "nvfp4"): 1.72,        # two Pallas kernels per operand (1.77 with the copy)
     ("b200", "nvfp4_jnp"): 4.29,
     # bf16's step on the v5e moves only the cotangent's cast (its weight's cast is in the
-    # GEMM's operand fusion). 1.17 while the sliced prefetches into the GEMMs' fast memory
-    # were charged as kernels: they swelled bf16's bytes (hlo_kernels.kernels).
+    # GEMM's operand fusion); the sliced prefetches into the GEMMs' fast memory are not
+    # passes (hlo_kernels.kernels).
     ("tpu-v5e", "int8_ste"): 2.56,
 }
 RECIPES = {"fp8_delayed": fl.delayed_scaling(), "fp8_current": fl.current_scaling(),
