@@ -46,7 +46,7 @@ _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"
                 "conditional", "call", "after-all", "partition-id", "replica-id",
                 "add-dependency", "opt-barrier", "domain", "copy-start", "copy-done",
                 "slice-start", "send-done", "recv-done", "async-done", "async-update", ""}
-_NOT_KERNEL_CALLS = ('custom_call_target="ConcatBitcast"',)
+_CONCAT_BITCAST = 'custom_call_target="ConcatBitcast"'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +204,7 @@ def kernels(module: Module) -> list[Kernel]:
       base = op[:-len("-start")] if op.endswith("-start") else op
       if op in _NOT_KERNELS or base in COLLECTIVE_KINDS or op.endswith("-done"):
         continue
-      if op == "custom-call" and any(c in inst.attrs for c in _NOT_KERNEL_CALLS):
+      if op == "custom-call" and _CONCAT_BITCAST in inst.attrs:
         continue
       if op == "fusion" and inst.calls and inst.name not in own:
         prods = inner_products(inst.calls)
