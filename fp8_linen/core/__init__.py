@@ -14,6 +14,7 @@ Its modules, each importing only modules listed above it:
 * ``block_kernels``: Pallas kernels: an operand's block codes in both layouts from one read;
 * ``grouped_kernels``: Pallas grouped GEMMs for a GPU (``ragged_dot``: each row by its group's weight);
 * ``int_numerics``: integer grids (affine, symmetric, power-of-two scales), LSQ's steps;
+* ``int_kernels``: a Pallas TPU kernel: a weight's per-channel int8 codes from one read;
 * ``owg``: the state protocol: new state leaves a step as its "gradient" (``RoleState``);
 * ``qdq``: the fp8 quantize/dequantize pair (``fl.quantize``, ``Fp8Activation``);
 * ``fp8_vjp``: the custom_vjp every fp8 GEMM and convolution runs under (``Fp8Spec``);

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from fp8_linen.core import int_numerics, int_ops
+from fp8_linen.core import int_kernels, int_numerics, int_ops
 from fp8_linen.core.numerics import SCALE_FLOOR
 from fp8_linen.recipes.integer import IntQuantConfig
 
@@ -117,7 +117,7 @@ def _params_of(op: Operand, x, view, axes, params, frozen: bool):
   return s, None, (params[1] if op.kind == "lsq+" else None), None
 
 
-def quantize(op: Operand, x, params, frozen: bool = False):
+def quantize(op: Operand, x, params, frozen: bool = False, round_to=None):
   """Quantizes ``x`` to :class:`Codes` as ``op`` says.
 
   Args:
@@ -128,12 +128,21 @@ def quantize(op: Operand, x, params, frozen: bool = False):
       and offsets broadcastable to the view).
     frozen: an observer quantizes with its range as recorded (see
       :func:`~fp8_linen.core.owg.frozen_quantizers`).
+    round_to: the dtype ``x`` (a weight's parameter, handed uncast) is
+      quantized in, or None: the codes are those of ``x.astype(round_to)``.
+      Where the TPU kernel serves the weight
+      (:func:`~fp8_linen.core.int_kernels.channel_codes_mode`), it rounds
+      as it reads, and the rounded copy is never written.
 
   Returns:
     ``(codes, new_range, inside)``: ``new_range`` is the observer's updated
     range (``None`` otherwise); ``inside`` is the STE mask in the view's shape
     where it can differ from all-ones (:attr:`Operand.keeps_mask`), else ``None``.
   """
+  if round_to is not None:
+    if op.kind == "minmax" and int_kernels.channel_codes_mode(x, op.contract, op.cfg, round_to):
+      return Codes(*int_kernels.channel_codes(x, op.contract, op.cfg, round_to)), None, None
+    x = x.astype(round_to)
   view, axes = int_numerics.int_view(x, op.contract, op.cfg)
   s, z, b, new = _params_of(op, x, view, axes, params, frozen)
   # A frozen 'minmax' range no longer includes the batch, so it can clip too.
@@ -159,7 +168,7 @@ def encode(op: Operand, view, scale, zero_point=None, offset=None, keep_mask=Non
   inside = None
   keep_mask = op.keeps_mask if keep_mask is None else keep_mask
   if zero_point is not None:
-    q = jnp.clip(jnp.round(x32 / scale) + zero_point, cfg.qmin, cfg.qmax)
+    q = int_numerics.int_levels(x32, scale, zero_point, cfg.qmin, cfg.qmax)
     if keep_mask:
       v = x32 / scale + zero_point
       inside = (v >= cfg.qmin) & (v <= cfg.qmax)

@@ -20,6 +20,7 @@ from fp8_linen.recipes.integer import IntQuantConfig
 __all__ = [
     "int_view",
     "int_params_from_range",
+    "int_levels",
     "int_quantize",
     "int_dequantize",
     "int_fake_quant",
@@ -105,10 +106,19 @@ def int_params_from_range(lo: jnp.ndarray, hi: jnp.ndarray, cfg: IntQuantConfig)
   return s, z
 
 
+def int_levels(x32, scale, zero_point, qmin: int, qmax: int) -> jnp.ndarray:
+  """``clamp(round(x / s) + z, qmin, qmax)`` of float32 ``x32``, as float32 grid levels.
+
+  Round half to even. The one expression of a grid level: the codes of the
+  ops, of :mod:`~fp8_linen.core.int_codes` and of the TPU kernel
+  (:mod:`~fp8_linen.core.int_kernels`) all come from it.
+  """
+  return jnp.clip(jnp.round(x32 / scale) + zero_point, qmin, qmax)
+
+
 def int_quantize(x, scale, zero_point, qmin: int, qmax: int) -> jnp.ndarray:
   """``clamp(round(x / s) + z, qmin, qmax)`` as int32 (round half to even)."""
-  v = jnp.round(jnp.asarray(x, jnp.float32) / scale) + zero_point
-  return jnp.clip(v, qmin, qmax).astype(jnp.int32)
+  return int_levels(jnp.asarray(x, jnp.float32), scale, zero_point, qmin, qmax).astype(jnp.int32)
 
 
 def int_dequantize(q, scale, zero_point, dtype=jnp.float32) -> jnp.ndarray:

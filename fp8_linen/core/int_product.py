@@ -84,6 +84,9 @@ class _Spec:
   grad_sr: bool = False  # IntRecipe.grad_stochastic_rounding
   frozen: bool = False  # owg.frozen_quantizers() when the product was called
   rhs_grad_dtype: Any = None  # the weight's parameter dtype (lowering.grad_dtype_for)
+  # The dtype rhs arrives in when it is the layer's parameter handed uncast
+  # (rhs_dtype: the dtype it is quantized and differentiated in), or None.
+  rhs_param_dtype: Any = None
 
   @property
   def wgrad_dtype(self):
@@ -437,16 +440,22 @@ def _role_grads(op: Operand, g_hat, x, inside, params, like, dtype):
   return owg.match_varying(g_hat.astype(dtype), like), None
 
 
+def _quantize_rhs(spec, rhs, rparams):
+  """The weight's codes; a parameter handed uncast is quantized in ``spec.rhs_dtype``."""
+  round_to = spec.rhs_dtype if spec.rhs_param_dtype is not None else None
+  return quantize(spec.w, rhs, rparams, round_to=round_to)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _int_product(spec, lhs, rhs, lparams, rparams, chain, extra=()):
   xc, _, _ = quantize(spec.x, lhs, lparams, spec.frozen)
-  wc, _, _ = quantize(spec.w, rhs, rparams)
+  wc, _, _ = _quantize_rhs(spec, rhs, rparams)
   return spec.forward(xc, wc, lhs.shape, *extra).astype(spec.out_dtype), chain
 
 
 def _int_product_fwd(spec, lhs, rhs, lparams, rparams, chain, extra=()):
   xc, new, x_in = quantize(spec.x, lhs, lparams, spec.frozen)
-  wc, _, w_in = quantize(spec.w, rhs, rparams)
+  wc, _, w_in = _quantize_rhs(spec, rhs, rparams)
   y = spec.forward(xc, wc, lhs.shape, *extra).astype(spec.out_dtype)
   res = (_residual(spec.x, lhs, xc, x_in), _residual(spec.w, rhs, wc, w_in),
          lparams, rparams, new, extra)
@@ -469,6 +478,10 @@ def _int_product_bwd(spec, res, cts):
     g_xh, g_wh = grads if grads is not None else spec.grads(g, xh, wh, *extra)
   dx, dlp = _role_grads(spec.x, g_xh, x, x_in, lparams, xh, spec.lhs_dtype)
   dw, drp = _role_grads(spec.w, g_wh, w, w_in, rparams, wh, spec.rhs_dtype)
+  if spec.rhs_param_dtype is not None:
+    # The gradient of the cast the parameter skipped: rounded to the compute
+    # dtype as the cast weight's was, then widened.
+    dw = dw.astype(spec.rhs_param_dtype)
   chain_ct = jnp.zeros_like(ct_chain)
   if spec.x.kind == "observer":
     combined, chain_ct = owg.fold_chain(new, ct_chain, spec.first, like=lparams[0])
@@ -551,28 +564,34 @@ def _params(op: Operand, params, name: str):
 
 
 def _run(spec_cls, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params, out_dtype,
-         chain, owner, extra=(), rhs_grad_dtype=None, **static):
+         chain, owner, extra=(), rhs_grad_dtype=None, rhs_compute_dtype=None, **static):
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   owg.check_float("lhs", lhs)
   owg.check_float("rhs", rhs)
+  compute = jnp.dtype(rhs.dtype if rhs_compute_dtype is None else rhs_compute_dtype)
+  if not jnp.issubdtype(compute, jnp.floating):
+    raise TypeError(f"{owner}: rhs_compute_dtype must be a floating dtype, got "
+                    f"{rhs_compute_dtype!r}")
+  param_dtype = None if compute == rhs.dtype else jnp.dtype(rhs.dtype)
   lp = _params(x_op, input_params, "input_params")
   rp = _params(w_op, kernel_params, "kernel_params")
   first = chain is None
   spec = spec_cls(x=x_op, w=w_op, how=resolve_int_gemm(recipe.gemm, k, x_op, w_op, owner),
                   grad_dtype=resolve_compute_dtype(recipe.compute_dtype, lhs.dtype),
-                  out_dtype=jnp.dtype(out_dtype or jnp.result_type(lhs, rhs)),
-                  lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=jnp.dtype(rhs.dtype), first=first,
+                  out_dtype=jnp.dtype(out_dtype or jnp.result_type(lhs, compute)),
+                  lhs_dtype=jnp.dtype(lhs.dtype), rhs_dtype=compute, first=first,
                   lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape),
                   grad_bits=recipe.grad_bits, grad_sr=recipe.grad_stochastic_rounding,
                   frozen=owg.quantizers_frozen(),
-                  rhs_grad_dtype=lowering.grad_dtype_for(rhs, rhs_grad_dtype), **static)
+                  rhs_grad_dtype=lowering.grad_dtype_for(rhs, rhs_grad_dtype),
+                  rhs_param_dtype=param_dtype, **static)
   return _int_product(spec, lhs, rhs, lp, rp, owg.chain_init(2) if first else chain, extra)
 
 
 def int_dot_general(lhs, rhs, dimension_numbers, *, recipe: IntRecipe, input_params=(),
                     kernel_params=(), input_grad_scale: float = 1.0,
                     kernel_grad_scale: float = 1.0, out_dtype=None, chain=None,
-                    rhs_grad_dtype=None):
+                    rhs_grad_dtype=None, rhs_compute_dtype=None):
   """``dot_general`` of the integer-quantized operands, with QAT gradients.
 
   Forward: both operands quantized to int8 codes (``recipe.input`` per tensor,
@@ -604,6 +623,12 @@ def int_dot_general(lhs, rhs, dimension_numbers, *, recipe: IntRecipe, input_par
       an STE weight gradient's GEMM writes it (see
       :func:`~fp8_linen.fp8_dot_general`); the gradient returned is ``rhs``'s
       dtype either way.
+    rhs_compute_dtype: the dtype ``rhs`` is quantized and differentiated in
+      when it is a layer's parameter handed uncast (default: ``rhs.dtype``).
+      The result is that of ``rhs.astype(rhs_compute_dtype)``; a TPU kernel
+      quantizes the parameter from one read
+      (:mod:`~fp8_linen.core.int_kernels`), so the cast copy is never
+      written. The gradient is rounded to it, then returned in ``rhs``'s dtype.
 
   Returns:
     ``(out, chain_out)``.
@@ -627,7 +652,8 @@ def int_dot_general(lhs, rhs, dimension_numbers, *, recipe: IntRecipe, input_par
   x_op, w_op = _operands(recipe, lc, rc, input_grad_scale, kernel_grad_scale, "int_dot_general")
   k = contracted(recipe.kernel, rhs.shape, rc)
   return _run(_DotSpec, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params, out_dtype,
-              chain, "int_dot_general", rhs_grad_dtype=rhs_grad_dtype, dn=dn)
+              chain, "int_dot_general", rhs_grad_dtype=rhs_grad_dtype,
+              rhs_compute_dtype=rhs_compute_dtype, dn=dn)
 
 
 def int_conv_general_dilated(lhs, rhs, conv, *, recipe: IntRecipe, input_params=(),

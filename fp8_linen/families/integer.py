@@ -53,11 +53,12 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from fp8_linen.core import dims, int_gemm, int_numerics, int_ops, int_product, int_serve, lowering
+from fp8_linen.core import (dims, int_gemm, int_kernels, int_numerics, int_ops, int_product,
+                            int_serve, lowering)
 from fp8_linen.core.grouped_kernels import lax_ragged_dot
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
-__all__ = ["declare", "dot_general", "ragged_dot", "ragged_record", "conv", "record",
+__all__ = ["declare", "dot_general", "dot_general_from_param", "ragged_dot", "ragged_record", "conv", "record",
            "quantize_operand",
            "operand_params"]
 
@@ -225,6 +226,29 @@ def dot_general(access, lhs, rhs, dimension_numbers, recipe: IntRecipe, out_dtyp
   y = lowering.lax_dot_general(xq, wq, dimension_numbers, preferred_element_type=jnp.float32,
                                out_sharding=lowering.dot_out_sharding(xq, wq, dimension_numbers))
   return y.astype(out_dtype)
+
+
+def dot_general_from_param(access, lhs, rhs, param, dimension_numbers, recipe: IntRecipe,
+                           out_dtype=None, key: str = "dot"):
+  """:func:`dot_general` of ``rhs``, the layer's ``param`` cast; a TPU kernel reads ``param``.
+
+  Where :mod:`~fp8_linen.core.int_kernels` quantizes the weight (an STE
+  weight per channel, traced for a TPU), it is handed the parameter and the
+  dtype it was cast to: it rounds the weight as it reads it, once, and the
+  cast copy is never written. The values are those of the cast kernel.
+  Elsewhere the cast fuses into the quantization, so the product runs on ``rhs``.
+  """
+  rhs = jnp.asarray(rhs)
+  (_, rc), _ = dimension_numbers
+  param = jnp.asarray(param)
+  if (not int_gemm.dot_supported(recipe) or param.shape != rhs.shape
+      or not int_kernels.channel_codes_mode(param, rc, recipe.kernel, rhs.dtype)):
+    return dot_general(access, lhs, rhs, dimension_numbers, recipe, out_dtype, key)
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
+  return _int_product(access, lhs, rhs, dimension_numbers[0][0], rc, recipe, key,
+                      lambda **kw: int_product.int_dot_general(
+                          lhs, param, dimension_numbers, recipe=recipe, out_dtype=out_dtype,
+                          rhs_compute_dtype=rhs.dtype, **kw))
 
 
 def ragged_dot(access, lhs, rhs, group_sizes, recipe: IntRecipe, out_dtype=None,

@@ -140,7 +140,8 @@ _TABLE: dict[type, RecipeFamily] = {
         servable=int_serve.int_servable, record=integer.record, served_dot=int_serve.int_served_dot,
         served_conv=int_serve.int_served_conv, ragged_dot=integer.ragged_dot,
         ragged_record=integer.ragged_record, served_ragged=int_serve.int_served_ragged_dot,
-        weight_codes=int_serve.weight_codes, served_weight=int_serve.served_weight),
+        weight_codes=int_serve.weight_codes, served_weight=int_serve.served_weight,
+        dot_general_from_param=integer.dot_general_from_param),
     Fp8WeightOnly: RecipeFamily(
         dot_general=fp8.weight_only_dot, conv=fp8.weight_only_conv, record=fp8.weight_only_record,
         served_dot=fp8_weight.served_dot, served_conv=fp8_weight.served_conv,
