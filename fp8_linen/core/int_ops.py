@@ -204,9 +204,19 @@ def _observe(cfg: IntQuantConfig, old, x):
   x32 = jnp.asarray(x, jnp.float32)
   if x32.size == 0:  # an empty batch observes nothing
     return old
-  # Two max reductions (max(-x) is -min(x)): over a sharded x XLA merges their
-  # all-reduces into one, where a min and a max would need two.
-  cur = jnp.stack([jnp.max(-x32), jnp.max(x32)])
+  # Max reductions only (max(-x) is -min(x)): over a sharded x XLA merges their
+  # all-reduces into one, where a min and a max would need two (and where it
+  # gathers a variadic reduce's partial results instead). On one device both
+  # are one variadic reduce, so one kernel reads x: XLA:TPU fuses two
+  # reductions of one producer apart, each recomputing it from its inputs.
+  if lowering.on_mesh(x32):
+    cur = jnp.stack([jnp.max(-x32), jnp.max(x32)])
+  else:
+    ninf = jnp.array(-jnp.inf, jnp.float32)
+    cur = jnp.stack(jax.lax.reduce(
+        (-x32, x32), (ninf, ninf),
+        lambda a, b: (jnp.maximum(a[0], b[0]), jnp.maximum(a[1], b[1])),
+        tuple(range(x32.ndim))))
   cur = jnp.where(jnp.isfinite(cur), cur, old)  # a NaN batch never poisons the range
   empty = jnp.all(old == 0)
   if cfg.observer == "minmax":
