@@ -206,12 +206,14 @@ def _observe(cfg: IntQuantConfig, old, x):
     return old
   # Max reductions only (max(-x) is -min(x)): over a sharded x XLA merges their
   # all-reduces into one, where a min and a max would need two (and where it
-  # gathers a variadic reduce's partial results instead). On one GPU or TPU
-  # both are one variadic reduce, so one kernel reads x: XLA:TPU fuses two
-  # reductions of one producer apart, each recomputing it from its inputs.
-  # XLA:CPU runs each max reduction in its library's fast kernel, which has
-  # no variadic form (a 2048 x 2048 STE step 2% slower with one).
-  if lowering.on_mesh(x32) or lowering.current_backend() == "cpu":
+  # gathers a variadic reduce's partial results instead). On one TPU both are
+  # one variadic reduce, so one kernel reads x: XLA:TPU fuses two reductions
+  # of one producer apart, each recomputing it from its inputs. XLA:GPU reads
+  # x once for both already (and materializes a variadic reduce's float32
+  # inputs where a Pallas kernel reads x too); XLA:CPU runs each in its
+  # library's fast kernel, which has no variadic form (a 2048 x 2048 STE step
+  # 2% slower with one).
+  if lowering.on_mesh(x32) or lowering.current_backend() != "tpu":
     cur = jnp.stack([jnp.max(-x32), jnp.max(x32)])
   else:
     ninf = jnp.array(-jnp.inf, jnp.float32)
