@@ -92,10 +92,15 @@ def int_params_from_range(lo: jnp.ndarray, hi: jnp.ndarray, cfg: IntQuantConfig)
   """
   lo = jnp.minimum(jnp.asarray(lo, jnp.float32), 0.0)
   hi = jnp.maximum(jnp.asarray(hi, jnp.float32), 0.0)
+  # Times the float32 reciprocal of the grid's width, not divided by it: XLA
+  # rewrites a division by a constant so in some programs and not in others
+  # (jax 0.10.0: not eagerly, yes inside a loop), and a multiplication is
+  # one rounding everywhere, so the TPU kernel, the interpreter and every
+  # path's scale agree bit for bit. XLA 0.10.2 computes this form already.
   if cfg.symmetric:
-    s = jnp.maximum(-lo, hi) / cfg.qmax
+    s = jnp.maximum(-lo, hi) * np.float32(1.0 / cfg.qmax)
   else:
-    s = (hi - lo) / (cfg.qmax - cfg.qmin)
+    s = (hi - lo) * np.float32(1.0 / (cfg.qmax - cfg.qmin))
   if cfg.power_of_two:
     s = pow2(jnp.ceil(jnp.log2(jnp.maximum(s, SCALE_FLOOR))))
   s = jnp.where(jnp.isfinite(s) & (s > SCALE_FLOOR), s, jnp.ones_like(s))
