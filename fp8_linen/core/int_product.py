@@ -457,7 +457,9 @@ def _int_product_fwd(spec, lhs, rhs, lparams, rparams, chain, extra=()):
   xc, new, x_in = quantize(spec.x, lhs, lparams, spec.frozen)
   wc, _, w_in = _quantize_rhs(spec, rhs, rparams)
   y = spec.forward(xc, wc, lhs.shape, *extra).astype(spec.out_dtype)
-  res = (_residual(spec.x, lhs, xc, x_in), _residual(spec.w, rhs, wc, w_in),
+  # A parameter handed uncast is kept rounded, as the cast weight was (LSQ's backward reads it).
+  w = rhs if spec.rhs_param_dtype is None else rhs.astype(spec.rhs_dtype)
+  res = (_residual(spec.x, lhs, xc, x_in), _residual(spec.w, w, wc, w_in),
          lparams, rparams, new, extra)
   return (y, chain), res
 

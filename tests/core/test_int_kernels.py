@@ -122,3 +122,35 @@ def test_a_training_step_is_the_same_bits_with_the_kernel(grad_bits):
   grads = got[1][0]["params"]
   chex.assert_trees_all_equal_dtypes(grads, v["params"])
   assert float(jnp.abs(grads["Dense_0"]["kernel"]).max()) > 0
+
+
+@pytest.mark.parametrize("recipe", [fl.IntRecipe(kernel=CHANNEL),
+                                    fl.IntRecipe(kernel=CHANNEL, grad_bits=8), fl.int8_lsq()],
+                         ids=["ste", "grad_bits8", "lsq"])
+@pytest.mark.parametrize("mode", ["off", "interpret"])
+def test_a_parameter_handed_uncast_is_the_cast_one(recipe, mode):
+  """``rhs_compute_dtype``: the float32 parameter gives the cast weight's product and gradients.
+
+  With the kernel off the parameter is cast inside; in the interpreter the
+  kernel rounds it as it reads it (STE); LSQ's learned weight is never the
+  kernel's and keeps its rounded copy for its backward.
+  """
+  from fp8_linen.core import int_product  # pylint: disable=import-outside-toplevel
+  x = jax.random.normal(jax.random.key(0), (32, 64), jnp.bfloat16)
+  w = _weight(jax.random.key(1), (64, 128)).at[..., 1].set(1.0) * 1e-3
+  dn = (((1,), (0,)), ((), ()))
+  step = jnp.full((1, 128), 1e-5, jnp.float32) if recipe.kernel.learned else None
+  kp = (step,) if step is not None else ()
+  ip = (jnp.full((), 0.05, jnp.float32),) if recipe.input.learned else (jnp.zeros(2),)
+
+  def loss(w, x, cast):
+    y, _ = int_product.int_dot_general(
+        x, w.astype(jnp.bfloat16) if cast else w, dn, recipe=recipe, input_params=ip,
+        kernel_params=kp, rhs_compute_dtype=None if cast else jnp.bfloat16)
+    return jnp.sum(y.astype(jnp.float32) ** 2), y
+
+  with fl.pallas_kernels(mode):
+    got = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(w, x, False)
+    want = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(w, x, True)
+  chex.assert_trees_all_equal(got, want)
+  chex.assert_type(got[1][0], jnp.float32)
