@@ -203,7 +203,7 @@ def _fake_quantized(access, lhs, rhs, lc, rc, recipe: IntRecipe, key: str):
 
 
 def dot_general(access, lhs, rhs, dimension_numbers, recipe: IntRecipe, out_dtype=None,
-                key: str = "dot"):
+                key: str = "dot", *, rhs_compute_dtype=None):
   """``dot_general`` of the quantized operands (``lhs`` the activation, ``rhs`` the weight).
 
   Example:
@@ -221,7 +221,7 @@ def dot_general(access, lhs, rhs, dimension_numbers, recipe: IntRecipe, out_dtyp
     return _int_product(access, lhs, rhs, lc, rc, recipe, key,
                         lambda **kw: int_product.int_dot_general(
                             lhs, rhs, dimension_numbers, recipe=recipe, out_dtype=out_dtype,
-                            **kw))
+                            rhs_compute_dtype=rhs_compute_dtype, **kw))
   xq, wq = _fake_quantized(access, lhs, rhs, lc, rc, recipe, key)
   y = lowering.lax_dot_general(xq, wq, dimension_numbers, preferred_element_type=jnp.float32,
                                out_sharding=lowering.dot_out_sharding(xq, wq, dimension_numbers))
@@ -238,17 +238,13 @@ def dot_general_from_param(access, lhs, rhs, param, dimension_numbers, recipe: I
   cast copy is never written. The values are those of the cast kernel.
   Elsewhere the cast fuses into the quantization, so the product runs on ``rhs``.
   """
-  rhs = jnp.asarray(rhs)
+  rhs, param = jnp.asarray(rhs), jnp.asarray(param)
   (_, rc), _ = dimension_numbers
-  param = jnp.asarray(param)
   if (not int_gemm.dot_supported(recipe) or param.shape != rhs.shape
       or not int_kernels.channel_codes_mode(param, rc, recipe.kernel, rhs.dtype)):
     return dot_general(access, lhs, rhs, dimension_numbers, recipe, out_dtype, key)
-  out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs, rhs))
-  return _int_product(access, lhs, rhs, dimension_numbers[0][0], rc, recipe, key,
-                      lambda **kw: int_product.int_dot_general(
-                          lhs, param, dimension_numbers, recipe=recipe, out_dtype=out_dtype,
-                          rhs_compute_dtype=rhs.dtype, **kw))
+  return dot_general(access, lhs, param, dimension_numbers, recipe,
+                     out_dtype or jnp.result_type(lhs, rhs), key, rhs_compute_dtype=rhs.dtype)
 
 
 def ragged_dot(access, lhs, rhs, group_sizes, recipe: IntRecipe, out_dtype=None,
