@@ -488,3 +488,28 @@ def test_resolve_compute_dtype():
   assert res("float32", jnp.bfloat16) == "float32" and res("bfloat16", jnp.float32) == "bfloat16"
   with pytest.raises(ValueError, match=r"compute_dtype='f16'.*\['auto', 'float32', 'bfloat16'\]"):
     int_gemm.resolve_compute_dtype("f16", jnp.float32)
+
+
+@pytest.mark.parametrize("observer", ["minmax", "moving_average"])
+def test_the_tpu_observer_pass_is_the_two_reductions(observer):
+  """Traced for a TPU the observer takes its min and max in one variadic reduce: the same range.
+
+  Including a batch with a NaN or an Inf (the range keeps its old value), one of one sign only,
+  and an old range that is empty (the batch's is taken as it is).
+  """
+  cfg = fl.IntQuantConfig(observer=observer)
+  old = jnp.array([0.5, 2.0], jnp.float32)
+  batches = [jnp.array([[1.0, -3.0], [2.0, 0.25]], jnp.bfloat16),
+             jnp.array([[1.0, jnp.nan], [2.0, 0.25]]), jnp.array([-jnp.inf, 1.0]),
+             jnp.array([0.1, 0.2, 0.3]), -jnp.arange(1.0, 9.0).reshape(2, 4)]
+  step = jax.jit(lambda x, o: int_ops.observer_qparams(cfg, x, o))
+  variadic = lambda x, o: ":2 = stablehlo.reduce(" in step.lower(x, o).as_text()
+  for x in batches:
+    for start in (old, jnp.zeros(2)):
+      want = step(x, start)
+      assert not variadic(x, start)  # on a CPU: two reductions
+      with fl.target_backend("tpu"):
+        got = step(x, start)
+        assert variadic(x, start)     # one reduce, two results
+      np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+      np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
