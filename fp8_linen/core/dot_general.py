@@ -213,10 +213,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, input_state: owg.RoleState,
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   owg.check_float("lhs", lhs)
   owg.check_float("rhs", rhs)
-  compute = jnp.dtype(rhs.dtype if rhs_compute_dtype is None else rhs_compute_dtype)
-  if not jnp.issubdtype(compute, jnp.floating):
-    raise TypeError(f"fp8_dot_general: rhs_compute_dtype must be a floating dtype, got "
-                    f"{rhs_compute_dtype!r}")
+  compute = lowering.compute_dtype_for(rhs, rhs_compute_dtype, "fp8_dot_general")
   dn = dims.canonical_dn(dimension_numbers, lhs.ndim, rhs.ndim)
   (lc, rc), (lb, rb) = dn
   for ld, rd in zip(lc + lb, rc + rb):

@@ -570,10 +570,7 @@ def _run(spec_cls, lhs, rhs, x_op, w_op, k, recipe, input_params, kernel_params,
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   owg.check_float("lhs", lhs)
   owg.check_float("rhs", rhs)
-  compute = jnp.dtype(rhs.dtype if rhs_compute_dtype is None else rhs_compute_dtype)
-  if not jnp.issubdtype(compute, jnp.floating):
-    raise TypeError(f"{owner}: rhs_compute_dtype must be a floating dtype, got "
-                    f"{rhs_compute_dtype!r}")
+  compute = lowering.compute_dtype_for(rhs, rhs_compute_dtype, owner)
   param_dtype = None if compute == rhs.dtype else jnp.dtype(rhs.dtype)
   lp = _params(x_op, input_params, "input_params")
   rp = _params(w_op, kernel_params, "kernel_params")

@@ -71,6 +71,7 @@ __all__ = [
     "block_scaled_matmul",
     "gemm",
     "grad_gemm",
+    "compute_dtype_for",
     "grad_dtype_for",
     "is_code",
     "untracked_axes",
@@ -500,6 +501,23 @@ def relayout(t, pairs, dst_ndim: int):
 def relayout_like(t, pairs, ref):
   """:func:`relayout` into ``ref``'s layout, sharded to broadcast against ``ref``."""
   return reshard_like(relayout(t, pairs, ref.ndim), ref)
+
+
+def compute_dtype_for(rhs, rhs_compute_dtype, owner: str):
+  """The dtype a weight ``rhs`` is quantized in: ``rhs_compute_dtype``, else its own.
+
+  ``rhs_compute_dtype`` other than ``rhs.dtype``: ``rhs`` is a layer's
+  parameter handed uncast, and the product's values are those of
+  ``rhs.astype(rhs_compute_dtype)``.
+
+  Raises:
+    TypeError: (naming ``owner``) if ``rhs_compute_dtype`` is not a floating dtype.
+  """
+  compute = jnp.dtype(rhs.dtype if rhs_compute_dtype is None else rhs_compute_dtype)
+  if not jnp.issubdtype(compute, jnp.floating):
+    raise TypeError(f"{owner}: rhs_compute_dtype must be a floating dtype, got "
+                    f"{rhs_compute_dtype!r}")
+  return compute
 
 
 def grad_dtype_for(rhs, rhs_grad_dtype):

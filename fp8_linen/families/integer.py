@@ -58,9 +58,8 @@ from fp8_linen.core import (dims, int_gemm, int_kernels, int_numerics, int_ops, 
 from fp8_linen.core.grouped_kernels import lax_ragged_dot
 from fp8_linen.recipes.integer import IntQuantConfig, IntRecipe
 
-__all__ = ["declare", "dot_general", "dot_general_from_param", "ragged_dot", "ragged_record", "conv", "record",
-           "quantize_operand",
-           "operand_params"]
+__all__ = ["declare", "dot_general", "dot_general_from_param", "ragged_dot", "ragged_record",
+           "conv", "record", "quantize_operand", "operand_params"]
 
 
 def _step_shape(role: str, view, axes) -> tuple:
