@@ -154,3 +154,11 @@ def test_a_parameter_handed_uncast_is_the_cast_one(recipe, mode):
     want = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(w, x, True)
   chex.assert_trees_all_equal(got, want)
   chex.assert_type(got[1][0], jnp.float32)
+
+
+def test_a_compute_dtype_that_is_not_floating_is_refused():
+  from fp8_linen.core import int_product  # pylint: disable=import-outside-toplevel
+  with pytest.raises(TypeError, match="int_dot_general: rhs_compute_dtype must be a floating"):
+    int_product.int_dot_general(jnp.ones((2, 3)), jnp.ones((3, 128)), (((1,), (0,)), ((), ())),
+                                recipe=fl.IntRecipe(kernel=CHANNEL), input_params=(jnp.zeros(2),),
+                                rhs_compute_dtype=jnp.int8)
