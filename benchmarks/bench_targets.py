@@ -304,6 +304,38 @@ def ratio_cell(rows: dict) -> str:
   return " / ".join(f"{r['ratio_vs_bf16']:.2f}" if "ratio_vs_bf16" in r else "-" for r in rows)
 
 
+# The recipe each target's users train with, for the headroom table (``floor_rows``).
+FLOOR_ARMS = (("h100", "fp8_delayed"), ("b200", "fp8_delayed"), ("b200", "mx_block"),
+              ("b200", "nvfp4"), ("tpu-v5e", "int8_grad8"), ("tpu-v6e", "int8_grad8"),
+              ("tpu7x", "fp8_delayed"))
+
+
+def floor_ratio(bf16: dict, arm: dict) -> float:
+  """The step vs bf16 if ``arm``'s non-GEMM kernels took exactly bf16's own non-GEMM time.
+
+  Fusing the quantization passes can remove what the quantized step adds
+  outside its GEMMs, not the work bf16's step already does there (attention's
+  softmax, the norms, the residuals, the bias and weight-gradient passes), so
+  this is about the best that fusion alone can give: ``(arm's GEMM time +
+  bf16's non-GEMM time) / bf16's step``.
+  """
+  return (arm["product_ms"] + bf16["estimate_ms"] - bf16["product_ms"]) / bf16["estimate_ms"]
+
+
+def floor_rows(results: dict, widths) -> list[str]:
+  """The headroom table: each main recipe's step now, its floor and its GEMMs alone."""
+  out = ["| target | recipe | step vs bf16 now | if its non-GEMM time were bf16's "
+         "| its GEMMs alone vs bf16's step |", "| --- | --- | ---: | ---: | ---: |"]
+  for t, arm in FLOOR_ARMS:
+    rows = [results.get(t, {}).get(str(w), {}) for w in widths]
+    if not all("estimate_ms" in r.get(a, {}) for r in rows for a in ("bf16", arm)):
+      continue
+    fmt = lambda f: " / ".join(f"{f(r['bf16'], r[arm]):.2f}" for r in rows)
+    out.append(f"| {NAMES[t]} | {LABELS[arm]} | {fmt(lambda b, q: q['ratio_vs_bf16'])} | "
+               f"{fmt(floor_ratio)} | {fmt(lambda b, q: q['product_ms'] / b['estimate_ms'])} |")
+  return out
+
+
 def tables(payload: dict) -> str:
   """The markdown tables the README and docs/accelerators.md quote, from the JSON."""
   results, out = payload["results"], []
@@ -331,6 +363,8 @@ def tables(payload: dict) -> str:
       int8 = f"{i['estimate_ms']:.2f}" if "estimate_ms" in i else "-"
       out.append(f"| {NAMES[t]}, {w} | {b['estimate_ms']:.2f} | {f['estimate_ms']:.2f} | "
                  f"{f['low_precision_share']:.0%} | {f['other_bytes_vs_bf16']:.2f}x | {int8} |")
+  out.append("")
+  out.extend(floor_rows(results, widths))
   return "\n".join(out)
 
 

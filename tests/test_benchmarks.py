@@ -664,3 +664,18 @@ def test_bench_targets_names_why_a_child_crashed():
   assert bt._crash_reason("\n".join([noise, "RuntimeError: out of memory"]), 1) == (
       "RuntimeError: out of memory")
   assert bt._crash_reason(noise, 139) == "exit 139"
+
+
+def test_bench_targets_floor_is_the_step_with_bf16s_non_gemm_time():
+  """The headroom table's floor: the arm's GEMM time plus bf16's non-GEMM time, over bf16's step."""
+  bt = _load("bench_targets")
+  bf16 = {"estimate_ms": 10.0, "product_ms": 6.0, "ratio_vs_bf16": 1.0}
+  # Quantized: GEMMs twice as fast, 1.5 ms more outside them than bf16 (5.5 vs 4.0).
+  arm = {"estimate_ms": 8.5, "product_ms": 3.0, "ratio_vs_bf16": 0.85}
+  assert bt.floor_ratio(bf16, arm) == pytest.approx(0.7)
+  assert bt.floor_ratio(bf16, bf16) == pytest.approx(1.0)
+  results = {"h100": {str(w): {"bf16": bf16, "fp8_delayed": arm} for w in (1024, 4096)}}
+  rows = bt.floor_rows(results, [1024, 4096])
+  assert rows[2] == "| H100 | fp8 delayed | 0.85 / 0.85 | 0.70 / 0.70 | 0.30 / 0.30 |"
+  # A target whose cells are missing is left out, not printed with holes.
+  assert len(rows) == 3

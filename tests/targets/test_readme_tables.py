@@ -73,6 +73,7 @@ def test_estimate_tables_are_the_benchmark_output():
   doc = ROOT.joinpath("docs/accelerators.md").read_text()
   assert _table_after(doc, "<!-- estimate table") == _rows(want[0])
   assert _table_after(doc, "<!-- estimate detail") == _rows(want[1])
+  assert _table_after(doc, "<!-- estimate floor") == _rows(want[2])
   assert payload["device"] == "estimate (compile only)"
 
 
