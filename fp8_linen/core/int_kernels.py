@@ -19,9 +19,11 @@ the maximum.
 It runs (the one switch: :func:`~fp8_linen.core.block_kernels.pallas_kernels`):
 
 * ``'auto'``: where products are traced for a TPU, on one device or inside
-  ``shard_map``, for a weight whose contracting axes lead its one output
-  axis, whose channels are whole lane tiles (a multiple of 128) and whose
-  kept tile fits in VMEM;
+  ``shard_map``, for a weight whose contracting axes lead its one or two
+  output axes (a Dense's ``(in, out)``, attention's ``(d, heads, head_dim)``),
+  whose last axis is whole lane tiles (a multiple of 128), whose heads are
+  whole int8 row tiles (a multiple of 32), and whose kept tile fits in the
+  chip's VMEM;
 * ``'interpret'``: for such a weight on any backend, in Pallas' interpreter
   (how tests compare it with the ``jnp`` path on a CPU);
 * ``'off'``: never.
@@ -57,43 +59,70 @@ _ROW_TILE = 32  # rows of a TPU memory tile, for every dtype up to 4 bytes
 # Rows per chunk, largest first: a chunk is a multiple of int8's 32-row tile,
 # and long chunks keep the grid short (each step costs a fixed overhead).
 _CHUNKS = (2048, 1024, 512, 256, 128, 64, 32)
-# What one call may ask of VMEM: under TPU7x's 64 MiB per TensorCore, with room
-# for XLA's own buffers around the call.
+# What one call may ask of VMEM where the chip is not known: TPU7x's budget
+# (3/4 of its 64 MiB per TensorCore), the smallest of the TPUs served.
 _VMEM_CAP = 48 * 2**20
 
 
-def _plan(k: int, n: int, in_bytes: int, keep_bytes: int):
-  """``(tk, tn, vmem bytes)`` for a (K, N) weight, or None where no plan fits."""
-  tn = 256 if n % 256 == 0 else _LANES if n % _LANES == 0 else None
-  if tn is None:
+def _plan(k: int, m: int, n: int, in_bytes: int, keep_bytes: int):
+  """``(tk, tm, tn, vmem bytes)`` for a (K, N) weight (``m == 0``) or a (K, M, N) one.
+
+  A (K, M, N) weight's column tile spans whole row tiles of its second-minor
+  axis (int8's 32 rows), so its chunks are short along K. None where no plan
+  fits.
+  """
+  tn = (256 if n % 256 == 0 and not m else _LANES) if n % _LANES == 0 else None
+  if tn is None or (m and m % _ROW_TILE):
     return None
-  tk = next((c for c in _CHUNKS if k % c == 0), None)
+  tm = _ROW_TILE if m else 1
+  # A chunk of at most 2048 x 256 elements: long enough that the grid stays
+  # short, small enough that its buffers leave VMEM to the kept tile.
+  chunks = _CHUNKS if not m else tuple(c for c in (128, 64, 32, 16, 8) if c * tm * tn <= 2048 * 256)
+  tk = next((c for c in chunks if k % c == 0), None)
   if tk is None:
     return None
   # The kept tile, two buffers of the input and output chunks, and the chunk's
   # float32 intermediates.
-  need = k * tn * keep_bytes + 2 * tk * tn * (in_bytes + 1) + 3 * tk * tn * 4 + (1 << 20)
-  return None if need > _VMEM_CAP else (tk, tn, need)
+  chunk = tk * tm * tn
+  need = k * tm * tn * keep_bytes + 2 * chunk * (in_bytes + 1) + 3 * chunk * 4 + (1 << 20)
+  return None if need > _vmem_cap() else (tk, tm, tn, need)
+
+
+def _vmem_cap() -> int:
+  """What one call may ask of VMEM: 3/4 of the traced-for TPU's, the rest left to XLA.
+
+  The chip is the one-device mesh's (``jax.set_mesh``, how a program is
+  compiled for a TPU this machine lacks) or JAX's default device's: 96 MiB on
+  TPU v5e and v6e, 48 MiB on TPU7x. Where it is not a TPU (Pallas'
+  interpreter) the smallest of those.
+  """
+  try:
+    return pltpu.get_tpu_info().vmem_capacity_bytes * 3 // 4
+  except ValueError:  # not a TPU, or one Pallas does not know
+    return _VMEM_CAP
 
 
 def _qualifies(w, contract, cfg: IntQuantConfig, round_to) -> tuple | None:
-  """The (K, N) view's plan where the kernel serves ``w``, else None."""
+  """``(view shape, plan)`` where the kernel serves ``w``, else None."""
   contract = tuple(a % w.ndim for a in contract)
-  # One output axis, the last, after the contracting ones: then the (K, N) view
-  # is the weight's own tiled layout (merging leading axes whose last is whole
-  # row tiles). A weight with several output axes (attention's (d, heads,
-  # head_dim)) would be copied into that view first, which costs more than
-  # the read the kernel saves.
+  free = w.ndim - len(contract)
+  # The contracting axes lead, then one or two output axes: then the (K, N)
+  # or (K, M, N) view is the weight's own tiled layout (merging leading axes
+  # whose last is whole row tiles, or that the tiles do not span). With two,
+  # a column tile spans 32 of the M axis (an int8 tile's rows), so it keeps
+  # K x 32 x 128 values: 64 MiB in bfloat16 at K = 8192, which TPU v5e's and
+  # v6e's VMEM hold and TPU7x's does not.
   if (cfg.granularity != "channel" or not cfg.symmetric or cfg.learned or cfg.power_of_two
-      or cfg.qmax > 127 or contract != tuple(range(w.ndim - 1)) or not contract
-      or (len(contract) > 1 and w.shape[-2] % _ROW_TILE)
+      or cfg.qmax > 127 or contract != tuple(range(len(contract))) or not contract
+      or free not in (1, 2)
+      or (free == 1 and len(contract) > 1 and w.shape[-2] % _ROW_TILE)
       or not jnp.issubdtype(w.dtype, jnp.floating)):
     return None
   k = math.prod(w.shape[:len(contract)])
-  n = math.prod(w.shape[len(contract):])
+  view = (k,) + tuple(w.shape[len(contract):])
   keep = jnp.dtype(round_to or w.dtype).itemsize
-  plan = _plan(k, n, jnp.dtype(w.dtype).itemsize, keep)
-  return None if plan is None else (k, n) + plan
+  plan = _plan(k, view[1] if free == 2 else 0, view[-1], jnp.dtype(w.dtype).itemsize, keep)
+  return None if plan is None else (view,) + plan
 
 
 def channel_codes_mode(w, contract, cfg: IntQuantConfig, round_to=None) -> str | None:
@@ -119,7 +148,7 @@ def channel_codes_mode(w, contract, cfg: IntQuantConfig, round_to=None) -> str |
 def _codes_kernel(w_ref, q_ref, s_ref, keep_ref, nlo_ref, hi_ref, scale_ref, *, cfg, round_to,
                   steps: int):
   """Grid (column tiles, 2 * chunks): the first half reads, the second writes codes."""
-  t = pl.program_id(1)
+  t = pl.program_id(len(w_ref.shape) - 1)
   tk = w_ref.shape[0]
 
   @pl.when(t == 0)
@@ -132,7 +161,7 @@ def _codes_kernel(w_ref, q_ref, s_ref, keep_ref, nlo_ref, hi_ref, scale_ref, *, 
     w = w_ref[...]
     if round_to is not None:
       w = w.astype(round_to)
-    keep_ref[pl.ds(pl.multiple_of(t * tk, tk), tk), :] = w
+    keep_ref[pl.ds(pl.multiple_of(t * tk, tk), tk), ...] = w
     # The range as minmax_qparams takes it: lo = -max(-w), hi = max(w).
     nlo_ref[...] = jnp.maximum(nlo_ref[...],
                                jnp.max(-w, axis=0, keepdims=True).astype(jnp.float32))
@@ -146,7 +175,7 @@ def _codes_kernel(w_ref, q_ref, s_ref, keep_ref, nlo_ref, hi_ref, scale_ref, *, 
   @pl.when(t >= steps)
   def _write():
     j = t - steps
-    x = keep_ref[pl.ds(pl.multiple_of(j * tk, tk), tk), :].astype(jnp.float32)
+    x = keep_ref[pl.ds(pl.multiple_of(j * tk, tk), tk), ...].astype(jnp.float32)
     s = scale_ref[...]
     q = int_numerics.int_levels(x, s, jnp.zeros_like(s), cfg.qmin, cfg.qmax)
     q_ref[...] = q.astype(jnp.int8)
@@ -177,22 +206,35 @@ def channel_codes(w, contract, cfg: IntQuantConfig, round_to=None):
   if plan is None:
     raise ValueError(f"channel_codes: a {w.dtype} weight of shape {w.shape} contracted over "
                      f"{tuple(contract)} under {cfg} is not served by the kernel")
-  k, n, tk, tn, need = plan
+  view, tk, tm, tn, need = plan
+  k, n = view[0], view[-1]
   steps = k // tk
   keep = jnp.dtype(round_to or w.dtype)
   interpret = channel_codes_mode(w, contract, cfg, round_to) == "interpret"
+  if len(view) == 2:
+    grid = (n // tn, 2 * steps)
+    blk, one = (tk, tn), (1, tn)
+    rd = lambda i, t: (jnp.minimum(t, steps - 1), i)
+    wr = lambda i, t: (jnp.maximum(t - steps, 0), i)
+    sc = lambda i, t: (0, i)
+  else:
+    grid = (view[1] // tm, n // tn, 2 * steps)
+    blk, one = (tk, tm, tn), (1, tm, tn)
+    rd = lambda h, i, t: (jnp.minimum(t, steps - 1), h, i)
+    wr = lambda h, i, t: (jnp.maximum(t - steps, 0), h, i)
+    sc = lambda h, i, t: (0, h, i)
   codes, scale = pl.pallas_call(
       functools.partial(_codes_kernel, cfg=cfg, round_to=round_to, steps=steps),
-      grid=(n // tn, 2 * steps),
-      in_specs=[pl.BlockSpec((tk, tn), lambda i, t: (jnp.minimum(t, steps - 1), i))],
-      out_specs=[pl.BlockSpec((tk, tn), lambda i, t: (jnp.maximum(t - steps, 0), i)),
-                 pl.BlockSpec((1, tn), lambda i, t: (0, i))],
-      out_shape=[jax.ShapeDtypeStruct((k, n), jnp.int8),
-                 jax.ShapeDtypeStruct((1, n), jnp.float32)],
-      scratch_shapes=[pltpu.VMEM((k, tn), keep), pltpu.VMEM((1, tn), jnp.float32),
-                      pltpu.VMEM((1, tn), jnp.float32), pltpu.VMEM((1, tn), jnp.float32)],
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                           vmem_limit_bytes=int(need * 1.25)),
-      interpret=interpret, name="int8_channel_codes")(w.reshape(k, n))
+      grid=grid,
+      in_specs=[pl.BlockSpec(blk, rd)],
+      out_specs=[pl.BlockSpec(blk, wr), pl.BlockSpec(one, sc)],
+      out_shape=[jax.ShapeDtypeStruct(view, jnp.int8),
+                 jax.ShapeDtypeStruct((1,) + view[1:], jnp.float32)],
+      scratch_shapes=[pltpu.VMEM((k,) + blk[1:], keep), pltpu.VMEM(one, jnp.float32),
+                      pltpu.VMEM(one, jnp.float32), pltpu.VMEM(one, jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel",) * (len(grid) - 1) + ("arbitrary",),
+          vmem_limit_bytes=int(need * 1.25)),
+      interpret=interpret, name="int8_channel_codes")(w.reshape(view))
   nc = len(tuple(contract))
   return codes.reshape(w.shape), scale.reshape((1,) * nc + w.shape[nc:])

@@ -45,6 +45,8 @@ def _reference(w, contract, cfg, round_to):
     ((64, 256), (0,), jnp.bfloat16, None, CHANNEL),               # a bfloat16 parameter
     ((64, 256), (0,), jnp.float32, jnp.bfloat16,
      fl.IntQuantConfig(granularity="channel", bits=4, narrow_range=True)),
+    ((64, 64, 256), (0,), jnp.float32, jnp.bfloat16, CHANNEL),    # attention's (d, heads, hd)
+    ((4, 16, 32, 128), (0, 1), jnp.float32, None, CHANNEL),       # and two contracting axes
 ])
 def test_codes_and_scales_are_quantize_bits(shape, contract, dtype, round_to, cfg):
   w = _weight(jax.random.key(0), shape).astype(dtype)
@@ -84,7 +86,9 @@ def test_where_the_kernel_runs():
       assert mode(w, (0,), cfg) is None, cfg
     assert mode(w, (1,), CHANNEL) is None                       # contracting axis last
     assert mode(jnp.ones((64, 200)), (0,), CHANNEL) is None     # channels not whole lanes
-    assert mode(jnp.ones((64, 4, 128)), (0,), CHANNEL) is None  # two output axes
+    assert mode(jnp.ones((64, 32, 128)), (0,), CHANNEL) == "interpret"  # two output axes
+    assert mode(jnp.ones((64, 4, 128)), (0,), CHANNEL) is None  # heads not whole int8 tiles
+    assert mode(jnp.ones((64, 2, 32, 128)), (0,), CHANNEL) is None  # three output axes
     assert mode(jnp.ones((4, 20, 128)), (0, 1), CHANNEL) is None  # merged rows not whole tiles
     assert mode(jnp.ones((1 << 17, 128)), (0,), CHANNEL) is None  # too tall for VMEM
     with pytest.raises(ValueError, match="not served by the kernel"):
@@ -95,7 +99,8 @@ class _Mlp(nn.Module):
   @nn.compact
   def __call__(self, x):
     h = nn.gelu(nn.Dense(256, dtype=jnp.bfloat16)(x))
-    return nn.DenseGeneral((2, 128), dtype=jnp.bfloat16)(nn.Dense(128, dtype=jnp.bfloat16)(h))
+    h = nn.DenseGeneral((32, 128), dtype=jnp.bfloat16)(nn.Dense(128, dtype=jnp.bfloat16)(h))
+    return nn.DenseGeneral((2, 128), dtype=jnp.bfloat16)(h[..., 0, :])
 
 
 @pytest.mark.parametrize("grad_bits", [None, 8])
@@ -116,8 +121,10 @@ def test_a_training_step_is_the_same_bits_with_the_kernel(grad_bits):
   with fl.pallas_kernels("interpret"), mock.patch.object(
       int_kernels, "channel_codes", side_effect=lambda *a, **kw: calls.append(a) or real(*a, **kw)):
     got = step()
-  # Both Dense weights (one output axis); DenseGeneral's (two) keeps the jnp path.
-  assert len(calls) == 2 and all(a[0].dtype == jnp.float32 for a in calls)
+  # Both Dense weights (one output axis) and the (in, 32, 128) DenseGeneral's; the
+  # (in, 2, 128) one, whose heads are not whole int8 tiles, keeps the jnp path.
+  assert [a[0].shape for a in calls] == [(128, 256), (256, 128), (128, 32, 128)]
+  assert all(a[0].dtype == jnp.float32 for a in calls)
   chex.assert_trees_all_equal(got, want)
   grads = got[1][0]["params"]
   chex.assert_trees_all_equal_dtypes(grads, v["params"])
