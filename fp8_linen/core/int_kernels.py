@@ -135,14 +135,15 @@ def channel_codes_mode(w, contract, cfg: IntQuantConfig, round_to=None) -> str |
     round_to: the dtype the weight is rounded to as it is read, or None.
   """
   mode = block_kernels.switch_mode()
-  if mode == "off" or _qualifies(w, contract, cfg, round_to) is None:
-    return None
   if mode == "interpret":
     # Pallas' interpreter rejects a kernel on shard_map's varying values.
-    return None if lowering.varying_axes(w) else "interpret"
-  if lowering.current_backend() == "tpu" and block_kernels.per_device(w):
-    return "compiled"
-  return None
+    ok = not lowering.varying_axes(w)
+  else:
+    ok = mode != "off" and lowering.current_backend() == "tpu" and block_kernels.per_device(w)
+  # The plan last: it asks the chip's VMEM, which only a TPU (or the interpreter's default) has.
+  if not ok or _qualifies(w, contract, cfg, round_to) is None:
+    return None
+  return "interpret" if mode == "interpret" else "compiled"
 
 
 def _codes_kernel(w_ref, q_ref, s_ref, keep_ref, nlo_ref, hi_ref, scale_ref, *, cfg, round_to,
