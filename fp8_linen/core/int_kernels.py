@@ -59,6 +59,7 @@ _ROW_TILE = 32  # rows of a TPU memory tile, for every dtype up to 4 bytes
 # Rows per chunk, largest first: a chunk is a multiple of int8's 32-row tile,
 # and long chunks keep the grid short (each step costs a fixed overhead).
 _CHUNKS = (2048, 1024, 512, 256, 128, 64, 32)
+_CHUNKS_3D = (128, 64, 32, 16, 8)
 # What one call may ask of VMEM where the chip is not known: TPU7x's budget
 # (3/4 of its 64 MiB per TensorCore), the smallest of the TPUs served.
 _VMEM_CAP = 48 * 2**20
@@ -75,10 +76,9 @@ def _plan(k: int, m: int, n: int, in_bytes: int, keep_bytes: int):
   if tn is None or (m and m % _ROW_TILE):
     return None
   tm = _ROW_TILE if m else 1
-  # A chunk of at most 2048 x 256 elements: long enough that the grid stays
-  # short, small enough that its buffers leave VMEM to the kept tile.
-  chunks = _CHUNKS if not m else tuple(c for c in (128, 64, 32, 16, 8) if c * tm * tn <= 2048 * 256)
-  tk = next((c for c in chunks if k % c == 0), None)
+  # A (K, M, N) chunk of 128 rows is as many elements as the longest (K, N)
+  # one (2048 x 256); its rows (of K) are not a tiled axis, so any count fits.
+  tk = next((c for c in (_CHUNKS if not m else _CHUNKS_3D) if k % c == 0), None)
   if tk is None:
     return None
   # The kept tile, two buffers of the input and output chunks, and the chunk's
@@ -148,7 +148,7 @@ def channel_codes_mode(w, contract, cfg: IntQuantConfig, round_to=None) -> str |
 
 def _codes_kernel(w_ref, q_ref, s_ref, keep_ref, nlo_ref, hi_ref, scale_ref, *, cfg, round_to,
                   steps: int):
-  """Grid (column tiles, 2 * chunks): the first half reads, the second writes codes."""
+  """Grid (column tiles..., 2 * chunks): the first half reads, the second writes codes."""
   t = pl.program_id(len(w_ref.shape) - 1)
   tk = w_ref.shape[0]
 
@@ -208,27 +208,21 @@ def channel_codes(w, contract, cfg: IntQuantConfig, round_to=None):
     raise ValueError(f"channel_codes: a {w.dtype} weight of shape {w.shape} contracted over "
                      f"{tuple(contract)} under {cfg} is not served by the kernel")
   view, tk, tm, tn, need = plan
-  k, n = view[0], view[-1]
+  k = view[0]
   steps = k // tk
   keep = jnp.dtype(round_to or w.dtype)
   interpret = channel_codes_mode(w, contract, cfg, round_to) == "interpret"
-  if len(view) == 2:
-    grid = (n // tn, 2 * steps)
-    blk, one = (tk, tn), (1, tn)
-    rd = lambda i, t: (jnp.minimum(t, steps - 1), i)
-    wr = lambda i, t: (jnp.maximum(t - steps, 0), i)
-    sc = lambda i, t: (0, i)
-  else:
-    grid = (view[1] // tm, n // tn, 2 * steps)
-    blk, one = (tk, tm, tn), (1, tm, tn)
-    rd = lambda h, i, t: (jnp.minimum(t, steps - 1), h, i)
-    wr = lambda h, i, t: (jnp.maximum(t - steps, 0), h, i)
-    sc = lambda h, i, t: (0, h, i)
+  blk = (tk, tn) if len(view) == 2 else (tk, tm, tn)
+  # The grid: the column tiles, then 2 * steps (read the chunks, then write them).
+  grid = tuple(d // b for d, b in zip(view[1:], blk[1:])) + (2 * steps,)
+  rd = lambda *g: (jnp.minimum(g[-1], steps - 1),) + g[:-1]
+  wr = lambda *g: (jnp.maximum(g[-1] - steps, 0),) + g[:-1]
+  one = (1,) + blk[1:]
   codes, scale = pl.pallas_call(
       functools.partial(_codes_kernel, cfg=cfg, round_to=round_to, steps=steps),
       grid=grid,
       in_specs=[pl.BlockSpec(blk, rd)],
-      out_specs=[pl.BlockSpec(blk, wr), pl.BlockSpec(one, sc)],
+      out_specs=[pl.BlockSpec(blk, wr), pl.BlockSpec(one, lambda *g: (0,) + g[:-1])],
       out_shape=[jax.ShapeDtypeStruct(view, jnp.int8),
                  jax.ShapeDtypeStruct((1,) + view[1:], jnp.float32)],
       scratch_shapes=[pltpu.VMEM((k,) + blk[1:], keep), pltpu.VMEM(one, jnp.float32),
